@@ -1,0 +1,1 @@
+"""v4serve decode_worker."""
