@@ -131,11 +131,16 @@ class Indexer(nn.Module):
             keys = pools.read("c4_indexer", self.layer, seg.seq.pages["c4_indexer"], torch.arange(n))
             scores = torch.einsum("shc,tc->sht", q[seg.rows], keys).relu() * self.head_dim ** -0.5
             scores = (scores * w[seg.rows].unsqueeze(-1)).sum(dim=1)  # [S, n]
-            visible = (batch.positions[seg.rows] + 1) // 4  # entries j < visible are causal
-            future = torch.arange(n) >= visible.unsqueeze(1)
-            top = scores.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
-            picks.append(torch.where(top >= visible.unsqueeze(1), -1, top))
+            picks.append(self.select(scores, batch.positions[seg.rows]))
         return picks
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)], -1 where
+        a query has fewer than k causal entries (entry j is causal for p iff j < (p+1)/4)."""
+        visible = (positions + 1) // 4
+        future = torch.arange(scores.shape[1]) >= visible.unsqueeze(1)
+        top = scores.masked_fill(future, float("-inf")).topk(min(self.topk, scores.shape[1]), dim=-1).indices
+        return torch.where(top >= visible.unsqueeze(1), -1, top)
 
 
 # ---------------------------------------------------------------------------------------
