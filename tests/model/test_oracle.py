@@ -181,3 +181,40 @@ def test_indexer_picks_match_tie_tolerantly():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"query {s}: different picks")
         checked_selective += int((s + 1) // 4 > 8)
     assert checked_selective > 200  # most queries had more causal entries than top-k
+
+
+@pytest.mark.parametrize("fmt, max_rel_l2, min_agree", [("bf16", 0.05, 0.95), ("fp8_pack", 0.10, 0.90)])
+def test_low_precision_pools_within_documented_tolerance(fmt, max_rel_l2, min_agree):
+    """Tolerance (docs/model.md): relative L2 error of all logits and greedy-token agreement
+    against the fp32 oracle, on prefill + decode of 300 tokens."""
+    pair = Pair(CONFIGS["tiny"])
+    ids = random_ids(pair.cfg, T, 1)
+    pools = pair.pools(fmt)
+    seq = SeqKV()
+    pools.reserve(seq, T)
+    got = pair.run(pools, [[(seq, ids[:200].tolist())]] + [[(seq, [t])] for t in ids[200:].tolist()])[id(seq)]
+    ref = pair.reference(ids)
+    assert float((got - ref).norm() / ref.norm()) <= max_rel_l2
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= min_agree
+
+
+def test_mtp_block_runs_over_its_own_pool_layer():
+    cfg = tiny_config()
+    model = Transformer(cfg, with_mtp=True)
+    model.load_state_dict(random_weights({k: v.shape for k, v in model.state_dict().items()}, cfg, 3))
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=256, max_seqs=2, with_mtp=True)
+    assert pools.specs["swa"].layers == tuple(range(cfg.num_hidden_layers + 1))
+    ids = random_ids(cfg, 101, 9).tolist()
+    main, draft = SeqKV(), SeqKV()
+    pools.reserve(main, 100)
+    pools.reserve(draft, 100)
+    batch = ForwardBatch.build([(main, ids[:100])])
+    _, streams = model(batch, pools, all_logits=True, return_streams=True)
+    mtp_batch = ForwardBatch.build([(draft, ids[1:101])])  # token t+1 beside the streams at t
+    logits = model.forward_mtp(streams, mtp_batch, pools)
+    assert logits.shape == (100, cfg.vocab_size) and torch.isfinite(logits).all()
+    other = SeqKV()
+    pools.release(draft)
+    pools.reserve(other, 100)
+    shifted = model.forward_mtp(streams, ForwardBatch.build([(other, ids[:100])]), pools)
+    assert not torch.allclose(shifted, logits)  # the draft depends on the next token

@@ -1,0 +1,100 @@
+"""Pool geometry, storage formats and exact page accounting."""
+
+import pytest
+import torch
+
+from model import quant
+from model.kv_pool import KVPools, PoolExhausted, SeqKV
+from model.tiny import tiny_config
+
+
+@pytest.fixture
+def cfg():
+    return tiny_config()
+
+
+def test_geometry_page_major(cfg):
+    pools = KVPools(cfg, "fp8_pack", page_size=256, max_tokens=1024, max_seqs=2)
+    c4, c128 = cfg.layers_with_ratio(4), cfg.layers_with_ratio(128)
+    entry = quant.kv_pack_bytes(cfg.head_dim, cfg.qk_rope_head_dim)
+    assert pools.specs["swa"].page_bytes == cfg.num_hidden_layers * 256 * entry
+    assert pools.specs["c4"].page_bytes == len(c4) * 64 * entry
+    assert pools.specs["c128"].page_bytes == len(c128) * 2 * entry
+    assert pools.specs["c4_indexer"].entry_bytes == cfg.index_head_dim + 4
+    for kind, buf in pools.buffers.items():
+        assert buf.is_contiguous() and buf.dtype == torch.uint8
+        assert buf.shape == (pools.specs[kind].num_pages, pools.specs[kind].page_bytes)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_pack"])
+def test_write_read_round_trip(cfg, fmt):
+    pools = KVPools(cfg, fmt, page_size=128, max_tokens=512, max_seqs=2)
+    seq = SeqKV()
+    pools.reserve(seq, 300)
+    x = torch.randn(300, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    idx = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    pools.write("swa", 2, seq.pages["swa"], idx, x[idx])
+    got = pools.read("swa", 2, seq.pages["swa"], torch.arange(300))
+    expected = {"fp32": x, "bf16": x.to(torch.bfloat16).float(), "fp8_pack": quant.fake_quant_kv(x, cfg.qk_rope_head_dim)}[fmt]
+    assert torch.equal(got, expected)
+    # other layers of the same pages are untouched
+    assert (pools.read("swa", 1, seq.pages["swa"], torch.arange(300)) == 0).all()
+
+
+def test_accounting_returns_to_idle(cfg):
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
+    idle = pools.idle_free()
+    seqs = [SeqKV() for _ in range(3)]
+    for i, s in enumerate(seqs):
+        pools.reserve(s, 100 + 300 * i)
+    assert pools.num_free()["swa"] == idle["swa"] - (1 + 4 + 6)
+    assert pools.num_free()["state_c4"] == idle["state_c4"] - 3
+    child = pools.fork(seqs[2])
+    for s in seqs + [child]:
+        pools.release(s)
+    assert pools.num_free() == idle
+
+
+def test_reserve_is_all_or_nothing(cfg):
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=256, max_seqs=1)
+    a = SeqKV()
+    pools.reserve(a, 200)
+    before = pools.num_free()
+    with pytest.raises(PoolExhausted, match="state_c4"):
+        pools.reserve(SeqKV(), 10)  # the single state slot is taken
+    assert pools.num_free() == before
+
+
+def test_trim_window_frees_pages_no_query_can_see(cfg):
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=1)
+    seq = SeqKV()
+    pools.reserve(seq, 600)
+    seq.num_tokens = 400  # window 16: tokens < 385 are invisible from now on
+    assert pools.trim_window(seq) == 3
+    assert seq.pages["swa"][:3] == [-1, -1, -1] and seq.pages["swa"][3] >= 0
+    with pytest.raises(RuntimeError, match="released page"):
+        pools.read("swa", 0, seq.pages["swa"], torch.tensor([10]))
+    pools.release(seq)
+    assert pools.num_free() == pools.idle_free()
+
+
+def test_fork_shares_full_pages_and_copies_partial(cfg):
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=512, max_seqs=2)
+    a = SeqKV()
+    pools.reserve(a, 300)
+    a.num_tokens = 300
+    b = pools.fork(a)
+    assert b.pages["swa"][:2] == a.pages["swa"][:2]  # tokens 0..255 shared
+    assert b.pages["swa"][2] != a.pages["swa"][2]  # partial page copied
+    assert torch.equal(pools.buffers["swa"][a.pages["swa"][2]], pools.buffers["swa"][b.pages["swa"][2]])
+    pools.release(a)
+    assert pools.allocators["swa"]._refs[b.pages["swa"][0]] == 1  # still held by b
+    pools.release(b)
+    assert pools.num_free() == pools.idle_free()
+
+
+def test_bad_storage_format_and_page_size(cfg):
+    with pytest.raises(ValueError, match="storage format"):
+        KVPools(cfg, "fp16")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        KVPools(cfg, "fp32", page_size=100)
