@@ -57,7 +57,7 @@ def expected_shapes(cfg: ModelConfig, with_mtp: bool = False) -> dict[str, torch
 
 
 def _fmt_shape(shape) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+    return str(tuple(int(s) for s in shape))
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def load_weights(model: Transformer, ckpt_dir: str | os.PathLike, progress: bool
         if name.startswith("mtp.") and not any(n.startswith("mtp.") for n in sources):
             hint = "; the checkpoint has no MTP block (mtp.*): load it without MTP"
         elif fmt == "hf":
-            hint = f" (stored as {fmts.hf_saved_name(name)!r})"
+            hint = f" (looked for {fmts.hf_saved_name(name)!r})"
         raise CheckpointError(f"missing tensor {name!r} (expected shape {_fmt_shape(params[name].shape)})"
                               f"{hint}; {len(missing)} missing in all")
     block = _weight_block(root)
