@@ -1,0 +1,123 @@
+"""Wire types shared by the router and the workers (plain frozen dataclasses).
+
+A request travels router → decode worker (→ prefill worker) as a `GenerateRequest`; tokens come
+back as a stream of `TokenChunk`s, the last one carrying `finish_reason` (or `error`).
+Every request has an explicit `RequestState`; every failure a client can see has a reason code.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+from model.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # admitted, waiting for pages or a prefill slot
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"  # KV on its way from the prefill worker
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class ErrorCode(enum.Enum):
+    """Reason codes a client may see: (HTTP status, gRPC status name)."""
+
+    INVALID_REQUEST = (400, "INVALID_ARGUMENT")
+    UNAUTHENTICATED = (401, "UNAUTHENTICATED")
+    MODEL_NOT_FOUND = (404, "NOT_FOUND")
+    TOO_LARGE = (413, "INVALID_ARGUMENT")
+    OVERLOADED = (429, "RESOURCE_EXHAUSTED")
+    CANCELLED = (499, "CANCELLED")
+    INTERNAL = (500, "INTERNAL")
+    NO_WORKER = (503, "UNAVAILABLE")
+    KV_TRANSFER_FAILED = (503, "UNAVAILABLE")
+    DEADLINE_EXCEEDED = (504, "DEADLINE_EXCEEDED")
+
+    @property
+    def http_status(self) -> int:
+        return self.value[0]
+
+    @property
+    def grpc_status(self) -> str:
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    deadline: float | None = None  # unix seconds; None = no deadline
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request; `text` is their detokenised text (stop strings removed)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | None while streaming
+    usage: Usage | None = None  # on the last chunk
+    error: ErrorInfo | None = None  # terminal failure; finish_reason stays None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker reports to the registry (the placement and autoscaling signals)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    waiting: int = 0  # requests admitted but not yet running
+    running: int = 0  # requests in the running batch
+    queued_prefill_tokens: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """Prefix-cache change on a prefill worker, by page hash (see `page_hashes`)."""
+
+    worker_id: str
+    kind: str  # "stored" | "evicted" | "cleared"
+    page_hashes: tuple[int, ...] = field(default_factory=tuple)
+
+
+def page_hashes(token_ids: list[int] | tuple[int, ...], page_size: int) -> list[int]:
+    """Chained 63-bit hash of each *full* page of tokens: hash_i covers tokens [0, (i+1)·P).
+
+    A prefix match at page i therefore implies the whole prefix matches. Router and prefill
+    workers compute it identically, so cache hits can be predicted from KV events alone.
+    """
+    out, prev = [], b""
+    for i in range(len(token_ids) // page_size):
+        page = token_ids[i * page_size:(i + 1) * page_size]
+        digest = hashlib.blake2b(prev + struct.pack(f"<{len(page)}i", *page), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") >> 1)
+        prev = digest
+    return out
