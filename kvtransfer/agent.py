@@ -1,0 +1,227 @@
+"""A thin wrapper over one NIXL agent (UCX backend) owning a worker's KV pool buffers.
+
+- Each pool tensor (uint8 [num_pages, page_bytes], CPU or CUDA) is registered once at start;
+  the memory type (DRAM or VRAM) follows the tensors' device.
+- The agent's NIXL name is "<name>#<epoch>" with a fresh random epoch per process start, so a
+  restarted worker is a different NIXL agent: nothing addressed to its previous incarnation can
+  land in its new registrations, and notifications say which incarnation sent them.
+- metadata() is the handshake blob another worker passes to add_peer(): name, epoch, the NIXL
+  agent metadata (connection info and remote keys) and the base address of every pool.
+- Notifications are demultiplexed by the protocol's one-byte tag, so a Sender and a Receiver can
+  share one agent and each take only their own messages.
+
+Not thread-safe (NIXL is created without thread sync): drive it from one event-loop thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .regions import Span
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    """NIXL refused or failed to post a transfer."""
+
+
+@dataclass(frozen=True)
+class RemotePeer:
+    """A peer loaded from its metadata blob. pools: kind -> (base address, nbytes, device id)."""
+
+    name: str
+    epoch: str
+    nixl_name: str
+    mem_type: str
+    pools: tuple[tuple[str, tuple[int, int, int]], ...]
+
+    def pool(self, kind: str) -> tuple[int, int, int]:
+        for k, region in self.pools:
+            if k == kind:
+                return region
+        raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
+
+
+def split_nixl_name(nixl_name: str) -> tuple[str, str]:
+    """'<name>#<epoch>' -> (name, epoch)."""
+    name, _, epoch = nixl_name.rpartition("#")
+    return name, epoch
+
+
+class Agent:
+    """One NIXL agent with the worker's pools registered.
+
+    name:  the worker's stable name (no '#'); pools: kind -> uint8 tensor [num_pages, page_bytes],
+    all on one device. num_threads: UCX worker threads (0 = NIXL default).
+    progress_thread: NIXL's background progress thread. It moves transfers along between
+        poll() calls but spins a core at ~50% here; without it, progress happens only inside
+        state()/recv() (the Sender and Receiver poll()), which suffices when poll() runs often.
+    """
+
+    def __init__(self, name: str, pools: Mapping[str, torch.Tensor], *, num_threads: int = 0,
+                 progress_thread: bool = True):
+        from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
+
+        if not name or "#" in name:
+            raise ValueError(f"agent name must be non-empty without '#': {name!r}")
+        devices = {t.device for t in pools.values()}
+        if len(devices) > 1:
+            raise ValueError(f"all pools must live on one device, got {devices}")
+        for kind, t in pools.items():
+            if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+                raise ValueError(f"pool {kind!r} must be a contiguous uint8 [pages, bytes] tensor")
+        self.name = name
+        self.epoch = secrets.token_hex(8)
+        self.nixl_name = f"{name}#{self.epoch}"
+        self.pools: dict[str, torch.Tensor] = dict(pools)
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self.device_id = (device.index or 0) if device.type == "cuda" else 0
+        self._nixl = nixl_agent(self.nixl_name,
+                                nixl_agent_config(enable_prog_thread=progress_thread,
+                                                  backends=["UCX"], num_threads=num_threads))
+        self._regs = [self._nixl.register_memory(t) for t in self.pools.values() if t.numel()]
+        self._peers: dict[str, RemotePeer] = {}
+        self._inbox: dict[bytes, list[tuple[str, bytes]]] = defaultdict(list)
+        self._closed = False
+
+    # --- handshake
+
+    def metadata(self) -> bytes:
+        """Blob for peers' add_peer(): identity, NIXL metadata and pool base addresses."""
+        return json.dumps({
+            "name": self.name,
+            "epoch": self.epoch,
+            "mem": self.mem_type,
+            "pools": {k: [t.data_ptr(), t.numel(), self.device_id] for k, t in self.pools.items()},
+            "md": base64.b64encode(self._nixl.get_agent_metadata()).decode(),
+        }, separators=(",", ":")).encode()
+
+    def add_peer(self, name: str, metadata: bytes) -> RemotePeer:
+        """Load a peer's metadata. Same epoch again: no-op. New epoch: the old incarnation is
+        dropped first (a restarted peer is a new peer)."""
+        d = json.loads(metadata)
+        if d["name"] != name:
+            raise ValueError(f"metadata is for agent {d['name']!r}, not {name!r}")
+        old = self._peers.get(name)
+        if old is not None:
+            if old.epoch == d["epoch"]:
+                return old
+            self.remove_peer(name)
+        loaded = self._nixl.add_remote_agent(base64.b64decode(d["md"]))
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != f"{name}#{d['epoch']}":
+            raise ValueError(f"NIXL metadata names {loaded!r}, expected {name}#{d['epoch']}")
+        peer = RemotePeer(name, d["epoch"], loaded, d["mem"],
+                          tuple((k, (int(a), int(n), int(dev)))
+                                for k, (a, n, dev) in sorted(d["pools"].items())))
+        self._peers[name] = peer
+        return peer
+
+    def remove_peer(self, name: str) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            try:
+                self._nixl.remove_remote_agent(peer.nixl_name)
+            except Exception:   # already disconnected: nothing left to invalidate
+                log.debug("remove_remote_agent(%s) failed", peer.nixl_name, exc_info=True)
+
+    def peer(self, name: str) -> RemotePeer | None:
+        return self._peers.get(name)
+
+    # --- writes
+
+    def write(self, peer_name: str, spans: Sequence[tuple[str, Span]]):
+        """Post one NIXL WRITE of (kind, span) pairs into peer `peer_name`'s pools.
+
+        Returns an opaque handle for state()/release(); None when `spans` is empty.
+        Raises KeyError for an unknown peer or kind, ValueError for out-of-range spans,
+        TransferError when NIXL refuses the transfer.
+        """
+        if not spans:
+            return None
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise KeyError(f"unknown peer {peer_name!r}")
+        local = np.empty((len(spans), 3), dtype=np.uint64)
+        remote = np.empty((len(spans), 3), dtype=np.uint64)
+        for i, (kind, s) in enumerate(spans):
+            t = self.pools[kind]
+            r_addr, r_len, r_dev = peer.pool(kind)
+            if s.src_offset + s.nbytes > t.numel() or s.dst_offset + s.nbytes > r_len:
+                raise ValueError(f"span {s} outside pool {kind!r} (local {t.numel()} B, "
+                                 f"remote {r_len} B)")
+            local[i] = (t.data_ptr() + s.src_offset, s.nbytes, self.device_id)
+            remote[i] = (r_addr + s.dst_offset, s.nbytes, r_dev)
+        try:
+            handle = self._nixl.initialize_xfer(
+                "WRITE", self._nixl.get_xfer_descs(local, self.mem_type),
+                self._nixl.get_xfer_descs(remote, peer.mem_type), peer.nixl_name)
+            status = self._nixl.transfer(handle)
+        except Exception as e:   # nixl raises its own binding exceptions
+            raise TransferError(f"WRITE to {peer.nixl_name} refused: {e}") from e
+        if status == "ERR":
+            self.release(handle)
+            raise TransferError(f"WRITE to {peer.nixl_name} failed on post")
+        return handle
+
+    def state(self, handle) -> str:
+        """"DONE" (data landed at the peer), "PROC" or "ERR"."""
+        try:
+            return self._nixl.check_xfer_state(handle)
+        except Exception:
+            log.debug("check_xfer_state failed", exc_info=True)
+            return "ERR"
+
+    def release(self, handle) -> None:
+        try:
+            handle.release()
+        except Exception:   # in-flight transfer that NIXL could not cancel: it keeps it
+            log.warning("could not release transfer handle %r", handle, exc_info=True)
+
+    # --- notifications
+
+    def notify(self, nixl_name: str, data: bytes) -> bool:
+        """Send a notification to a loaded peer (by NIXL name); False if unknown or failing."""
+        known = any(p.nixl_name == nixl_name for p in self._peers.values())
+        if not known:
+            return False
+        try:
+            self._nixl.send_notif(nixl_name, data)
+            return True
+        except Exception:
+            log.debug("send_notif to %s failed", nixl_name, exc_info=True)
+            return False
+
+    def recv(self, tag: bytes) -> list[tuple[str, bytes]]:
+        """Notifications whose first byte is `tag`, as (sender NIXL name, message), oldest first."""
+        for src, msgs in self._nixl.get_new_notifs().items():
+            src = src.decode() if isinstance(src, bytes) else src
+            for m in msgs:
+                self._inbox[bytes(m[:1])].append((src, bytes(m)))
+        out = self._inbox.pop(tag, [])
+        return out
+
+    def close(self) -> None:
+        """Forget peers and deregister the pools. The agent is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            self.remove_peer(name)
+        for reg in self._regs:
+            try:
+                self._nixl.deregister_memory(reg)
+            except Exception:
+                log.debug("deregister_memory failed", exc_info=True)
+        self._regs = []

@@ -1,0 +1,378 @@
+"""The pushing side: WRITE a request's pages into a peer's reservation, then notify.
+
+    s = Sender(agent, layout)
+    s.handshake("decode-3", decode_metadata, decode_layout)   # refuses mismatched layouts
+    s.send(target, {"c4": [...], "swa": [...]}, page_byte_range=layer_range)  # any number of times
+    s.finish(target, header)       # TransferDone with checksums once every write has landed
+    for ev in s.poll(): free(ev.src_pages)   # after Ack, or when the lease runs out
+
+Writes are one-sided: the receiver learns nothing until TransferDone. The sender keeps holding
+the caller's source pages until the receiver acknowledges (or rejects / aborts / expires) or the
+lease deadline passes, so a receiver that finds a checksum mismatch can still ask for a resend.
+No write is ever posted within `post_margin_s` of the lease deadline; the receiver waits a grace
+period past the deadline before reusing unacknowledged pages, which bounds late writes.
+
+Not thread-safe: call from the worker's event-loop thread. poll() must be called regularly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from . import faults as F
+from .agent import Agent, RemotePeer, TransferError, split_nixl_name
+from .checksum import pool_checksums
+from .layout import LayoutDescriptor
+from .metrics import TransferMetrics
+from .protocol import ACK_OK, Ack, Begin, Fenced, TransferDone, TransferTarget, decode
+from .regions import Span, coalesce, total_bytes, truncate
+
+
+class LayoutMismatch(ValueError):
+    """The peer's layout differs; the message names every difference."""
+
+
+class NotConnected(RuntimeError):
+    """No (current) handshake with the target's agent."""
+
+
+class StaleTarget(RuntimeError):
+    """The target was issued by another incarnation of the peer (epoch differs)."""
+
+
+class LeaseExpired(RuntimeError):
+    """Too close to (or past) the target's lease deadline to post a write."""
+
+
+class RequestClosed(RuntimeError):
+    """The request was acknowledged, aborted or refused; no more writes for it."""
+
+
+@dataclass(frozen=True)
+class Posted:
+    """What one send() put on the wire: descriptor count after coalescing, and bytes."""
+
+    descriptors: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SenderEvent:
+    """The sender no longer needs `src_pages` of `request_id`: the caller may free them.
+
+    reason: "acked" (verified by the receiver), "rejected", "aborted", "expired" (receiver said
+    so), "lease_expired" (no answer by the deadline), "cancelled" (local abort()),
+    "xfer_error", "peer_restarted".
+    """
+
+    request_id: str
+    peer: str
+    reason: str
+    src_pages: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass
+class _Outgoing:
+    target: TransferTarget
+    peer: RemotePeer
+    started: float                                   # perf_counter at first send()
+    src_pages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    inflight: list = field(default_factory=list)     # NIXL handles
+    queued: list = field(default_factory=list)       # (cuda event, [(kind, Span)])
+    nbytes: int = 0                                  # bytes of the current attempt
+    attempt: int = 0
+    began: bool = False
+    pending_done: TransferDone | None = None         # finish() called, writes still landing
+    done_sent: bool = False
+    answer: str | None = None                        # Ack status, or a local end reason
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.target.request_id, self.target.agent_name, self.target.agent_epoch)
+
+
+class Sender:
+    """Pushes pages from `agent`'s pools to handshaken peers.
+
+    layout: this worker's LayoutDescriptor (must describe agent.pools).
+    post_margin_s: no write is posted later than lease_deadline - post_margin_s.
+    stuck_s: a write still in flight this long after the lease deadline is cancelled and the
+        request fails with "xfer_error" (a peer that vanished without NIXL noticing).
+    faults: optional FaultPlan (tests only).
+    """
+
+    def __init__(self, agent: Agent, layout: LayoutDescriptor, *,
+                 faults: F.FaultPlan | None = None, post_margin_s: float = 0.25,
+                 stuck_s: float = 30.0):
+        layout.check_pools(agent.pools)
+        self.agent = agent
+        self.layout = layout
+        self.metrics = TransferMetrics()
+        self.post_margin_s = post_margin_s
+        self.stuck_s = stuck_s
+        self._faults = faults
+        self._notifier = F.Notifier(agent, faults)
+        self._cuda = any(t.is_cuda for t in agent.pools.values())
+        self._peers: dict[str, tuple[str, LayoutDescriptor]] = {}   # name -> (epoch, layout)
+        self._out: dict[tuple[str, str, str], _Outgoing] = {}
+        self._tombstones: dict[tuple[str, str, str], float] = {}    # refused keys -> forget at
+
+    # --- handshake
+
+    def handshake(self, peer_name: str, peer_metadata: bytes,
+                  peer_layout: LayoutDescriptor) -> RemotePeer:
+        """Check the peer's layout and load its metadata. Raises LayoutMismatch naming every
+        difference; nothing is loaded then. Call again after the peer restarts."""
+        diffs = self.layout.mismatches(peer_layout)
+        if diffs:
+            self.metrics.failed("layout_mismatch")
+            raise LayoutMismatch(f"layout mismatch with peer {peer_name!r}: " + "; ".join(diffs))
+        peer = self.agent.add_peer(peer_name, peer_metadata)
+        for p in peer_layout.pools:
+            _, nbytes, _ = peer.pool(p.kind)
+            if nbytes != p.num_pages * p.page_bytes:
+                raise LayoutMismatch(f"peer {peer_name!r} pool {p.kind!r} registers {nbytes} B "
+                                     f"but its layout says {p.num_pages} x {p.page_bytes}")
+        self._peers[peer_name] = (peer.epoch, peer_layout)
+        return peer
+
+    def _peer_for(self, target: TransferTarget) -> tuple[RemotePeer, LayoutDescriptor]:
+        known = self._peers.get(target.agent_name)
+        peer = self.agent.peer(target.agent_name)
+        if known is None or peer is None or peer.epoch != known[0]:
+            raise NotConnected(f"no current handshake with {target.agent_name!r}")
+        if target.agent_epoch != peer.epoch:
+            self.metrics.failed("stale_target")
+            raise StaleTarget(
+                f"target for {target.request_id!r} is from epoch {target.agent_epoch} of "
+                f"{target.agent_name!r} but the handshaken peer has epoch {peer.epoch}: the peer "
+                f"restarted or this handshake is old; handshake again and get a new target")
+        if target.layout_id != self.layout.layout_id:
+            raise LayoutMismatch(f"target layout id {target.layout_id} != ours "
+                                 f"{self.layout.layout_id}")
+        return peer, known[1]
+
+    # --- sending
+
+    def send(self, target: TransferTarget, src_pages: Mapping[str, Sequence[int]],
+             page_byte_range: tuple[int, int] | None = None,
+             ready: torch.cuda.Event | None = None) -> Posted:
+        """WRITE src_pages[kind][i] -> target page i of kind, for each kind given.
+
+        src_pages: per kind, this worker's page ids in request order, as many as the target has.
+        page_byte_range: (offset_in_page, length) to write only that slice of every page
+            (e.g. one layer; see regions.layer_byte_range); None = whole pages.
+        ready: CUDA event after which the source data is complete; the write is posted by a
+            later poll() once it has fired. None on CUDA: the current stream is synchronised.
+        Raises NotConnected / StaleTarget / LayoutMismatch / RequestClosed / LeaseExpired /
+        ValueError before any byte moves.
+        """
+        peer, peer_layout = self._peer_for(target)
+        key = (target.request_id, target.agent_name, target.agent_epoch)
+        if key in self._tombstones:
+            raise RequestClosed(f"receiver closed {target.request_id!r}")
+        out = self._out.get(key)
+        if out is not None and out.answer is not None:
+            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        dst = target.pages()
+        spans: list[tuple[str, Span]] = []
+        for kind, ids in src_pages.items():
+            if kind not in dst:
+                raise ValueError(f"target of {target.request_id!r} has no pool {kind!r}")
+            if len(ids) != len(dst[kind]):
+                raise ValueError(f"pool {kind!r}: {len(ids)} source pages for "
+                                 f"{len(dst[kind])} target pages")
+            mine, theirs = self.layout.pool(kind), peer_layout.pool(kind)
+            if ids and (min(ids) < 0 or max(ids) >= mine.num_pages):
+                raise ValueError(f"pool {kind!r}: source page id out of range")
+            if dst[kind] and max(dst[kind]) >= theirs.num_pages:
+                raise ValueError(f"pool {kind!r}: target page id out of range")
+            spans += [(kind, s) for s in coalesce(ids, dst[kind], mine.page_bytes,
+                                                  page_byte_range)]
+        faults = self._faults
+        if faults is not None:
+            if faults.stall_before_write_s:
+                time.sleep(faults.stall_before_write_s)
+            if faults.truncate_write is not None:
+                spans = _truncate_pairs(spans, faults.truncate_write)
+        if time.time() >= target.lease_deadline - self.post_margin_s:
+            self.metrics.failed("lease_expired")
+            raise LeaseExpired(f"lease of {target.request_id!r} ends at "
+                               f"{target.lease_deadline:.3f}; not posting")
+        if out is None:
+            out = self._out[key] = _Outgoing(target, peer, time.perf_counter())
+        if out.done_sent and out.pending_done is None:     # resend after a reported mismatch
+            out.done_sent, out.nbytes = False, 0
+        for kind, ids in src_pages.items():
+            out.src_pages[kind] = tuple(int(i) for i in ids)
+        if not out.began:
+            out.began = True
+            self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
+            F.kill_point(faults, F.SENDER_BEFORE_WRITE)
+        nbytes = sum(s.nbytes for _, s in spans)
+        if ready is not None and not ready.query():
+            out.queued.append((ready, spans))
+        else:
+            if ready is None and self._cuda:
+                torch.cuda.current_stream().synchronize()
+            self._post(out, spans)
+        F.kill_point(faults, F.SENDER_AFTER_POST)
+        return Posted(len(spans), nbytes)
+
+    def _post(self, out: _Outgoing, spans: list[tuple[str, Span]]) -> None:
+        try:
+            handle = self.agent.write(out.peer.name, spans)
+        except TransferError:
+            self.metrics.failed("xfer_error")
+            out.answer = out.answer or "xfer_error"
+            raise
+        if handle is not None:
+            out.inflight.append(handle)
+        out.nbytes += sum(s.nbytes for _, s in spans)
+
+    def finish(self, target: TransferTarget, header: bytes,
+               src_pages: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Send TransferDone (checksums of every target pool, `header`) once all writes landed.
+
+        src_pages: the full source page lists per kind, if not all were given to send().
+        """
+        peer, _ = self._peer_for(target)
+        key = (target.request_id, target.agent_name, target.agent_epoch)
+        out = self._out.get(key)
+        if out is None:      # nothing to write (e.g. all pools empty): still a transfer
+            if time.time() >= target.lease_deadline - self.post_margin_s:
+                raise LeaseExpired(f"lease of {target.request_id!r} already over")
+            out = self._out[key] = _Outgoing(target, peer, time.perf_counter())
+            out.began = True
+            self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
+        if out.answer is not None:
+            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        if src_pages is not None:
+            out.src_pages.update({k: tuple(int(i) for i in v) for k, v in src_pages.items()})
+        missing = [k for k, ids in target.page_ids if ids and k not in out.src_pages]
+        if missing:
+            raise ValueError(f"no source pages known for pools {missing}")
+        pages = {k: out.src_pages[k] for k, ids in target.page_ids if ids}
+        sums = pool_checksums(self.agent.pools, pages)
+        out.attempt += 1
+        out.pending_done = TransferDone(target.request_id, target.agent_epoch, out.attempt,
+                                        tuple(sorted(sums.items())), bytes(header), 0)
+        self._advance(out)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop every transfer of `request_id`; its pages are released (reason "cancelled")
+        by poll() once no write is in flight."""
+        hit = False
+        for out in self._out.values():
+            if out.target.request_id == request_id and out.answer is None:
+                out.answer, out.queued, out.pending_done = "cancelled", [], None
+                hit = True
+        return hit
+
+    # --- progress
+
+    def poll(self) -> list[SenderEvent]:
+        """Advance transfers, handle acknowledgements and leases. Returns released requests."""
+        self._notifier.pump()
+        for src, data in self.agent.recv(b"A"):
+            self._on_ack(src, decode(data))
+        now = time.time()
+        events: list[SenderEvent] = []
+        for key, out in list(self._out.items()):
+            self._advance(out)
+            if out.inflight:
+                continue
+            current = self._peers.get(out.target.agent_name)
+            if out.answer is None and (current is None or current[0] != out.target.agent_epoch):
+                out.answer = "peer_restarted"
+            if out.answer is None and now >= out.target.lease_deadline:
+                out.answer = "lease_expired"
+            if out.answer is None:
+                continue
+            reason = "acked" if out.answer == ACK_OK else out.answer
+            if reason != "acked":
+                self.metrics.failed(reason)
+                if out.began:   # the receiver may be waiting to reuse its pages
+                    self._notifier.send(out.peer.nixl_name,
+                                        Fenced(out.target.request_id, out.target.agent_epoch))
+            del self._out[key]
+            events.append(SenderEvent(out.target.request_id, out.target.agent_name, reason,
+                                      tuple(sorted(out.src_pages.items()))))
+        for key, until in list(self._tombstones.items()):
+            if now > until:
+                del self._tombstones[key]
+        return events
+
+    def _advance(self, out: _Outgoing) -> None:
+        """Post writes whose CUDA event fired; reap completed writes; send a due TransferDone."""
+        if out.queued and out.answer is None:
+            if time.time() >= out.target.lease_deadline - self.post_margin_s:
+                out.queued, out.answer = [], "lease_expired"
+            else:
+                waiting = []
+                for ev, spans in out.queued:
+                    if ev.query():
+                        try:
+                            self._post(out, spans)
+                        except TransferError:
+                            break
+                    else:
+                        waiting.append((ev, spans))
+                out.queued = waiting if out.answer is None else []
+        stuck = bool(out.inflight) and time.time() > out.target.lease_deadline + self.stuck_s
+        still = []
+        for h in out.inflight:
+            state = "ERR" if stuck else self.agent.state(h)
+            if state == "PROC":
+                still.append(h)
+                continue
+            self.agent.release(h)
+            if state == "ERR":
+                self.metrics.failed("xfer_error")
+                out.answer = out.answer or "xfer_error"
+        out.inflight = still
+        if out.pending_done is not None and not out.inflight and not out.queued \
+                and out.answer is None:
+            F.kill_point(self._faults, F.SENDER_BEFORE_DONE)
+            done = out.pending_done
+            done = TransferDone(done.request_id, done.target_epoch, done.attempt, done.checksums,
+                                done.header, out.nbytes)
+            self._notifier.send(out.peer.nixl_name, done)
+            out.pending_done, out.done_sent = None, True
+            self.metrics.completed(out.nbytes, time.perf_counter() - out.started)
+
+    def _on_ack(self, src: str, ack: Ack) -> None:
+        name, epoch = split_nixl_name(src)
+        key = (ack.request_id, name, ack.target_epoch)
+        out = self._out.get(key)
+        if out is None or epoch != ack.target_epoch:
+            # Unknown (already released, or never started): promise not to write, so the
+            # receiver can reuse the pages now instead of after the grace period.
+            if ack.status != ACK_OK:
+                self._tombstones[key] = max(ack.lease_deadline, time.time()) + 60.0
+                self._notifier.send(src, Fenced(ack.request_id, ack.target_epoch))
+            return
+        if out.answer is None:
+            out.answer = ack.status
+        out.queued, out.pending_done = [], None
+
+    # --- introspection
+
+    def holding(self) -> list[str]:
+        """Request ids whose source pages are still held."""
+        return sorted({k[0] for k in self._out})
+
+
+def _truncate_pairs(spans: list[tuple[str, Span]], fraction: float) -> list[tuple[str, Span]]:
+    """Keep the first `fraction` of the bytes of (kind, span) pairs, in order (fault injection)."""
+    keep = int(sum(s.nbytes for _, s in spans) * fraction)
+    out: list[tuple[str, Span]] = []
+    for kind, s in spans:
+        part = truncate([s], keep)
+        out += [(kind, p) for p in part]
+        keep -= total_bytes(part)
+    return out
