@@ -77,6 +77,11 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, tensors: dict
     if fmt not in FORMATS:
         raise CheckpointError(f"checkpoint format must be one of {FORMATS}, got {fmt!r}")
     _check_tensors(cfg, tensors)
+    if fmt == "official":
+        bad = [n for n in tensors if fmts.official_storage(n) == "fp4" and tensors[n].shape[-1] % fmts.FP4_BLOCK]
+        if bad:
+            raise CheckpointError(f"tensor {bad[0]!r} has shape {_fmt_shape(tensors[bad[0]].shape)}: FP4 experts "
+                                  f"need the input dim to be a multiple of {fmts.FP4_BLOCK}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "official":

@@ -185,7 +185,7 @@ def plan_sources(fmt: str, keys: set[str], expected: list[str], n_experts: int
         else:
             name = table.get(key)
             m = _STACKED.match(key)
-            if name is None and m is not None and key not in scales:
+            if name is None and m is not None:
                 layer, which = m.groups()
                 ws = ("w2",) if which == "down_proj" else ("w1", "w3")
                 names = [f"layers.{layer}.ffn.experts.{e}.{w}.weight" for e in range(n_experts) for w in ws]

@@ -23,6 +23,7 @@ from model.checkpoint import (CheckpointError, detect_format, expected_shapes, l
 from model.checkpoint_formats import official_storage
 from model.hf_names import to_hf_state_dict
 from model.kv_pool import KVPools, SeqKV
+from model.tiny import random_weights, tiny_config
 from model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -170,6 +171,17 @@ def test_load_in_bf16(tiny_hf_ckpt, tiny_ckpt_weights):
     assert torch.equal(sd["head.weight"], tiny_ckpt_weights["head.weight"].bfloat16())
 
 
+def test_hf_in_bf16(tmp_path, tiny_ckpt_cfg, tiny_ckpt_weights):
+    ckpt = write_checkpoint(tmp_path, tiny_ckpt_cfg, tiny_ckpt_weights, "hf", hf_dtype=torch.bfloat16)
+    assert json.loads((ckpt / "config.json").read_text())["dtype"] == "bfloat16"
+    stored = all_tensors(ckpt)
+    assert stored["model.layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    assert {v.dtype for k, v in stored.items() if not k.endswith("tid2eid")} == {torch.bfloat16}
+    _, model = load_checkpoint(ckpt)
+    assert_state_equal(model, {n: v.bfloat16().float() if v.is_floating_point() else v
+                               for n, v in tiny_ckpt_weights.items() if not n.startswith("mtp.")})
+
+
 def test_mtp_handling(tiny_official_ckpt, tiny_hf_ckpt, tmp_path, tiny_ckpt_cfg, tiny_ckpt_weights):
     _, model = load_checkpoint(tiny_official_ckpt)  # MTP tensors present but not wanted: ignored
     assert not any(n.startswith("mtp.") for n in model.state_dict())
@@ -249,6 +261,41 @@ def test_transformers_agrees(fmt, request, prompt, tiny_ckpt_weights, tiny_ckpt_
     assert ours.shape == ref.shape == (PROMPT_LEN, tiny_ckpt_cfg.vocab_size)
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel <= TOL, rel
+
+
+# A second shape family: hc_mult 2, window 8, no YaRN, one hash layer, 6 experts.
+HC2 = dict(hc_mult=2, sliding_window=8, head_dim=64, qk_rope_head_dim=32, index_head_dim=32, index_topk=96,
+           num_hidden_layers=4, compress_ratios=[4, 4, 0, 128, 4], num_hash_layers=1, n_routed_experts=6,
+           num_experts_per_tok=3, rope_scaling=None)
+
+
+@pytest.mark.parametrize("fmt", ["official", "hf"])
+def test_transformers_agrees_other_config(tmp_path, fmt, prompt):
+    cfg = tiny_config(**HC2)
+    weights = random_weights(expected_shapes(cfg, with_mtp=True), cfg, seed=3)
+    ckpt = write_checkpoint(tmp_path, cfg, weights, fmt, shard_bytes=20_000)
+    kwargs = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)} if fmt == "official" else {}
+    _, ref = _hf_logits(ckpt, prompt, **kwargs)
+    rel = ((our_logits(ckpt, prompt) - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= TOL, rel
+
+
+def test_fp8_blocks_of_partial_size(tmp_path):
+    """FP8 dims that are not multiples of 128 (wkv [192, 64], wq_b [1536, 32]) use ceil-div 128×128
+    blocks, the last one partial. (transformers 5.23 instead derives the block from the scale
+    grid, 192 / 2 = 96 rows, and decodes such weights wrongly, so it is not the oracle here.)"""
+    cfg = tiny_config(head_dim=192, num_attention_heads=8, o_groups=4, index_n_heads=4, num_hidden_layers=3,
+                      compress_ratios=[128, 0, 4, 0], num_hash_layers=0, q_lora_rank=160)
+    weights = random_weights(expected_shapes(cfg, with_mtp=True), cfg, seed=5)
+    ckpt = write_checkpoint(tmp_path, cfg, weights, "official")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert f.get_slice("layers.0.attn.wkv.scale").get_shape() == [2, 1]
+        assert f.get_slice("layers.0.attn.wq_a.scale").get_shape() == [2, 1]
+    _, model = load_checkpoint(ckpt, with_mtp=True)
+    assert_state_equal(model, decoded_official(weights))
+    w = weights["layers.0.attn.wkv.weight"]
+    rows = model.state_dict()["layers.0.attn.wkv.weight"][128:]  # the partial block's own scale
+    assert torch.equal(rows, quant.fp8_dequantize_weight(*quant.fp8_quantize_weight(w[128:])))
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,6 +395,11 @@ def test_writer_validates(tmp_path, tiny_ckpt_cfg, tiny_ckpt_weights):
         write_checkpoint(tmp_path, tiny_ckpt_cfg, {**w, "x.weight": torch.zeros(1)})
     with pytest.raises(CheckpointError, match=r"tensor 'head\.weight' has shape \(3,\), expected \(320, 64\)"):
         write_checkpoint(tmp_path, tiny_ckpt_cfg, {**w, "head.weight": torch.zeros(3)})
+    odd = tiny_config(moe_intermediate_size=48)
+    odd_w = random_weights(expected_shapes(odd, with_mtp=True), odd, seed=0)
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.ffn\.experts\.0\.w2\.weight' has shape \(64, 48\): FP4"):
+        write_checkpoint(tmp_path, odd, odd_w)
+    write_checkpoint(tmp_path, odd, odd_w, "hf")  # unquantized: any shape
     del w["layers.4.ffn.gate.bias"]
     with pytest.raises(CheckpointError, match=r"missing tensor 'layers\.4\.ffn\.gate\.bias' \(expected shape \(8,\)\)"):
         write_checkpoint(tmp_path, tiny_ckpt_cfg, w)
