@@ -1,0 +1,20 @@
+"""The only place v4serve reads environment variables.
+
+The launcher calls `from_env()` once and passes the result down explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Environment:
+    redis_url: str | None  # REDIS_URL: use this Redis; unset → start a local Valkey server
+    ray_address: str | None  # RAY_ADDRESS: join this Ray cluster; unset → start a local one
+
+
+def from_env() -> Environment:
+    return Environment(redis_url=os.environ.get("REDIS_URL") or None,
+                       ray_address=os.environ.get("RAY_ADDRESS") or None)
