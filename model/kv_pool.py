@@ -214,6 +214,49 @@ class KVPools:
             child.pages[kind] = list(shared) + copies
         return child
 
+    # --- allocator interface (kvtransfer's receiver reserves through it) --------------------
+    def alloc(self, kind: str, n: int) -> list[int]:
+        return self.allocators[kind].alloc(n)
+
+    def free(self, kind: str, page_ids: list[int]) -> None:
+        self.allocators[kind].free(page_ids)
+
+    # --- moving a request between replicas -------------------------------------------------
+    def first_live_swa_page(self, num_tokens: int) -> int:
+        """Index of the first SWA page a request at `num_tokens` cached tokens still reads."""
+        return max(0, num_tokens - self.cfg.sliding_window + 1) // self.page_size
+
+    def resume_pages(self, seq: SeqKV) -> dict[str, list[int]]:
+        """The pages another replica needs to continue `seq` (in order, per kind): the SWA
+        pages of the last window, every compressed page written so far, the state slots."""
+        out = {}
+        for kind in self.kinds_for():
+            pages = seq.pages[kind]
+            if kind == "swa":
+                used = -(-seq.num_tokens // self.page_size)
+                out[kind] = pages[self.first_live_swa_page(seq.num_tokens):used]
+            elif kind in STATE_KINDS:
+                out[kind] = list(pages)
+            else:
+                entries = seq.num_tokens // RATIO_OF_KIND[kind]
+                out[kind] = pages[: -(-entries // self.specs[kind].entries_per_page)]
+        return out
+
+    def resume_page_counts(self, num_tokens: int) -> dict[str, int]:
+        """Page counts of `resume_pages` for a request with `num_tokens` cached tokens."""
+        probe = SeqKV(num_tokens=num_tokens)
+        for kind, n in self.pages_needed(SeqKV(), num_tokens).items():
+            probe.pages[kind] = [0] * n
+        return {k: len(v) for k, v in self.resume_pages(probe).items()}
+
+    def adopt(self, num_tokens: int, pages: dict[str, list[int] | tuple[int, ...]]) -> SeqKV:
+        """A SeqKV over pages received for a request at `num_tokens` (see `resume_pages`)."""
+        seq = SeqKV(num_tokens=num_tokens)
+        for kind in self.kinds_for():
+            got = list(pages.get(kind, ()))
+            seq.pages[kind] = [-1] * self.first_live_swa_page(num_tokens) + got if kind == "swa" else got
+        return seq
+
     # --- typed entry access ---------------------------------------------------------------
     def _slots(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.specs[kind]

@@ -98,3 +98,37 @@ def test_bad_storage_format_and_page_size(cfg):
         KVPools(cfg, "fp16")
     with pytest.raises(ValueError, match="multiple of 128"):
         KVPools(cfg, "fp32", page_size=100)
+
+
+def test_resume_pages_move_a_request_between_replicas(cfg):
+    """Copy the resume pages of a request into a second pool set: decoding continues there
+    with logits identical to continuing in place."""
+    from model.batch import ForwardBatch
+    from model.tiny import random_weights
+    from model.transformer import Transformer
+
+    model = Transformer(cfg)
+    model.load_state_dict(random_weights({k: v.shape for k, v in model.state_dict().items()}, cfg, 0))
+    src = KVPools(cfg, "fp8_pack", page_size=128, max_tokens=512, max_seqs=2)
+    dst = KVPools(cfg, "fp8_pack", page_size=128, max_tokens=512, max_seqs=2)
+    ids = torch.randint(0, cfg.vocab_size, (301,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = SeqKV()
+    src.reserve(seq, 301)
+    b = ForwardBatch.build([(seq, ids[:300])])
+    model(b, src)
+    b.commit()
+    src.trim_window(seq)
+    pages = src.resume_pages(seq)
+    assert {k: len(v) for k, v in pages.items()} == dst.resume_page_counts(300)
+    assert all(p >= 0 for v in pages.values() for p in v)
+    got = {k: dst.alloc(k, len(v)) for k, v in pages.items()}
+    for kind in pages:
+        dst.buffers[kind][got[kind]] = src.buffers[kind][pages[kind]]
+    moved = dst.adopt(300, got)
+    dst.reserve(moved, 301)
+    here = model(ForwardBatch.build([(seq, ids[300:])]), src)
+    there = model(ForwardBatch.build([(moved, ids[300:])]), dst)
+    assert torch.equal(here, there)
+    src.release(seq)
+    dst.release(moved)
+    assert src.num_free() == src.idle_free() and dst.num_free() == dst.idle_free()
