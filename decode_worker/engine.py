@@ -1,0 +1,182 @@
+"""The decode engine: continuous batching of every admitted request over one model replica.
+
+    step():  admit → schedule → run → postprocess
+
+* admit: waiting requests (FIFO) get all their pages up front (prompt + max_tokens), so a
+  running request never runs out mid-decode; a request that does not fit waits.
+* schedule: one token for every decoding request, plus prompt chunks of requests this worker
+  prefills itself (conditional disaggregation), within a per-step prefill token budget.
+* run: one `ForwardBatch` through the model.
+* postprocess: sample (a pure function of logits, seed, position), detokenise, check stop
+  conditions, emit `TokenChunk`s, release the pages of finished requests.
+
+It is a plain object driven by its owner's loop (the Ray actor); it never blocks or sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, TokenChunk, Usage,
+                              WorkerLoad)
+from decode_worker.detok import Detokenizer
+from model.batch import ForwardBatch
+from model.kv_pool import KVPools, PoolExhausted, SeqKV
+from model.sampling import sample
+from model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    prefill_token_budget: int = 512  # prompt tokens prefilled locally per step
+    max_running: int = 64
+
+
+@dataclass
+class Running:
+    req: GenerateRequest
+    state: RequestState
+    detok: Detokenizer
+    seq: SeqKV | None = None
+    prefilled: int = 0  # prompt tokens in the pools (local prefill progress)
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the request may ever hold in the pools (the last sampled one is never fed)."""
+        return len(self.req.prompt_ids) + self.req.max_tokens - 1
+
+
+class DecodeEngine:
+    def __init__(self, model: Transformer, pools: KVPools, tokenizer, worker_id: str,
+                 config: DecodeConfig = DecodeConfig()):
+        self.model, self.pools, self.tokenizer, self.worker_id, self.config = model, pools, tokenizer, worker_id, config
+        self.eos_id = model.cfg.eos_token_id
+        self.waiting: deque[Running] = deque()
+        self.running: dict[str, Running] = {}
+
+    # --- admission ------------------------------------------------------------------------
+    def submit(self, req: GenerateRequest) -> None:
+        """Queue a request this worker prefills itself."""
+        self.waiting.append(Running(req, RequestState.WAITING, Detokenizer(self.tokenizer, req.stop_strings)))
+
+    def admit_transferred(self, req: GenerateRequest, seq: SeqKV, first_token: int,
+                          cached_tokens: int = 0) -> list[TokenChunk]:
+        """Start decoding a request whose prompt KV arrived from a prefill worker; `first_token`
+        was sampled there. Raises PoolExhausted if its decode pages cannot be reserved."""
+        r = Running(req, RequestState.DECODING, Detokenizer(self.tokenizer, req.stop_strings), seq=seq,
+                    prefilled=len(req.prompt_ids), cached_tokens=cached_tokens)
+        self.pools.reserve(seq, r.total_tokens)
+        self.running[req.request_id] = r
+        return [self._emit(r, first_token)]
+
+    def abort(self, request_id: str) -> bool:
+        for r in list(self.waiting):
+            if r.req.request_id == request_id:
+                self.waiting.remove(r)
+                return True
+        r = self.running.pop(request_id, None)
+        if r is None:
+            return False
+        r.state = RequestState.ABORTED
+        self.pools.release(r.seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def load(self) -> WorkerLoad:
+        free = self.pools.num_free()
+        return WorkerLoad(self.worker_id, "decode", waiting=len(self.waiting), running=len(self.running),
+                          queued_prefill_tokens=sum(len(r.req.prompt_ids) - r.prefilled for r in self.waiting),
+                          free_pages=free["swa"], total_pages=self.pools.specs["swa"].num_pages)
+
+    def _admit(self) -> list[TokenChunk]:
+        out = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            r = self.waiting[0]
+            if r.req.deadline is not None and time.time() > r.req.deadline:
+                self.waiting.popleft()
+                out.append(self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting"))
+                continue
+            seq = SeqKV()
+            try:
+                self.pools.reserve(seq, r.total_tokens)
+            except PoolExhausted:
+                break  # FIFO: later requests wait behind the head
+            self.waiting.popleft()
+            r.seq, r.state = seq, RequestState.PREFILLING
+            self.running[r.req.request_id] = r
+        return out
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> list[TokenChunk]:
+        out = self._admit()
+        batch, owners = self._schedule()
+        if batch is not None:
+            logits = self.model(batch, self.pools)
+            batch.commit()
+            out += self._postprocess(owners, logits)
+        return out
+
+    def _schedule(self) -> tuple[ForwardBatch | None, list[tuple[Running, bool]]]:
+        """Items for one forward; owners[i] = (request, whether row i yields a new token)."""
+        items, owners = [], []
+        budget = self.config.prefill_token_budget
+        for r in self.running.values():
+            if r.state is RequestState.DECODING:
+                items.append((r.seq, [r.tokens[-1]]))
+                owners.append((r, True))
+            elif r.state is RequestState.PREFILLING and budget > 0:
+                prompt = r.req.prompt_ids
+                n = min(budget, len(prompt) - r.prefilled)
+                items.append((r.seq, list(prompt[r.prefilled:r.prefilled + n])))
+                r.prefilled += n
+                budget -= n
+                owners.append((r, r.prefilled == len(prompt)))
+        if not items:
+            return None, []
+        return ForwardBatch.build(items, device=self.pools.device), owners
+
+    def _postprocess(self, owners: list[tuple[Running, bool]], logits) -> list[TokenChunk]:
+        out = []
+        for i, (r, yields) in enumerate(owners):
+            self.pools.trim_window(r.seq)
+            if not yields or r.req.request_id not in self.running:
+                continue
+            if r.req.deadline is not None and time.time() > r.req.deadline:
+                out.append(self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
+                continue
+            r.state = RequestState.DECODING
+            out.append(self._emit(r, sample(logits[i], r.req.sampling, position=r.seq.num_tokens)))
+        return out
+
+    # --- output ---------------------------------------------------------------------------
+    def _emit(self, r: Running, token: int) -> TokenChunk:
+        r.tokens.append(token)
+        text = r.detok.push(token)
+        req = r.req
+        finish = None
+        if token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped:
+            finish = "stop"
+        elif len(r.tokens) >= req.max_tokens:
+            finish = "length"
+        if finish is None:
+            return TokenChunk(req.request_id, (token,), text)
+        text += r.detok.flush()
+        self._finish(r, RequestState.FINISHED)
+        usage = Usage(len(req.prompt_ids), len(r.tokens), r.cached_tokens)
+        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage)
+
+    def _fail(self, r: Running, code: ErrorCode, message: str) -> TokenChunk:
+        self._finish(r, RequestState.FAILED)
+        return TokenChunk(r.req.request_id, (), error=ErrorInfo(code, message))
+
+    def _finish(self, r: Running, state: RequestState) -> None:
+        r.state = state
+        self.running.pop(r.req.request_id, None)
+        if r.seq is not None:
+            self.pools.release(r.seq)
