@@ -1,0 +1,125 @@
+"""The prefill engine: chunked prefill of several requests per step within a token budget.
+
+    step():  admit → schedule → run → postprocess
+
+* admit: queued requests get their prompt pages (FIFO; a request that does not fit waits).
+* schedule: prompt chunks of admitted requests, oldest first, up to `token_budget` tokens.
+* run: one `ForwardBatch` through the model.
+* postprocess: a request whose prompt is complete samples its first token (position = prompt
+  length, the same pure sampling as everywhere) and is returned as `Prefilled`; its pages stay
+  held until the owner has shipped them and calls `release`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.messages import GenerateRequest, RequestState, WorkerLoad
+from model.batch import ForwardBatch
+from model.kv_pool import KVPools, PoolExhausted, SeqKV
+from model.sampling import sample
+from model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    token_budget: int = 1024  # prompt tokens per step, over all requests
+    max_running: int = 16
+
+
+@dataclass
+class Job:
+    req: GenerateRequest
+    state: RequestState = RequestState.WAITING
+    seq: SeqKV | None = None
+    done: int = 0  # prompt tokens in the pools
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    request_id: str
+    seq: SeqKV  # its pages hold the whole prompt's KV; release with `release`
+    first_token: int
+    computed_tokens: int  # prompt tokens this worker actually ran through the model
+
+
+class PrefillEngine:
+    def __init__(self, model: Transformer, pools: KVPools, worker_id: str, config: PrefillConfig = PrefillConfig()):
+        self.model, self.pools, self.worker_id, self.config = model, pools, worker_id, config
+        self.waiting: deque[Job] = deque()
+        self.running: dict[str, Job] = {}
+        self.computed_tokens = 0  # lifetime counter: prompt tokens run through the model
+
+    def submit(self, req: GenerateRequest) -> None:
+        self.waiting.append(Job(req))
+
+    def abort(self, request_id: str) -> bool:
+        for job in list(self.waiting):
+            if job.req.request_id == request_id:
+                self.waiting.remove(job)
+                return True
+        job = self.running.pop(request_id, None)
+        if job is None:
+            return False
+        self.pools.release(job.seq)
+        return True
+
+    def release(self, done: Prefilled) -> None:
+        """Free a finished request's pages once the decode side has them (or gave up)."""
+        self.pools.release(done.seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def load(self) -> WorkerLoad:
+        queued = sum(len(j.req.prompt_ids) - j.done for j in list(self.waiting) + list(self.running.values()))
+        return WorkerLoad(self.worker_id, "prefill", waiting=len(self.waiting), running=len(self.running),
+                          queued_prefill_tokens=queued, free_pages=self.pools.num_free()["swa"],
+                          total_pages=self.pools.specs["swa"].num_pages)
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> list[Prefilled]:
+        self._admit()
+        batch, owners = self._schedule()
+        if batch is None:
+            return []
+        logits = self.model(batch, self.pools)
+        batch.commit()
+        out = []
+        for i, job in enumerate(owners):
+            self.pools.trim_window(job.seq)
+            if job.done == len(job.req.prompt_ids):
+                del self.running[job.req.request_id]
+                job.state = RequestState.TRANSFERRING
+                first = sample(logits[i], job.req.sampling, position=job.seq.num_tokens)
+                out.append(Prefilled(job.req.request_id, job.seq, first, len(job.req.prompt_ids)))
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            job = self.waiting[0]
+            seq = SeqKV()
+            try:
+                self.pools.reserve(seq, len(job.req.prompt_ids))
+            except PoolExhausted:
+                break
+            self.waiting.popleft()
+            job.seq, job.state = seq, RequestState.PREFILLING
+            self.running[job.req.request_id] = job
+
+    def _schedule(self) -> tuple[ForwardBatch | None, list[Job]]:
+        items, owners, budget = [], [], self.config.token_budget
+        for job in self.running.values():
+            if budget <= 0:
+                break
+            prompt = job.req.prompt_ids
+            n = min(budget, len(prompt) - job.done)
+            items.append((job.seq, list(prompt[job.done:job.done + n])))
+            owners.append(job)
+            job.done += n
+            budget -= n
+            self.computed_tokens += n
+        if not items:
+            return None, []
+        return ForwardBatch.build(items, device=self.pools.device), owners
