@@ -116,7 +116,8 @@ class Sender:
         self.stuck_s = stuck_s
         self._faults = faults
         self._notifier = F.Notifier(agent, faults)
-        self._cuda = any(t.is_cuda for t in agent.pools.values())
+        # Source data must be complete before NIXL reads it behind torch's back.
+        self._device = next((t.device for t in agent.pools.values() if t.is_cuda), None)
         self._peers: dict[str, tuple[str, LayoutDescriptor]] = {}   # name -> (epoch, layout)
         self._out: dict[tuple[str, str, str], _Outgoing] = {}
         self._tombstones: dict[tuple[str, str, str], float] = {}    # refused keys -> forget at
@@ -174,10 +175,12 @@ class Sender:
         peer, peer_layout = self._peer_for(target)
         key = (target.request_id, target.agent_name, target.agent_epoch)
         if key in self._tombstones:
-            raise RequestClosed(f"receiver closed {target.request_id!r}")
+            raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
         out = self._out.get(key)
         if out is not None and out.answer is not None:
             raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        if out is not None and out.pending_done is not None:
+            raise RuntimeError(f"finish() of {target.request_id!r} is still pending")
         dst = target.pages()
         spans: list[tuple[str, Span]] = []
         for kind, ids in src_pages.items():
@@ -217,8 +220,8 @@ class Sender:
         if ready is not None and not ready.query():
             out.queued.append((ready, spans))
         else:
-            if ready is None and self._cuda:
-                torch.cuda.current_stream().synchronize()
+            if ready is None and self._device is not None:
+                torch.cuda.current_stream(self._device).synchronize()
             self._post(out, spans)
         F.kill_point(faults, F.SENDER_AFTER_POST)
         return Posted(len(spans), nbytes)
@@ -242,6 +245,8 @@ class Sender:
         """
         peer, _ = self._peer_for(target)
         key = (target.request_id, target.agent_name, target.agent_epoch)
+        if key in self._tombstones:
+            raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
         out = self._out.get(key)
         if out is None:      # nothing to write (e.g. all pools empty): still a transfer
             if time.time() >= target.lease_deadline - self.post_margin_s:
@@ -300,6 +305,9 @@ class Sender:
                     self._notifier.send(out.peer.nixl_name,
                                         Fenced(out.target.request_id, out.target.agent_epoch))
             del self._out[key]
+            # A later send() with this target must not write into pages the receiver may
+            # have handed on; past the deadline the lease check refuses it anyway.
+            self._tombstones[key] = out.target.lease_deadline
             events.append(SenderEvent(out.target.request_id, out.target.agent_name, reason,
                                       tuple(sorted(out.src_pages.items()))))
         for key, until in list(self._tombstones.items()):
@@ -353,7 +361,7 @@ class Sender:
             # Unknown (already released, or never started): promise not to write, so the
             # receiver can reuse the pages now instead of after the grace period.
             if ack.status != ACK_OK:
-                self._tombstones[key] = max(ack.lease_deadline, time.time()) + 60.0
+                self._tombstones[key] = ack.lease_deadline
                 self._notifier.send(src, Fenced(ack.request_id, ack.target_epoch))
             return
         if out.answer is None:
