@@ -231,8 +231,10 @@ def test_dropped_notification_expires_cleanly(pair):
         transfer(a, b, "r11", lease_s=0.5)
         evs = expect(b, ("receiver", "r11", "expired"))
         assert "ready" not in [e[2] for e in evs]
-        expect(a, ("sender", "r11", "expired"))
         settle_idle(a, b)
+        # the receiver's Ack("expired") and the sender's own lease clock race; either frees
+        reasons = [e[2] for e in a.call("events") if e[1] == "r11"]
+        assert reasons in (["expired"], ["lease_expired"]), reasons
     finally:
         faults(a)
 
