@@ -1,0 +1,78 @@
+"""Router configuration: one frozen dataclass, built once by the launcher and passed explicitly.
+
+Nothing in `router/` reads environment variables or global settings; a test builds the config it
+needs and a deployment builds it from its own flags. Ports may be 0 (the OS picks a free port;
+`serve()` reports the actual one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Weights and thresholds of the placement policies (router/policies/)."""
+
+    page_size: int = 256  # tokens per KV page; page hashes are computed at this granularity
+    remote_prefill_threshold: int = 512  # uncached prompt tokens from which a prefill worker is used
+    decode_load_weight: float = 1.0
+    prefix_affinity_weight: float = 1.0
+    waiting_weight: float = 2.0  # a waiting request costs a decode worker more than a running one
+
+    def __post_init__(self):
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {self.page_size}")
+        if self.remote_prefill_threshold < 0:
+            raise ValueError(f"remote_prefill_threshold must be >= 0, got {self.remote_prefill_threshold}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000  # None: no HTTP server
+    grpc_port: int | None = 50051  # None: no gRPC server
+    model_name: str | None = None  # served model id; None: the backend's model_name
+
+    # --- auth and transport
+    api_keys: tuple[str, ...] = ()  # empty: auth off; else every call needs one of them
+    tls_cert: str | None = None  # PEM paths; both set: HTTPS and gRPC over TLS
+    tls_key: str | None = None
+
+    # --- limits
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: int | None = None  # None: the backend's max_model_len
+    max_tokens_limit: int = 32768  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when the request names none (capped by the context room)
+    max_concurrent_requests: int = 4096  # in-flight generations; more → 429
+    max_stop_strings: int = 16
+    request_timeout_s: float | None = 600.0  # per-request deadline; None: none
+    overload_retry_after_s: float = 1.0  # Retry-After when the concurrency limit is hit
+
+    # --- sampling defaults (OpenAI's: temperature 1; a seed is drawn when none is given)
+    default_temperature: float = 1.0
+    default_seed: int | None = None  # None: a fresh random seed per request that names none
+
+    # --- serving
+    log_level: str = "warning"
+    shutdown_grace_s: float = 5.0
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.http_port is None and self.grpc_port is None:
+            raise ValueError("at least one of http_port and grpc_port must be set")
+        for name in ("max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_concurrent_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys must not contain empty keys")
+        if not isinstance(self.api_keys, tuple):
+            raise TypeError("api_keys must be a tuple")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None

@@ -1,0 +1,218 @@
+"""gRPC front door (grpc.aio): service `v4serve.v1.Inference` plus the standard health service
+and server reflection.
+
+A GenerateRequest is validated by the same code as the HTTP API: it is turned into the equivalent
+/v1/completions body and parsed by `openai_protocol`, so both doors accept and refuse exactly the
+same inputs. The client's own gRPC deadline tightens the request deadline; a client cancel
+cancels the handler task, which makes the dispatcher abort the backend request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.messages import ErrorCode
+from router.auth import KeyChecker
+from router.dispatch import Dispatcher
+from router.errors import APIError, invalid
+from router.openai_protocol import Limits, finalize, parse_completion
+from router.proto import v4serve_pb2 as pb
+from router.proto import v4serve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("v4serve.router.grpc")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "v4serve.v1.Inference"
+_OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes need no key
+_MAX_REQUEST_ID = 128
+
+
+def request_body(req: pb.GenerateRequest) -> dict:
+    """The /v1/completions body equivalent to a GenerateRequest (unset optionals omitted)."""
+    has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
+    if has_text == has_ids:
+        raise invalid("exactly one of 'prompt' and 'prompt_token_ids' must be set", "prompt")
+    body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids)}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if req.HasField(name):
+            body[name] = getattr(req, name)
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        body["stop_token_ids"] = list(req.stop_token_ids)
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    if req.model:
+        body["model"] = req.model
+    return body
+
+
+def _check_request_id(rid: str) -> str:
+    if len(rid) > _MAX_REQUEST_ID or not rid.isprintable():
+        raise invalid(f"'request_id' must be at most {_MAX_REQUEST_ID} printable characters", "request_id")
+    return rid
+
+
+async def _abort_with(context, err: APIError):
+    trailing = ()
+    if err.retry_after is not None:
+        trailing = (("retry-after", str(max(1, math.ceil(err.retry_after)))),)
+    await context.abort(getattr(grpc.StatusCode, err.code.grpc_status), err.message, trailing_metadata=trailing)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, backend, dispatcher: Dispatcher, limits: Limits):
+        self.backend, self.dispatcher, self.limits = backend, dispatcher, limits
+
+    async def Generate(self, request, context):
+        arrival = time.perf_counter()
+        try:
+            draft = parse_completion(request_body(request), self.limits)
+            rid = _check_request_id(request.request_id) if request.request_id else None
+            ids = draft.prompt_ids
+            if ids is None:
+                try:
+                    ids = tuple(self.backend.tokenizer.encode(draft.prompt_text))
+                except UnicodeEncodeError:
+                    raise invalid("the prompt contains invalid Unicode", "prompt") from None
+            parsed = finalize(draft, ids, self.limits, time.time(), request_id=rid)
+            req = parsed.generate
+            remaining = context.time_remaining()
+            if remaining is not None:
+                client_deadline = time.time() + remaining
+                if req.deadline is None or client_deadline < req.deadline:
+                    req = _with_deadline(req, client_deadline)
+            slot = self.dispatcher.admit()
+        except APIError as err:
+            self.dispatcher.rejected(err)
+            await _abort_with(context, err)
+            return
+
+        last = None  # held back so the final message can carry the usage the dispatcher settles
+
+        async def emit(chunk):
+            nonlocal last
+            if chunk.finish_reason is not None:
+                last = chunk
+                return
+            await context.write(pb.GenerateResponse(request_id=req.request_id, token_ids=chunk.token_ids,
+                                                    text=chunk.text))
+
+        try:
+            outcome = await self.dispatcher.execute(slot, req, emit, arrival)
+        except APIError as err:
+            await _abort_with(context, err)
+            return
+        u = outcome.usage
+        await context.write(pb.GenerateResponse(
+            request_id=req.request_id, token_ids=last.token_ids, text=last.text, finish_reason=outcome.finish_reason,
+            usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                           cached_tokens=u.cached_tokens)))
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await _abort_with(context, invalid("'request_id' is required", "request_id"))
+        return pb.AbortResponse(found=await self.dispatcher.abort(request.request_id))
+
+    async def Health(self, request, context):
+        h = dict(self.backend.health())
+        return pb.HealthResponse(ok=bool(h.pop("ok", False)), details={k: str(v) for k, v in h.items()})
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.Model(id=self.limits.model_name,
+                                                      max_model_len=self.limits.max_model_len)])
+
+
+def _with_deadline(req, deadline: float):
+    from dataclasses import replace
+    return replace(req, deadline=deadline)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a valid `authorization: Bearer <key>` metadata entry (health exempt)."""
+
+    def __init__(self, keys: KeyChecker):
+        self.keys = keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not self.keys.enabled or details.method.startswith(_OPEN_SERVICES):
+            return handler
+        md = dict(details.invocation_metadata or ())
+        if self.keys.allows(md.get("authorization")):
+            return handler
+        return _deny_handler(handler)
+
+
+def _deny_handler(handler):
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "a valid API key is required (metadata authorization: Bearer <key>)")
+
+    async def deny_stream(request_or_iterator, context):
+        await deny(request_or_iterator, context)
+        yield  # pragma: no cover - unreachable; makes this an async generator
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[kind]
+    return make(deny_stream if kind[1] else deny, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+class GRPCServer:
+    """The grpc.aio server with Inference, health (tracking the backend) and reflection."""
+
+    def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker,
+                 max_message_bytes: int, health_interval_s: float = 1.0):
+        self.backend = backend
+        self.server = grpc.aio.server(
+            interceptors=[AuthInterceptor(keys)],
+            options=[("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, dispatcher, limits), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.health_interval_s = health_interval_s
+        self._health_task: asyncio.Task | None = None
+
+    def bind(self, host: str, port: int, tls_cert: str | None, tls_key: str | None) -> int:
+        addr = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        if tls_cert:
+            with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            return self.server.add_secure_port(addr, creds)
+        return self.server.add_insecure_port(addr)
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _update_health(self) -> None:
+        try:
+            ok = bool(self.backend.health().get("ok"))
+        except Exception:  # noqa: BLE001 - a failing health() means not serving
+            ok = False
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self._update_health()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,233 @@
+"""OpenAI-compatible HTTP front door as a lean ASGI app (served by uvicorn, see app.py).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (API key when
+configured); GET /health and GET /metrics (open, for probes and scrapers).
+
+Raw ASGI rather than a framework so that the three things a front door must get exactly right
+are explicit here: the body is read under a byte limit (413 before buffering a huge body), every
+failure before the first byte is a reason-coded OpenAI error (never a 500 trace, never a hang),
+and a client that goes away cancels its generation — the request task and a disconnect watcher
+race, and the loser is cancelled, which makes the dispatcher abort the backend request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+from cluster.messages import ErrorCode
+from router.auth import KeyChecker
+from router.dispatch import Dispatcher
+from router.errors import APIError, invalid
+from router.openai_format import SSE_DONE, ResponseBuilder, sse
+from router.openai_protocol import Limits, finalize, parse_chat, parse_completion
+
+log = logging.getLogger("v4serve.router.http")
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no")]
+_THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes):
+    """Strict JSON from raw bytes: UTF-8 only, no NaN/Infinity, bounded nesting."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+class HTTPApp:
+    def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker, metrics,
+                 max_body_bytes: int):
+        self.backend, self.dispatcher, self.limits = backend, dispatcher, limits
+        self.keys, self.metrics, self.max_body_bytes = keys, metrics, max_body_bytes
+        self.created = int(time.time())
+        self.routes = {
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+        }
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"].rstrip("/") or "/", scope["method"]
+        handler = self.routes.get((method, path))
+        try:
+            if handler is None:
+                known = any(p == path for _, p in self.routes)
+                raise APIError(ErrorCode.INVALID_REQUEST, f"{'method ' + method + ' not allowed on' if known else 'no route'} {path}",
+                               openai_code="method_not_allowed" if known else "not_found")
+            if path.startswith("/v1/") and not self.keys.allows(_header(scope, b"authorization")):
+                raise APIError(ErrorCode.UNAUTHENTICATED, "a valid API key is required (Authorization: Bearer <key>)")
+            await handler(scope, receive, send)
+        except APIError as err:
+            self.dispatcher.rejected(err)
+            status = 404 if err.openai_code == "not_found" else 405 if err.openai_code == "method_not_allowed" else None
+            await _send_error(send, err, status)
+        except _ClientGone:
+            pass
+        except Exception:  # noqa: BLE001 - a bug must still answer in the OpenAI shape
+            log.exception("unhandled error on %s %s", method, path)
+            await _send_error(send, APIError(ErrorCode.INTERNAL, "internal server error"))
+
+    # --- simple routes
+    async def _models(self, scope, receive, send):
+        await _send_json(send, 200, {"object": "list", "data": [{
+            "id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "v4serve",
+            "max_model_len": self.limits.max_model_len}]})
+
+    async def _health(self, scope, receive, send):
+        health = dict(self.backend.health())
+        await _send_json(send, 200 if health.get("ok") else 503, health)
+
+    async def _metrics(self, scope, receive, send):
+        body, ctype = self.metrics.render()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype.encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    # --- generation routes
+    async def _completions(self, scope, receive, send):
+        await self._generate(scope, receive, send, parse_completion)
+
+    async def _chat(self, scope, receive, send):
+        await self._generate(scope, receive, send, parse_chat)
+
+    async def _generate(self, scope, receive, send, parse):
+        arrival = time.perf_counter()
+        body = await self._read_body(scope, receive)
+        draft = parse(parse_json(body), self.limits)
+        ids = draft.prompt_ids if draft.prompt_ids is not None else await self._tokenize(draft.prompt_text)
+        parsed = finalize(draft, ids, self.limits, time.time())
+        slot = self.dispatcher.admit()
+        try:
+            req, opts = parsed.generate, parsed.options
+            builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts)
+            if opts.stream:
+                await self._stream(receive, send, slot, req, builder, arrival)
+            else:
+                await self._unary(receive, send, slot, req, builder, arrival)
+        finally:
+            slot.release()
+
+    async def _unary(self, receive, send, slot, req, builder, arrival):
+        async def emit(chunk):
+            builder.add(chunk.token_ids, chunk.text, final=chunk.finish_reason is not None)
+
+        outcome = await _unless_disconnected(receive, self.dispatcher.execute(slot, req, emit, arrival))
+        await _send_json(send, 200, builder.response(outcome.finish_reason, outcome.usage))
+
+    async def _stream(self, receive, send, slot, req, builder, arrival):
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+
+        async def emit(chunk):
+            data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        tail = b""
+        try:
+            outcome = await _unless_disconnected(receive, self.dispatcher.execute(slot, req, emit, arrival))
+            if builder.options.include_usage:
+                tail = sse(builder.usage_chunk(outcome.usage))
+        except APIError as err:  # headers are out: the error travels as an SSE event
+            tail = sse(err.body())
+        await send({"type": "http.response.body", "body": tail + SSE_DONE, "more_body": False})
+
+    # --- helpers
+    async def _read_body(self, scope, receive) -> bytes:
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(ErrorCode.TOO_LARGE, f"request body over {self.max_body_bytes} bytes")
+        parts, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(ErrorCode.TOO_LARGE, f"request body over {self.max_body_bytes} bytes")
+            parts.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(parts)
+
+    async def _tokenize(self, text: str) -> tuple[int, ...]:
+        encode = self.backend.tokenizer.encode
+        try:
+            if len(text) > _THREAD_TOKENIZE_CHARS:
+                return tuple(await asyncio.to_thread(encode, text))
+            return tuple(encode(text))
+        except UnicodeEncodeError:
+            raise invalid("the prompt contains invalid Unicode (an unpaired surrogate)", "prompt") from None
+
+
+async def _unless_disconnected(receive, work):
+    """Run `work`; if the client disconnects first, cancel it (→ backend abort) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, APIError):
+            pass
+        raise _ClientGone()
+    return task.result()
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def _send_json(send, status: int, obj, headers=()) -> None:
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status, "headers": _JSON + list(headers)})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, err: APIError, status: int | None = None) -> None:
+    headers = []
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(err.retry_after))).encode()))
+    if err.code is ErrorCode.UNAUTHENTICATED:
+        headers.append((b"www-authenticate", b"Bearer"))
+    try:
+        await _send_json(send, status or err.http_status, err.body(), headers)
+    except RuntimeError:  # the response had already started; nothing more can be said over HTTP
+        pass

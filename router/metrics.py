@@ -1,0 +1,76 @@
+"""Prometheus metrics of one router, in its own CollectorRegistry (never the process-global one,
+so several routers — or a router and its tests — in one process never collide).
+
+The router observes latencies and outcomes itself; the backend reports what only it knows (pool
+queue depths, KV transfer bytes/time/failures) through the small API below, on the same object.
+Prefix-cache hit tokens are counted from `Usage.cached_tokens` of finished requests.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class RouterMetrics:
+    def __init__(self, namespace: str = "v4serve"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, ns = self.registry, namespace
+        self.ttft = Histogram("time_to_first_token_seconds", "Arrival to first generated token.",
+                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Gap between consecutive generated tokens.",
+                             namespace=ns, registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to last token (or error).",
+                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("requests", "Finished requests by outcome and reason.",
+                                ["outcome", "reason"], namespace=ns, registry=r)
+        self.in_flight = Gauge("requests_in_flight", "Generations in progress.", namespace=ns, registry=r)
+        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests.", namespace=ns, registry=r)
+        self.generation_tokens = Counter("generation_tokens", "Generated tokens.", namespace=ns, registry=r)
+        self.prefix_cache_hit_tokens = Counter("prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache.",
+                                               namespace=ns, registry=r)
+        self.queue_depth = Gauge("queue_depth", "Requests waiting per pool (the autoscaler's signal).",
+                                 ["pool"], namespace=ns, registry=r)
+        self.kv_transfer_bytes = Counter("kv_transfer_bytes", "KV bytes moved between workers.",
+                                         namespace=ns, registry=r)
+        self.kv_transfer_seconds = Histogram("kv_transfer_seconds", "Duration of one request's KV transfer.",
+                                             namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers by reason.",
+                                            ["reason"], namespace=ns, registry=r)
+
+    # --- router side
+    def request_finished(self, outcome: str, reason: str) -> None:
+        """outcome: success | error | cancelled; reason: finish reason or error code."""
+        self.requests.labels(outcome, reason).inc()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if cached_tokens:
+            self.prefix_cache_hit_tokens.inc(cached_tokens)
+
+    # --- backend side
+    def set_queue_depth(self, pool: str, value: int) -> None:
+        self.queue_depth.labels(pool).set(value)
+
+    def add_prefix_cache_hit_tokens(self, n: int) -> None:
+        """For backends that learn of hits outside `Usage` (do not report them in both)."""
+        self.prefix_cache_hit_tokens.inc(n)
+
+    def kv_transfer_done(self, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes.inc(nbytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def kv_transfer_failed(self, reason: str) -> None:
+        self.kv_transfer_failures.labels(reason).inc()
+
+    # --- exposition
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def sample(self, name: str, labels: dict | None = None) -> float:
+        """Current value of one sample (tests and benchmarks); 0 when absent."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else v
