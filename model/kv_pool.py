@@ -147,7 +147,10 @@ class KVPools:
         self._local = {k: {layer: i for i, layer in enumerate(s.layers)} for k, s in self.specs.items()}
 
     # --- accounting -----------------------------------------------------------------------
-    def num_free(self) -> dict[str, int]:
+    def num_free(self, kind: str | None = None):
+        """Free pages of one kind (int), or of every kind (dict) when `kind` is None."""
+        if kind is not None:
+            return self.allocators[kind].num_free()
         return {k: a.num_free() for k, a in self.allocators.items()}
 
     def idle_free(self) -> dict[str, int]:

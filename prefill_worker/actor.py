@@ -1,0 +1,168 @@
+"""The prefill worker as a Ray actor: chunked prefill, then push the KV into the decode target.
+
+    prefill(req, target, peer metadata, peer layout) → waits until the decode side verified
+    loop: apply commands → engine.step() (in a thread) → for each finished prompt: handshake
+          (once per peer epoch), WRITE its resume pages, TransferDone with the header →
+          sender.poll(): on ack / refusal / lease end, free the pages and answer the caller
+
+The prefill worker keeps a request's pages until the decode side acknowledges them (or the
+lease ends), so a decode worker that fails mid-transfer can still be re-served from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from cluster.heartbeat import heartbeat_loop
+from cluster.kv_link import TransferHeader, layout_of, pool_buffers
+from cluster.messages import GenerateRequest
+from cluster.options import WorkerOptions
+from cluster.registry import Registry, WorkerInfo
+from kvtransfer.agent import Agent
+from kvtransfer.layout import LayoutDescriptor
+from kvtransfer.protocol import TransferTarget, decode_target
+from kvtransfer.sender import Sender
+from model.checkpoint import load_checkpoint
+from model.kv_pool import KVPools
+from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """The KV of a request could not be delivered; the decode side recomputes it."""
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, options: WorkerOptions):
+        torch.set_num_threads(options.threads)
+        self.worker_id, self.options = worker_id, options
+        cfg, model = load_checkpoint(options.model_dir)
+        self.pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
+                             max_seqs=options.max_seqs)
+        self.engine = PrefillEngine(model, self.pools, worker_id,
+                                    PrefillConfig(token_budget=options.prefill_token_budget,
+                                                  max_running=options.max_seqs))
+        self.agent = Agent(worker_id, pool_buffers(self.pools))
+        self.layout = layout_of(self.pools)
+        self.sender = Sender(self.agent, self.layout)
+        self.registry = Registry(options.registry_url, options.cluster)
+        self.targets: dict[str, tuple[TransferTarget, bytes, bytes]] = {}  # rid → (target, peer md, layout)
+        self.futures: dict[str, asyncio.Future] = {}
+        self.shipping: dict[str, Prefilled] = {}  # written, awaiting the receiver's answer
+        self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
+        self.commands: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> dict:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._loop()),
+                           asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
+        return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "prefill", self.worker_id, self.agent.name, self.agent.epoch,
+                          self.layout.to_bytes().decode(), self.agent.metadata(), self.engine.load())
+
+    def load(self):
+        return self.engine.load()
+
+    def peer_info(self) -> tuple[str, str, bytes]:
+        """(agent name, epoch, metadata): what a decode worker loads to answer our transfers."""
+        return self.agent.name, self.agent.epoch, self.agent.metadata()
+
+    def page_accounting(self) -> dict:
+        return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
+                "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping),
+                "transfers": self.sender.metrics.snapshot()}
+
+    # --- requests -------------------------------------------------------------------------
+    async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes) -> dict:
+        """Prefill `req` and deliver its KV into `target`; returns once the receiver verified it.
+        Raises TransferFailed if it could not be delivered."""
+        fut = asyncio.get_running_loop().create_future()
+        self.futures[req.request_id] = fut
+        self.targets[req.request_id] = (decode_target(target), peer_metadata, peer_layout)
+        self.commands.append(lambda: self.engine.submit(req))
+        return await fut
+
+    async def abort(self, request_id: str) -> bool:
+        self.commands.append(lambda: self._abort(request_id))
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        if request_id in self.shipping:
+            self.sender.abort(request_id)  # pages are freed when poll() reports it
+        self._answer(request_id, TransferFailed("aborted"))
+
+    def _answer(self, request_id: str, result) -> None:
+        self.targets.pop(request_id, None)
+        fut = self.futures.pop(request_id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(result, Exception):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    # --- the loop -------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            try:
+                commands, self.commands = self.commands, []
+                for command in commands:
+                    command()
+                if self.engine.has_work():
+                    for done in await asyncio.to_thread(self.engine.step):
+                        self._ship(done)
+                else:
+                    await asyncio.sleep(0.002)
+                self._poll_sender()
+            except Exception:
+                log.exception("prefill loop error")
+                await asyncio.sleep(0.1)
+
+    def _ship(self, done: Prefilled) -> None:
+        entry = self.targets.get(done.request_id)
+        if entry is None:  # aborted while computing
+            self.engine.release(done)
+            return
+        target, metadata, layout = entry
+        try:
+            if self.peers.get(target.agent_name) != target.agent_epoch:
+                self.sender.handshake(target.agent_name, metadata, LayoutDescriptor.from_bytes(layout))
+                self.peers[target.agent_name] = target.agent_epoch
+            # kinds with no pages yet (e.g. c128 before 128 tokens) are not part of the target
+            pages = {k: v for k, v in self.pools.resume_pages(done.seq).items() if v}
+            self.sender.send(target, pages)
+            header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens)
+            self.sender.finish(target, header.to_bytes())
+        except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
+            log.warning("shipping %s failed: %s", done.request_id, e)
+            self.sender.abort(done.request_id)
+            self._answer(done.request_id, TransferFailed(str(e)))
+            if done.request_id in self.sender.holding():
+                self.shipping[done.request_id] = done  # writes in flight: free when poll() says so
+            else:
+                self.engine.release(done)
+            return
+        self.shipping[done.request_id] = done
+
+    def _poll_sender(self) -> None:
+        for ev in self.sender.poll():
+            done = self.shipping.pop(ev.request_id, None)
+            if done is not None:
+                self.engine.release(done)
+            if ev.reason == "acked":
+                self._answer(ev.request_id, {"first_token": done.first_token if done else None})
+            else:
+                self._answer(ev.request_id, TransferFailed(ev.reason))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.to_thread(self.registry.deregister, self.worker_id)
