@@ -370,6 +370,11 @@ class Sender:
 
     # --- introspection
 
+    def in_flight(self, request_id: str) -> int:
+        """Writes of `request_id` posted (or waiting for their CUDA event) and not yet landed."""
+        return sum(len(o.inflight) + len(o.queued) for o in self._out.values()
+                   if o.target.request_id == request_id)
+
     def holding(self) -> list[str]:
         """Request ids whose source pages are still held."""
         return sorted({k[0] for k in self._out})

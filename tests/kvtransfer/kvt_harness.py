@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from kvtransfer import (Agent, FaultPlan, LayoutDescriptor, PoolLayout, Receiver, Sender,
-                        decode_target)
+                        decode_target, page_checksum)
 
 KINDS = {"swa": 4096, "c4": 2336, "c128": 1168, "state_c4": 1024}   # page_bytes
 LAYER_MAP = (("swa", (0, 1, 2, 3)), ("c4", (1, 3)), ("c128", (2,)), ("state_c4", (1, 3)))
@@ -74,6 +74,8 @@ def digest(pool: torch.Tensor, ids) -> str:
 class _Worker:
     def __init__(self, name, layout, device, seed, sender_faults, receiver_faults, grace_s,
                  progress_thread):
+        if str(device).startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))   # one GPU per worker process
         gen = torch.Generator().manual_seed(seed)
         self.layout = layout
         pools = {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
@@ -174,6 +176,11 @@ class _Worker:
 
     def cmd_digest(self, kind, ids):
         return digest(self.agent.pools[kind], ids)
+
+    def cmd_checksums(self, kind, ids):
+        """(checksum on the pool's device, checksum of a CPU copy) of pages `ids`."""
+        pool = self.agent.pools[kind]
+        return page_checksum(pool, ids), page_checksum(pool.cpu(), ids)
 
     def cmd_events(self, want=(), timeout=10.0):
         """Wait until every (side, rid, kind) in `want` was seen; return and clear all events."""

@@ -1,0 +1,297 @@
+"""KV hand-off benchmark: one request of DeepSeek-V4-Flash shape moved through kvtransfer.
+
+    python benchmarks/kv_transfer_bench.py --out results.json                  # 2 GPUs: 0 -> 1
+    python benchmarks/kv_transfer_bench.py --device cpu --tokens 1024,2048     # smoke test
+
+Shape (per request; page = 256 tokens; pool pages laid out [page][layer][entries][bytes]):
+    43 layers: 2 window-only, 21 ratio-4 (C4), 20 ratio-128 (C128); entries of 584 B
+    swa        1 page  = 128 tokens x 43 layers x 584 B            (the sliding window)
+    c4         T/256 pages of 64 entries x 584 B x 21 layers
+    c128       T/256 pages of  2 entries x 584 B x 20 layers
+    c4_indexer T/256 pages of 64 keys    x 132 B x 21 layers
+    state_c4 / state_c4_indexer / state_c128: 1 page of the compressor rings, fp32:
+               21 x 8 x (4x512), 21 x 8 x (4x128), 20 x 128 x (2x512) floats
+
+The sender (this process, GPU0) and the receiver (a spawned process, GPU1; GPU0 if only one)
+each own their pools. Reported per size:
+    kvtransfer write: send() of every pool (runs coalesced) until all writes landed, wall clock
+    torch copy:       one device-to-device copy_ of the same number of bytes, CUDA events
+                      (CPU: a memcpy of the same bytes in one process, as a reference)
+and for the first size, the whole hand-off as the receiver sees it: reserve -> target to the
+sender (a pipe hop standing in for the Ray call) -> writes -> TransferDone with checksums ->
+verified. Medians over --repeats after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvtransfer import (Agent, LayoutDescriptor, PoolLayout, Receiver, Sender,  # noqa: E402
+                        decode_target, layer_byte_range)
+
+PAGE_TOKENS, WINDOW, ENTRY, IDX_KEY = 256, 128, 584, 132
+N_C4, N_C128, N_LAYERS = 21, 20, 43
+C4_LAYERS = tuple(range(2, 43, 2))       # 21 ids
+C128_LAYERS = tuple(range(3, 42, 2))     # 20 ids
+POOLS = {   # kind: (page bytes, layers per page, pages per request as a function of tokens)
+    "swa": (WINDOW * N_LAYERS * ENTRY, N_LAYERS, lambda t: 1),
+    "c4": (64 * ENTRY * N_C4, N_C4, lambda t: -(-t // PAGE_TOKENS)),
+    "c128": (2 * ENTRY * N_C128, N_C128, lambda t: -(-t // PAGE_TOKENS)),
+    "c4_indexer": (64 * IDX_KEY * N_C4, N_C4, lambda t: -(-t // PAGE_TOKENS)),
+    "state_c4": (N_C4 * 8 * 4 * 512 * 4, N_C4, lambda t: 1),
+    "state_c4_indexer": (N_C4 * 8 * 4 * 128 * 4, N_C4, lambda t: 1),
+    "state_c128": (N_C128 * 128 * 2 * 512 * 4, N_C128, lambda t: 1),
+}
+LAYER_MAP = (("swa", tuple(range(N_LAYERS))), ("c4", C4_LAYERS), ("c128", C128_LAYERS),
+             ("c4_indexer", C4_LAYERS), ("state_c4", C4_LAYERS),
+             ("state_c4_indexer", C4_LAYERS), ("state_c128", C128_LAYERS))
+
+
+def make_layout(max_tokens: int, copies: int) -> LayoutDescriptor:
+    """Pools big enough for `copies` requests of max_tokens."""
+    return LayoutDescriptor("bench-v4-flash", "fp8_pack", PAGE_TOKENS,
+                            tuple(PoolLayout(k, b, copies * f(max_tokens))
+                                  for k, (b, _, f) in POOLS.items()), LAYER_MAP)
+
+
+def counts_for(tokens: int) -> dict[str, int]:
+    return {k: f(tokens) for k, (_, _, f) in POOLS.items()}
+
+
+def make_pools(layout: LayoutDescriptor, device: str) -> dict[str, torch.Tensor]:
+    return {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
+                                  device=device) for p in layout.pools}
+
+
+class LowestFirst:
+    """Allocator handing out the lowest free ids (contiguous runs on a fresh pool)."""
+
+    def __init__(self, layout: LayoutDescriptor):
+        self.free_ids = {p.kind: set(range(p.num_pages)) for p in layout.pools}
+
+    def alloc(self, kind, n):
+        ids = sorted(self.free_ids[kind])[:n]
+        if len(ids) < n:
+            raise RuntimeError(f"{kind}: out of pages")
+        self.free_ids[kind].difference_update(ids)
+        return ids
+
+    def free(self, kind, ids):
+        self.free_ids[kind].update(ids)
+
+    def num_free(self, kind):
+        return len(self.free_ids[kind])
+
+
+# --------------------------------------------------------------------------- receiver process
+
+def receiver_main(conn, device: str, layout_bytes: bytes, progress_thread: bool) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    layout = LayoutDescriptor.from_bytes(layout_bytes)
+    agent = Agent("bench-recv", make_pools(layout, device), progress_thread=progress_thread)
+    alloc = LowestFirst(layout)
+    receiver = Receiver(agent, alloc, layout)
+    conn.send(agent.metadata())
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "peer":
+            agent.add_peer("bench-send", arg)
+            conn.send(None)
+        elif cmd == "reserve":          # -> target, then (seconds reserve->verified, ok)
+            rid, counts = arg
+            t0 = time.perf_counter()
+            target = receiver.reserve(rid, counts, lease_s=60.0)
+            conn.send(target.to_bytes())
+            kind = None
+            while kind is None:
+                for ev in receiver.poll():
+                    if ev.request_id == rid:
+                        kind = ev.kind
+            t1 = time.perf_counter()
+            if kind == "ready":
+                for k, ids in receiver.claim(rid).items():
+                    alloc.free(k, ids)
+            else:
+                receiver.release(rid)
+            conn.send((t1 - t0, kind))
+        elif cmd == "exit":
+            agent.close()
+            conn.send(None)
+            return
+
+
+# --------------------------------------------------------------------------- sender side
+
+def torch_copy_seconds(nbytes: int, src_dev: str, dst_dev: str, warmup: int,
+                       repeats: int) -> list[float]:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    times = []
+    for i in range(warmup + repeats):
+        if src.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    del src, dst
+    return times
+
+
+def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
+                 per_layer: bool) -> dict:
+    """Reserve on the receiver, write everything, finish, wait for the ack. Seconds per phase."""
+    conn.send(("reserve", (rid, counts)))
+    target = decode_target(conn.recv())
+    t0 = time.perf_counter()
+    descriptors = nbytes = 0
+    if per_layer:      # streaming shape: one send() per layer, slices of every page
+        for layer in range(N_LAYERS):
+            for kind, ids in src_pages.items():
+                page_bytes, layers, _ = POOLS[kind]
+                if layer < layers:
+                    posted = sender.send(target, {kind: ids},
+                                         page_byte_range=layer_byte_range(page_bytes, layers,
+                                                                          layer))
+                    descriptors += posted.descriptors
+                    nbytes += posted.nbytes
+    else:
+        posted = sender.send(target, src_pages)
+        descriptors, nbytes = posted.descriptors, posted.nbytes
+    while sender.in_flight(rid):
+        sender.poll()
+    t1 = time.perf_counter()
+    sender.finish(target, b"first-token+sampling-state" * 4)
+    released = None
+    while released is None:
+        for ev in sender.poll():
+            if ev.request_id == rid:
+                released = ev.reason
+    t2 = time.perf_counter()
+    handoff_s, kind = conn.recv()
+    if kind != "ready" or released != "acked":
+        raise RuntimeError(f"{rid}: receiver {kind}, sender {released}")
+    return {"write_s": t1 - t0, "finish_to_ack_s": t2 - t1, "handoff_s": handoff_s,
+            "descriptors": descriptors, "nbytes": nbytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tokens", default=None, help="comma list (default 8192,32768,131072; "
+                                                   "cpu: 1024,2048)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--per-layer", action="store_true",
+                    help="also time the streaming shape (one send() per layer)")
+    ap.add_argument("--progress-thread", choices=("on", "off"), default=None,
+                    help="NIXL progress thread (default: on for cuda, off for cpu, where it "
+                         "would take a core from the other process)")
+    ap.add_argument("--out", default=None, help="write JSON results here")
+    args = ap.parse_args()
+
+    tokens = [int(t) for t in (args.tokens or ("8192,32768,131072" if args.device == "cuda"
+                                               else "1024,2048")).split(",")]
+    if args.device == "cuda":
+        n = torch.cuda.device_count()
+        src_dev, dst_dev = "cuda:0", ("cuda:1" if n >= 2 else "cuda:0")
+        torch.cuda.set_device(0)
+    else:
+        src_dev = dst_dev = "cpu"
+    layout = make_layout(max(tokens), 1)
+    progress = (args.progress_thread or ("on" if args.device == "cuda" else "off")) == "on"
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main,
+                       args=(child, dst_dev, layout.to_bytes(), progress), daemon=True)
+    proc.start()
+    agent = Agent("bench-send", make_pools(layout, src_dev), progress_thread=progress)
+    sender = Sender(agent, layout)
+    recv_md = conn.recv()
+    sender.handshake("bench-recv", recv_md, layout)
+    conn.send(("peer", agent.metadata()))
+    conn.recv()
+
+    results = {"device": args.device, "src": src_dev, "dst": dst_dev,
+               "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+               if args.device == "cuda" else [],
+               "torch": torch.__version__, "python": sys.version.split()[0],
+               "repeats": args.repeats, "warmup": args.warmup, "progress_thread": progress,
+               "sizes": []}
+    try:
+        import importlib.metadata as md
+        results["nixl"] = md.version("nixl")
+    except Exception:
+        results["nixl"] = None
+
+    seq = 0
+    for t in tokens:
+        counts = counts_for(t)
+        src_pages = {k: list(range(n)) for k, n in counts.items()}
+        modes = [False, True] if args.per_layer else [False]
+        for per_layer in modes:
+            runs = []
+            for i in range(args.warmup + args.repeats):
+                seq += 1
+                r = one_transfer(sender, conn, f"bench-{seq}", counts, src_pages, per_layer)
+                if i >= args.warmup:
+                    runs.append(r)
+            nbytes = runs[0]["nbytes"]
+            copy = torch_copy_seconds(nbytes, src_dev, dst_dev, args.warmup, args.repeats)
+            write_s = statistics.median(r["write_s"] for r in runs)
+            copy_s = statistics.median(copy)
+            row = {
+                "tokens": t, "mode": "per_layer" if per_layer else "whole_pages",
+                "bytes": nbytes, "descriptors": runs[0]["descriptors"],
+                "pool_bytes": {k: n * POOLS[k][0] for k, n in counts.items()},
+                "write_s_median": write_s, "write_GBps": nbytes / write_s / 1e9,
+                "torch_copy_s_median": copy_s, "torch_copy_GBps": nbytes / copy_s / 1e9,
+                "write_vs_copy": copy_s / write_s,
+                "handoff_s_median": statistics.median(r["handoff_s"] for r in runs),
+                "handoff_s_p90": sorted(r["handoff_s"] for r in runs)[
+                    min(len(runs) - 1, int(0.9 * len(runs)))],
+                "finish_to_ack_s_median": statistics.median(r["finish_to_ack_s"] for r in runs),
+            }
+            results["sizes"].append(row)
+
+    conn.send(("exit", None))
+    conn.recv()
+    proc.join(10)
+    agent.close()
+
+    hdr = (f"{'tokens':>7} {'mode':>11} {'MB':>8} {'descs':>6} {'write ms':>9} {'GB/s':>7} "
+           f"{'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'hand-off ms':>11}")
+    print(f"kvtransfer {src_dev} -> {dst_dev}  (median of {args.repeats}, {args.warmup} warm-up)")
+    print(hdr)
+    for r in results["sizes"]:
+        print(f"{r['tokens']:>7} {r['mode']:>11} {r['bytes'] / 1e6:>8.1f} {r['descriptors']:>6} "
+              f"{r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
+              f"{r['torch_copy_s_median'] * 1e3:>8.3f} {r['torch_copy_GBps']:>7.1f} "
+              f"{r['write_vs_copy']:>6.2f} {r['handoff_s_median'] * 1e3:>11.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
