@@ -1,0 +1,193 @@
+"""The gRPC API through stubs generated from router/proto/v4serve.proto."""
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.messages import ErrorCode
+from harness import RouterThread, wait_for
+from router.config import RouterConfig
+from router.proto import v4serve_pb2 as pb
+from router.proto import v4serve_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def channel(router):
+    ch = grpc.insecure_channel(router.grpc_target)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.InferenceStub(channel)
+
+
+def test_generate_stream_text_prompt(router, stub):
+    out = list(stub.Generate(pb.GenerateRequest(prompt="hello grpc", max_tokens=10, temperature=0.0), timeout=10))
+    ids, text, finish = router.expected(router.tokenizer.encode("hello grpc"), 10)
+    assert [t for m in out for t in m.token_ids] == ids
+    assert "".join(m.text for m in out) == text
+    assert all(m.finish_reason == "" for m in out[:-1]) and out[-1].finish_reason == finish
+    assert out[-1].usage.prompt_tokens == 10 and out[-1].usage.completion_tokens == 10
+    assert len({m.request_id for m in out}) == 1
+
+
+def test_generate_token_ids_sampling_stops(router, stub):
+    prompt = [5, 6, 7, 300]
+    req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=30, temperature=0.7, top_p=1.0, seed=99,
+                             request_id="my-req-1")
+    out = list(stub.Generate(req, timeout=10))
+    ids, text, _ = router.expected(prompt, 30, temperature=0.7, seed=99)
+    assert [t for m in out for t in m.token_ids] == ids and out[0].request_id == "my-req-1"
+    stop = text[3:5]
+    out = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=30, temperature=0.7, seed=99,
+                                                stop=[stop]), timeout=10))
+    assert out[-1].finish_reason == "stop" and stop not in "".join(m.text for m in out)
+
+
+@pytest.mark.parametrize("req,status", [
+    (pb.GenerateRequest(max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt_token_ids=[1, 100000], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", max_tokens=4000), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x", model="other"), grpc.StatusCode.NOT_FOUND),
+    (pb.GenerateRequest(prompt="x", request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT),
+], ids=["no prompt", "both prompts", "id out of range", "negative max_tokens", "over context",
+        "negative temperature", "empty stop", "unknown model", "bad request id"])
+def test_generate_invalid(stub, req, status):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=10))
+    assert e.value.code() == status and e.value.details()
+
+
+def test_resource_exhausted(router, stub):
+    router.set_stub(overloaded_retry_after=1.2)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(e.value.trailing_metadata())["retry-after"] == "2"
+
+
+@pytest.mark.parametrize("code", [ErrorCode.KV_TRANSFER_FAILED, ErrorCode.INTERNAL])
+def test_backend_error_status(router, stub, code):
+    router.set_stub(fail_with=code, fail_after=1)
+    label = {"outcome": "error", "reason": code.name.lower()}
+    before = router.metric("v4serve_requests_total", label)
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for m in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5), timeout=10):
+            got.append(m)
+    assert e.value.code() == getattr(grpc.StatusCode, code.grpc_status)
+    assert len(got) == 1  # one token streamed before the failure
+    assert router.metric("v4serve_requests_total", label) == before + 1
+
+
+def test_abort_rpc_cancels_stream_and_backend(router, stub):
+    router.set_stub(token_delay_s=0.05)
+    it = stub.Generate(pb.GenerateRequest(prompt="abort me", max_tokens=500, request_id="to-abort"), timeout=20)
+    first = next(it)
+    assert first.request_id == "to-abort"
+    assert stub.Abort(pb.AbortRequest(request_id="to-abort"), timeout=5).found
+    with pytest.raises(grpc.RpcError) as e:
+        list(it)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_for(lambda: "to-abort" in router.stub.aborted and not router.stub.active)
+    assert not stub.Abort(pb.AbortRequest(request_id="to-abort"), timeout=5).found
+    assert router.metric("v4serve_requests_total", {"outcome": "cancelled", "reason": "aborted"}) >= 1
+
+
+def test_client_cancel_aborts_backend(router, stub):
+    router.set_stub(token_delay_s=0.05)
+    call = stub.Generate(pb.GenerateRequest(prompt="cancel me", max_tokens=500, request_id="to-cancel"), timeout=20)
+    next(call)
+    call.cancel()
+    assert wait_for(lambda: "to-cancel" in router.stub.aborted and not router.stub.active)
+    assert "to-cancel" not in router.stub.finished
+
+
+def test_deadline_exceeded():
+    r = RouterThread(RouterConfig(http_port=None, grpc_port=0, request_timeout_s=0.3))
+    try:
+        r.set_stub(token_delay_s=0.05)
+        with grpc.insecure_channel(r.grpc_target) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(prompt="x", max_tokens=100), timeout=10))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: len(r.stub.aborted) == 1)
+    finally:
+        r.close()
+
+
+def test_client_deadline_aborts_backend(router, stub):
+    router.set_stub(token_delay_s=0.05)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=100, request_id="client-deadline"), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: "client-deadline" in router.stub.aborted and not router.stub.active)
+
+
+def test_health_and_models(channel, stub):
+    h = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "v4serve.v1.Inference"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    r = stub.Health(pb.HealthRequest(), timeout=5)
+    assert r.ok and r.details["decode"] == "1"
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=5).models
+    assert [(m.id, m.max_model_len) for m in models] == [("stub", 2048)]
+
+
+def test_reflection_lists_services(channel):
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"v4serve.v1.Inference", "grpc.health.v1.Health"} <= names
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        file_containing_symbol="v4serve.v1.Inference")]), timeout=5))
+    assert resp.file_descriptor_response.file_descriptor_proto
+
+
+def test_auth():
+    r = RouterThread(RouterConfig(http_port=None, grpc_port=0, api_keys=("secret",)))
+    try:
+        with grpc.insecure_channel(r.grpc_target) as ch:
+            s = pb_grpc.InferenceStub(ch)
+            req = pb.GenerateRequest(prompt="x", max_tokens=2)
+            for md in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(s.Generate(req, metadata=md, timeout=5))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                s.ListModels(pb.ListModelsRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = list(s.Generate(req, metadata=(("authorization", "Bearer secret"),), timeout=5))
+            assert ok[-1].finish_reason == "length"
+            h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert h.status == health_pb2.HealthCheckResponse.SERVING  # probes stay open
+    finally:
+        r.close()
+
+
+def test_concurrent_generate(router, stub):
+    router.set_stub(token_delay_s=0.002)
+    results = {}
+
+    def one(i):
+        out = list(stub.Generate(pb.GenerateRequest(prompt=f"c{i}", max_tokens=12, temperature=0.5, seed=i),
+                                 timeout=20))
+        results[i] = [t for m in out for t in m.token_ids]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(32):
+        assert results[i] == router.expected(router.tokenizer.encode(f"c{i}"), 12, temperature=0.5, seed=i)[0]
