@@ -7,7 +7,9 @@ explicitly; bad input prints one line `error: ...` on stderr and exits with stat
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,10 +64,75 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
     gen.add_argument("--chunk-size", type=_positive, default=None)
     gen.add_argument("--logits-out", type=Path, default=None, help="save float32 [new_tokens, vocab] .npy")
+
+    up = sub.add_parser("up", help="start a whole disaggregated cluster and serve until SIGINT/SIGTERM")
+    up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (created once, cached)")
+    up.add_argument("--prefill", type=_nonnegative, default=1, help="prefill workers (0: decode workers prefill)")
+    up.add_argument("--decode", type=_positive, default=1)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--http-port", type=_port, default=8000)
+    up.add_argument("--grpc-port", type=_port, default=50051)
+    up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
+    up.add_argument("--max-model-len", type=_positive, default=4096, help="longest prompt + completion")
+    up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
+    up.add_argument("--remote-prefill-threshold", type=int, default=0,
+                    help="uncached prompt tokens from which a prefill worker is used")
+    up.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     return parser
 
 
-def cmd_make_tiny(args: argparse.Namespace) -> None:
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def _tiny_model_dir(cache_dir: Path) -> Path:
+    """The tiny model, written once (exactly what `make-tiny --seed 0` writes) and reused."""
+    path = cache_dir / "tiny-model"
+    if not (path / "config.json").exists():
+        tmp = cache_dir / f"tiny-model.tmp{os.getpid()}"
+        cmd_make_tiny(argparse.Namespace(out=tmp, seed=0, format="official"), quiet=True)
+        tmp.rename(path)
+    return path
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from cluster import up
+    from cluster.launcher import ClusterOptions
+    from cluster.options import WorkerOptions
+    from cluster.settings import from_env
+    from router.config import PlacementConfig, RouterConfig
+
+    env = from_env()
+    model_dir = _tiny_model_dir(env.cache_dir) if args.model == "tiny" else Path(args.model)
+    if not (model_dir / "config.json").exists():
+        raise CliError(f"--model {model_dir}: no config.json there")
+    worker = WorkerOptions(str(model_dir), "", kv_dtype=args.kv_dtype, max_tokens=args.max_model_len,
+                           max_seqs=args.max_seqs)
+    options = up.UpOptions(
+        ClusterOptions(worker, prefill=args.prefill, decode=args.decode),
+        RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(args.api_key),
+                     default_temperature=0.0,
+                     placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold)))
+    asyncio.run(up.run(options, env, ready_line=lambda line: print(line, flush=True)))
+
+
+def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
     from model.checkpoint import write_checkpoint
     from model.tiny import random_weights, tiny_config
     from model.transformer import Transformer
@@ -76,7 +143,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg, with_mtp=args.format == "official").state_dict().items()}
     write_checkpoint(args.out, cfg, random_weights(shapes, cfg, args.seed), args.format)
-    print(json.dumps({"model": str(args.out), "format": args.format, "seed": args.seed}))
+    if not quiet:
+        print(json.dumps({"model": str(args.out), "format": args.format, "seed": args.seed}))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -112,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                       "finish_reason": out.finish_reason}))
 
 
-COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate}
+COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up}
 
 
 def main(argv: list[str] | None = None) -> int:

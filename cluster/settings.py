@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class Environment:
     redis_url: str | None  # REDIS_URL: use this Redis; unset → start a local Valkey server
     ray_address: str | None  # RAY_ADDRESS: join this Ray cluster; unset → start a local one
+    cache_dir: Path  # XDG_CACHE_HOME/v4serve (default ~/.cache/v4serve): the cached tiny model
 
 
 def from_env() -> Environment:
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Environment(redis_url=os.environ.get("REDIS_URL") or None,
-                       ray_address=os.environ.get("RAY_ADDRESS") or None)
+                       ray_address=os.environ.get("RAY_ADDRESS") or None,
+                       cache_dir=cache_root / "v4serve")

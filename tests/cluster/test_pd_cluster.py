@@ -5,6 +5,8 @@ import asyncio
 import random
 import time
 
+from pathlib import Path
+
 import pytest
 import ray
 
@@ -25,7 +27,7 @@ pytest.importorskip("nixl")
 def cluster(tiny_official_ckpt):
     c = LocalCluster(ClusterOptions(WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=8,
                                                   prefill_token_budget=160), prefill=1, decode=1),
-                     Environment(None, None)).start()
+                     Environment(None, None, Path("/tmp"))).start()
     yield c
     c.stop()
 

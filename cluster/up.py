@@ -1,0 +1,73 @@
+"""`v4serve up`: the whole cluster on this machine (or joined to Ray / Redis given by env).
+
+Starts the registry server, Ray, the prefill and decode pools and the router; prints one line
+containing `ready` and the addresses once it can serve; serves until SIGINT/SIGTERM; then stops
+the router, the actors, Ray and the registry server, leaving no processes behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+from cluster.launcher import ClusterOptions, LocalCluster
+from cluster.registry import Registry
+from cluster.settings import Environment
+from model.checkpoint import read_config
+from model.tokenizer import load_tokenizer
+from router.app import serve
+from router.cluster_backend import ClusterBackend
+from router.config import PlacementConfig, RouterConfig
+from router.metrics import RouterMetrics
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    cluster: ClusterOptions
+    router: RouterConfig
+
+
+async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
+    model_dir = options.cluster.worker.model_dir
+    cfg = read_config(model_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    cluster = LocalCluster(options.cluster, env)
+    backend = handle = None
+    try:
+        # On the main thread, and before our handlers: Ray installs signal handlers of its own.
+        cluster.start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        metrics = RouterMetrics()
+        placement = PlacementConfig(**{**options.router.placement.__dict__, "page_size": options.cluster.worker.page_size})
+        backend = ClusterBackend(Registry(cluster.registry_url, options.cluster.worker.cluster), tokenizer,
+                                 options.router.model_name or "v4serve", min(cfg.max_position_embeddings,
+                                                                              options.cluster.worker.max_tokens),
+                                 placement, metrics)
+        await backend.start()
+        await _wait_for_workers(backend, options.cluster)
+        handle = await serve(options.router, backend, metrics)
+        ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
+                   f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url}")
+        await stop.wait()
+    finally:
+        if handle is not None:
+            await handle.stop()
+        if backend is not None:
+            await backend.stop()
+        await asyncio.to_thread(cluster.stop)
+
+
+async def _wait_for_workers(backend: ClusterBackend, options: ClusterOptions, timeout_s: float = 120.0) -> None:
+    """Ready means every worker is registered, so the first request can be placed."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        health = backend.health()
+        if health["decode"] >= options.decode and health["prefill"] >= options.prefill:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"workers did not register within {timeout_s}s: {health}")
+        await asyncio.sleep(0.1)
+        await backend._refresh()

@@ -1,0 +1,145 @@
+"""The router's backend over the Ray cluster (the `Backend` protocol of router/stub_backend.py).
+
+Per request, decode-first placement (router/placement.py) over the loads the workers publish
+in the registry — corrected by the requests this router placed since the last report — and the
+prefix index built from the prefill workers' KV events; then one streaming call to the chosen
+decode actor, handing it the chosen prefill actor (or none: the decode worker prefills).
+
+Registry reads run in threads, never on the event loop; every router replica builds the same
+prefix index because each reads the whole KV event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+
+import ray
+
+from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
+from cluster.registry import Registry
+from router.config import PlacementConfig
+from router.metrics import RouterMetrics
+from router.placement import place, placement_request
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+class ClusterBackend:
+    def __init__(self, registry: Registry, tokenizer, model_name: str, max_model_len: int,
+                 placement: PlacementConfig, metrics: RouterMetrics | None = None,
+                 max_waiting_per_worker: int = 64, refresh_s: float = 0.2):
+        self.registry, self.tokenizer, self.model_name = registry, tokenizer, model_name
+        self.max_model_len, self.placement, self.metrics = max_model_len, placement, metrics
+        self.max_waiting_per_worker, self.refresh_s = max_waiting_per_worker, refresh_s
+        self.index = PrefixIndex(placement.page_size)
+        self.loads: dict[str, WorkerLoad] = {}
+        self.placed = Counter()  # worker id → requests placed here since its last load report
+        self.decode_of: dict[str, str] = {}  # request id → decode worker id
+        self._actors: dict[str, object] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._refresh()
+        self._tasks = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._event_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _refresh(self) -> None:
+        workers = await asyncio.to_thread(self.registry.workers)
+        fresh = {w.worker_id: w.load for w in workers}
+        for gone in set(self.loads) - set(fresh):
+            self.index.remove_worker(gone)
+        self.loads = fresh
+        self.placed.clear()
+        if self.metrics is not None:
+            for role in ("prefill", "decode"):
+                self.metrics.set_queue_depth(role, sum(l.waiting for l in fresh.values() if l.role == role))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self._refresh()
+            except Exception as e:  # Redis restarting: keep the last view, retry
+                log.warning("registry refresh failed: %s", e)
+
+    async def _event_loop(self) -> None:
+        last = "0-0"
+        while True:
+            try:
+                last, events = await asyncio.to_thread(self.registry.read_events, last, 500)
+                for event in events:
+                    self.index.apply(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis restarting: retry from the last event seen
+                log.warning("KV event read failed: %s", e)
+                await asyncio.sleep(0.5)
+
+    # --- the Backend protocol --------------------------------------------------------------
+    def _view(self, role: str) -> list[WorkerLoad]:
+        return [dataclasses.replace(l, waiting=l.waiting + self.placed[l.worker_id])
+                for l in self.loads.values() if l.role == role and not l.draining]
+
+    def _actor(self, worker_id: str):
+        if worker_id not in self._actors:
+            self._actors[worker_id] = ray.get_actor(worker_id)
+        return self._actors[worker_id]
+
+    async def generate(self, req: GenerateRequest):
+        decode_loads, prefill_loads = self._view("decode"), self._view("prefill")
+        where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads, prefill_loads,
+                      self.placement, tie_key=req.request_id)
+        if where is None:
+            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no decode worker available"))
+            return
+        self.placed[where.decode_id] += 1
+        if where.prefill_id is not None:
+            self.placed[where.prefill_id] += 1
+        decode = self._actor(where.decode_id)
+        prefill = self._actor(where.prefill_id) if where.prefill_id is not None else None
+        self.decode_of[req.request_id] = where.decode_id
+        finished = False
+        try:
+            async for ref in decode.generate.options(num_returns="streaming").remote(req, prefill):
+                chunk = await ref
+                if chunk.usage is not None and self.metrics is not None and chunk.usage.cached_tokens:
+                    self.metrics.add_prefix_cache_hit_tokens(chunk.usage.cached_tokens)
+                finished = bool(chunk.finish_reason or chunk.error)
+                yield chunk
+                if finished:
+                    return
+            if not finished:
+                yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
+        except ray.exceptions.RayActorError as e:
+            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, f"decode worker lost: {e}"))
+        finally:
+            self.decode_of.pop(req.request_id, None)
+            if not finished:  # client went away or the worker failed: make sure it stops
+                try:
+                    decode.abort.remote(req.request_id)
+                except Exception:
+                    pass
+
+    async def abort(self, request_id: str) -> None:
+        worker = self.decode_of.get(request_id)
+        if worker is not None:
+            await self._actor(worker).abort.remote(request_id)
+
+    def overloaded(self) -> float | None:
+        decode = self._view("decode")
+        if decode and all(l.waiting >= self.max_waiting_per_worker for l in decode):
+            return 1.0
+        return None
+
+    def health(self) -> dict:
+        roles = Counter(l.role for l in self.loads.values())
+        return {"ok": roles["decode"] > 0, "prefill": roles["prefill"], "decode": roles["decode"]}
