@@ -25,7 +25,7 @@ pytest.importorskip("nixl")
 
 @pytest.fixture(scope="module")
 def cluster(tiny_official_ckpt):
-    c = LocalCluster(ClusterOptions(WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=8,
+    c = LocalCluster(ClusterOptions(WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16,
                                                   prefill_token_budget=160), prefill=1, decode=1),
                      Environment(None, None, Path("/tmp"))).start()
     yield c
