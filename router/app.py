@@ -70,7 +70,9 @@ class RouterHandle:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it a response written as headers + body waits out the peer's delayed ACK (~40 ms).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
@@ -98,7 +100,7 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
         uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level, access_log=False,
                             ws="none", ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
                             timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=30,
-                            server_header=False)
+                            server_header=False, proxy_headers=False)
         http = _EmbeddedServer(uv)
         http_task = asyncio.create_task(http.serve(sockets=[sock]))
         while not http.started:

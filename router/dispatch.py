@@ -166,18 +166,17 @@ class _Relay:
         self.finish: TokenChunk | None = None
 
     def observe(self, chunk: TokenChunk) -> None:
+        """TTFT at the first token; afterwards one inter-token sample per chunk, the chunk's gap
+        divided by its token count (= one sample per token when the backend streams token by
+        token, and bounded cost when it sends many tokens at once)."""
         k = len(chunk.token_ids)
         if not k:
             return
         now = time.perf_counter()
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
-            k_gaps = k - 1  # tokens after the first in the same chunk arrived with no gap
-            gap = 0.0
         else:
-            k_gaps, gap = k, (now - self.last) / k
-        for _ in range(k_gaps):
-            self.metrics.itl.observe(gap)
+            self.metrics.itl.observe((now - self.last) / k)
         self.last = now
         self.tokens += k
 
