@@ -187,12 +187,13 @@ class KVPools:
             self.allocators[kind].free(seq.pages[kind])
             seq.pages[kind] = []
 
-    def trim_window(self, seq: SeqKV) -> int:
-        """Free SWA pages no future query can see (all tokens < num_tokens - window + 1)."""
+    def trim_window(self, seq: SeqKV, pinned: frozenset[int] = frozenset()) -> int:
+        """Free SWA pages no future query can see (all tokens < num_tokens - window + 1), except
+        the page indices in `pinned` (kept e.g. for a prefix cache). Returns pages freed."""
         first_needed = max(0, seq.num_tokens - self.cfg.sliding_window + 1) // self.page_size
         freed = 0
         for i in range(first_needed):
-            if seq.pages["swa"][i] >= 0:
+            if seq.pages["swa"][i] >= 0 and i not in pinned:
                 self.allocators["swa"].free([seq.pages["swa"][i]])
                 seq.pages["swa"][i] = -1
                 freed += 1

@@ -2,8 +2,10 @@
 
     step():  admit → schedule → run → postprocess
 
-* admit: queued requests get their prompt pages (FIFO; a request that does not fit waits).
-* schedule: prompt chunks of admitted requests, oldest first, up to `token_budget` tokens.
+* admit: queued requests get their prompt pages (FIFO; a request that does not fit waits); with a
+  prefix store, the longest cached resumable prefix is reused and only the rest is computed.
+* schedule: prompt chunks of admitted requests, oldest first, up to `token_budget` tokens; a
+  chunk ends at each snapshot point so the compress state there can be copied for the cache.
 * run: one `ForwardBatch` through the model.
 * postprocess: a request whose prompt is complete samples its first token (position = prompt
   length, the same pure sampling as everywhere) and is returned as `Prefilled`; its pages stay
@@ -20,6 +22,7 @@ from model.batch import ForwardBatch
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample
 from model.transformer import Transformer
+from prefill_worker.prefix_store import PrefixStore, Reuse
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class Job:
     state: RequestState = RequestState.WAITING
     seq: SeqKV | None = None
     done: int = 0  # prompt tokens in the pools
+    reuse: Reuse | None = None  # what the prefix cache gave (None without a cache)
+
+    def chunk_limit(self) -> int:
+        """Tokens until the prompt's end or the next snapshot point, whichever comes first."""
+        end = len(self.req.prompt_ids)
+        points = [p for p in (self.reuse.snapshot_points if self.reuse else ()) if p > self.done]
+        return min([end] + points) - self.done
 
 
 @dataclass(frozen=True)
@@ -42,11 +52,13 @@ class Prefilled:
     seq: SeqKV  # its pages hold the whole prompt's KV; release with `release`
     first_token: int
     computed_tokens: int  # prompt tokens this worker actually ran through the model
+    job: Job
 
 
 class PrefillEngine:
-    def __init__(self, model: Transformer, pools: KVPools, worker_id: str, config: PrefillConfig = PrefillConfig()):
-        self.model, self.pools, self.worker_id, self.config = model, pools, worker_id, config
+    def __init__(self, model: Transformer, pools: KVPools, worker_id: str, config: PrefillConfig = PrefillConfig(),
+                 store: PrefixStore | None = None):
+        self.model, self.pools, self.worker_id, self.config, self.store = model, pools, worker_id, config, store
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self.computed_tokens = 0  # lifetime counter: prompt tokens run through the model
@@ -62,12 +74,19 @@ class PrefillEngine:
         job = self.running.pop(request_id, None)
         if job is None:
             return False
-        self.pools.release(job.seq)
+        self._release(job)
         return True
 
     def release(self, done: Prefilled) -> None:
-        """Free a finished request's pages once the decode side has them (or gave up)."""
-        self.pools.release(done.seq)
+        """Give back a finished request's pages once the decode side has them (or gave up): into
+        the prefix cache when there is one, else to the pools."""
+        self._release(done.job)
+
+    def _release(self, job: Job) -> None:
+        if self.store is not None and job.reuse is not None:
+            self.store.finish(job.req.prompt_ids, job.seq, job.reuse)
+        else:
+            self.pools.release(job.seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -88,20 +107,30 @@ class PrefillEngine:
         batch.commit()
         out = []
         for i, job in enumerate(owners):
-            self.pools.trim_window(job.seq)
+            if job.reuse is not None:
+                if job.done in job.reuse.snapshot_points:
+                    self.store.snapshot(job.seq, job.reuse)
+                self.pools.trim_window(job.seq, pinned=self.store.pinned(job.reuse))
+            else:
+                self.pools.trim_window(job.seq)
             if job.done == len(job.req.prompt_ids):
                 del self.running[job.req.request_id]
                 job.state = RequestState.TRANSFERRING
                 first = sample(logits[i], job.req.sampling, position=job.seq.num_tokens)
-                out.append(Prefilled(job.req.request_id, job.seq, first, len(job.req.prompt_ids)))
+                computed = len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0)
+                out.append(Prefilled(job.req.request_id, job.seq, first, computed, job))
         return out
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             job = self.waiting[0]
-            seq = SeqKV()
             try:
-                self.pools.reserve(seq, len(job.req.prompt_ids))
+                if self.store is not None:
+                    seq, job.reuse = self.store.admit(job.req.prompt_ids)
+                    job.done = job.reuse.cached_tokens
+                else:
+                    seq = SeqKV()
+                    self.pools.reserve(seq, len(job.req.prompt_ids))
             except PoolExhausted:
                 break
             self.waiting.popleft()
@@ -114,7 +143,7 @@ class PrefillEngine:
             if budget <= 0:
                 break
             prompt = job.req.prompt_ids
-            n = min(budget, len(prompt) - job.done)
+            n = min(budget, job.chunk_limit())
             items.append((job.seq, list(prompt[job.done:job.done + n])))
             owners.append(job)
             job.done += n

@@ -56,3 +56,79 @@ def test_disaggregated_equals_generate(model, fmt):
         assert got[r.request_id] == ref, r.request_id
     assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
     assert prefill.computed_tokens == sum(len(r.prompt_ids) for r in reqs)
+
+
+def run_pd(model, reqs, p_pools, prefill, d_pools):
+    """Drive prefill → page copy → decode to completion; tokens per request."""
+    decode = DecodeEngine(model, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
+    by_id = {r.request_id: r for r in reqs}
+    got = {r.request_id: [] for r in reqs}
+    for r in reqs:  # one at a time, so later requests can reuse what earlier ones cached
+        prefill.submit(r)
+        while prefill.has_work() or decode.has_work():
+            for done in prefill.step():
+                src = {k: v for k, v in p_pools.resume_pages(done.seq).items()}
+                dst = {k: d_pools.alloc(k, len(v)) for k, v in src.items()}
+                for kind in src:
+                    d_pools.buffers[kind][dst[kind]] = p_pools.buffers[kind][src[kind]]
+                prefill.release(done)
+                seq = d_pools.adopt(done.seq.num_tokens, dst)
+                for c in decode.admit_transferred(by_id[done.request_id], seq, done.first_token):
+                    got[c.request_id].extend(c.token_ids)
+            for c in decode.step():
+                got[c.request_id].extend(c.token_ids)
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_pack"])
+def test_prefix_cache_skips_repeated_prefixes_and_keeps_outputs(model, fmt):
+    from prefill_worker.prefix_store import PrefixStore
+
+    rng = random.Random(11)
+    system = [rng.randrange(256) for _ in range(300)]
+    turn1 = system + [rng.randrange(256) for _ in range(60)]
+    turn2 = turn1 + [rng.randrange(256) for _ in range(230)]  # multi-turn: extends turn 1
+    q = [system + [rng.randrange(256) for _ in range(rng.randrange(20, 90))] for _ in range(3)]
+    prompts = [turn1, turn2] + q
+    reqs = [GenerateRequest(f"c{i}", tuple(p), max_tokens=5, sampling=SamplingParams(temperature=0.7, seed=i))
+            for i, p in enumerate(prompts)]
+    p_pools = KVPools(model.cfg, fmt, page_size=128, max_tokens=1024, max_seqs=6)
+    d_pools = KVPools(model.cfg, fmt, page_size=128, max_tokens=1024, max_seqs=6)
+    store = PrefixStore(p_pools, "p0")
+    prefill = PrefillEngine(model, p_pools, "p0", PrefillConfig(token_budget=100), store=store)
+    got = run_pd(model, reqs, p_pools, prefill, d_pools)
+    for r in reqs:
+        pools = KVPools(model.cfg, fmt, max_tokens=1024, max_seqs=1)
+        ref = generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling,
+                       stop_ids=frozenset({model.cfg.eos_token_id})).token_ids
+        assert got[r.request_id] == ref, r.request_id
+    total = sum(len(p) for p in prompts)
+    # turn 1 caches its pages up to its last page boundary (256); turn 2 and each question
+    # (which diverge from the tree at 300, inside the system prompt) resume from there
+    assert prefill.computed_tokens == total - 4 * 256
+    assert store.events and {e.kind for e in store.events} >= {"stored"}
+    store.cache.evict_full(10 ** 9)
+    assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
+
+
+def test_divergence_point_snapshot_makes_shared_system_prompt_reusable(model):
+    """q1 caches up to 640 with a state only at 640; q2 diverges at 600 and cannot resume, but
+    snapshots at 512 where it diverged; q3 then resumes at 512."""
+    from prefill_worker.prefix_store import PrefixStore
+
+    rng = random.Random(12)
+    system = [rng.randrange(256) for _ in range(600)]
+    prompts = [system + [rng.randrange(256) for _ in range(50)] for _ in range(3)]
+    reqs = [GenerateRequest(f"s{i}", tuple(p), max_tokens=3) for i, p in enumerate(prompts)]
+    p_pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
+    d_pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
+    store = PrefixStore(p_pools, "p0")
+    prefill = PrefillEngine(model, p_pools, "p0", PrefillConfig(token_budget=256), store=store)
+    got = run_pd(model, reqs, p_pools, prefill, d_pools)
+    for r in reqs:
+        pools = KVPools(model.cfg, "fp32", max_tokens=1024, max_seqs=1)
+        assert got[r.request_id] == generate(model, pools, list(r.prompt_ids), 3, r.sampling,
+                                             stop_ids=frozenset({model.cfg.eos_token_id})).token_ids
+    assert prefill.computed_tokens == 650 + 650 + (650 - 512)
+    store.cache.evict_full(10 ** 9)
+    assert p_pools.num_free() == p_pools.idle_free()
