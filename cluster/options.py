@@ -17,4 +17,5 @@ class WorkerOptions:
     threads: int = 1  # torch intra-op threads per replica
     prefill_token_budget: int = 1024
     lease_s: float = 30.0  # how long a decode reservation waits for its KV
+    prefix_cache: bool = True  # prefill workers keep finished prompts' pages for reuse
     heartbeat_s: float = 1.0

@@ -28,6 +28,7 @@ from kvtransfer.sender import Sender
 from model.checkpoint import load_checkpoint
 from model.kv_pool import KVPools
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
+from prefill_worker.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ class PrefillWorker:
         cfg, model = load_checkpoint(options.model_dir)
         self.pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
                              max_seqs=options.max_seqs)
+        self.store = PrefixStore(self.pools, worker_id) if options.prefix_cache else None
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
-                                                  max_running=options.max_seqs))
+                                                  max_running=options.max_seqs), store=self.store)
         self.agent = Agent(worker_id, pool_buffers(self.pools))
         self.layout = layout_of(self.pools)
         self.sender = Sender(self.agent, self.layout)
@@ -74,8 +76,12 @@ class PrefillWorker:
         """(agent name, epoch, metadata): what a decode worker loads to answer our transfers."""
         return self.agent.name, self.agent.epoch, self.agent.metadata()
 
-    def page_accounting(self) -> dict:
+    def page_accounting(self, drop_cache: bool = False) -> dict:
+        """Free vs idle pages; `drop_cache` first evicts every unlocked cached prefix."""
+        if drop_cache and self.store is not None:
+            self.store.cache.evict_full(10 ** 9)
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
+                "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping),
                 "transfers": self.sender.metrics.snapshot()}
 
@@ -122,9 +128,20 @@ class PrefillWorker:
                 else:
                     await asyncio.sleep(0.002)
                 self._poll_sender()
+                await self._publish_events()
             except Exception:
                 log.exception("prefill loop error")
                 await asyncio.sleep(0.1)
+
+    async def _publish_events(self) -> None:
+        """KV events of the prefix cache → registry stream (the routers' prefix index)."""
+        if self.store is None or not self.store.events:
+            return
+        events, self.store.events = self.store.events, []
+        try:
+            await asyncio.to_thread(lambda: [self.registry.publish(e) for e in events])
+        except Exception as e:  # Redis down: routing degrades to load only; the cache is intact
+            log.warning("publishing %d KV events failed: %s", len(events), e)
 
     def _ship(self, done: Prefilled) -> None:
         entry = self.targets.get(done.request_id)

@@ -39,11 +39,12 @@ def reference(ckpt, req):
                     stop_ids=frozenset({cfg.eos_token_id})).token_ids
 
 
-def assert_idle(actor, timeout=10.0):
-    """Page accounting converges to idle once acknowledgements and leases have been processed."""
+def assert_idle(actor, timeout=10.0, prefill=False):
+    """Page accounting converges to idle once acknowledgements and leases have been processed
+    (a prefill worker's prefix cache is dropped first: cached pages are not leaked pages)."""
     deadline = time.time() + timeout
     while True:
-        acct = ray.get(actor.page_accounting.remote())
+        acct = ray.get(actor.page_accounting.remote(drop_cache=True) if prefill else actor.page_accounting.remote())
         if acct["free"] == acct["idle"] or time.time() > deadline:
             break
         time.sleep(0.1)
@@ -76,7 +77,9 @@ def test_pd_outputs_equal_generate(cluster, tiny_official_ckpt):
     got = asyncio.run(run())
     for r, tokens in zip(reqs, got):
         assert tokens == reference(tiny_official_ckpt, r), r.request_id
-    for actor in cluster.prefill + cluster.decode:
+    for actor in cluster.prefill:
+        assert_idle(actor, prefill=True)
+    for actor in cluster.decode:
         assert_idle(actor)
     d = ray.get(cluster.decode[0].page_accounting.remote())
     assert d["fallbacks"] == 0 and d["transfers_idle"]
@@ -93,3 +96,22 @@ def test_workers_registered_with_metadata(cluster):
     assert roles == {"prefill", "decode"}
     for w in reg.workers():
         assert w.metadata and w.layout and w.epoch
+
+
+def test_repeated_prefix_skips_prefill_through_the_cluster(cluster, tiny_official_ckpt):
+    rng = random.Random(9)
+    first = [rng.randrange(256) for _ in range(300)]
+    second = first + [rng.randrange(256) for _ in range(40)]
+    p, d = cluster.prefill[0], cluster.decode[0]
+    before = ray.get(p.page_accounting.remote())["computed_tokens"]
+
+    async def run(req):
+        return await collect(d, req, p)
+
+    reqs = [GenerateRequest("x1", tuple(first), 4), GenerateRequest("x2", tuple(second), 4)]
+    got = [asyncio.run(run(r)) for r in reqs]
+    for r, tokens in zip(reqs, got):
+        assert tokens == reference(tiny_official_ckpt, r)
+    computed = ray.get(p.page_accounting.remote())["computed_tokens"] - before
+    assert computed == 300 + 340 - 256  # the second prompt resumed at the first one's page boundary
+    assert_idle(p, prefill=True)
