@@ -176,10 +176,12 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
     else:
         posted = sender.send(target, src_pages)
         descriptors, nbytes = posted.descriptors, posted.nbytes
+    t_sent = time.perf_counter()
     while sender.in_flight(rid):
         sender.poll()
     t1 = time.perf_counter()
-    sender.finish(target, b"first-token+sampling-state" * 4)
+    sender.finish(target, b"first-token+sampling-state" * 4)    # computes the checksums
+    t_fin = time.perf_counter()
     released = None
     while released is None:
         for ev in sender.poll():
@@ -189,7 +191,8 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
     handoff_s, kind = conn.recv()
     if kind != "ready" or released != "acked":
         raise RuntimeError(f"{rid}: receiver {kind}, sender {released}")
-    return {"write_s": t1 - t0, "finish_to_ack_s": t2 - t1, "handoff_s": handoff_s,
+    return {"write_s": t1 - t0, "send_call_s": t_sent - t0, "finish_call_s": t_fin - t1,
+            "finish_to_ack_s": t2 - t1, "handoff_s": handoff_s,
             "descriptors": descriptors, "nbytes": nbytes}
 
 
@@ -269,6 +272,8 @@ def main() -> None:
                 "handoff_s_median": statistics.median(r["handoff_s"] for r in runs),
                 "handoff_s_p90": sorted(r["handoff_s"] for r in runs)[
                     min(len(runs) - 1, int(0.9 * len(runs)))],
+                "send_call_s_median": statistics.median(r["send_call_s"] for r in runs),
+                "finish_call_s_median": statistics.median(r["finish_call_s"] for r in runs),
                 "finish_to_ack_s_median": statistics.median(r["finish_to_ack_s"] for r in runs),
             }
             results["sizes"].append(row)

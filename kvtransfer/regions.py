@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class Span:
@@ -41,18 +39,22 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int
     off, length = (0, page_bytes) if byte_range is None else byte_range
     if off < 0 or length <= 0 or off + length > page_bytes:
         raise ValueError(f"byte_range {byte_range} outside page of {page_bytes} bytes")
-    src = np.asarray(src_pages, dtype=np.int64)
-    dst = np.asarray(dst_pages, dtype=np.int64)
     if length != page_bytes:
         # Gaps between the slices of neighbouring pages: nothing to merge.
         return [Span(int(s) * page_bytes + off, int(d) * page_bytes + off, length)
-                for s, d in zip(src, dst)]
-    # A run breaks wherever either side is not the previous page id + 1.
-    breaks = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(src)]))
-    return [Span(int(src[a]) * page_bytes, int(dst[a]) * page_bytes, int(b - a) * page_bytes)
-            for a, b in zip(starts, ends)]
+                for s, d in zip(src_pages, dst_pages)]
+    # A run breaks wherever either side is not the previous page id + 1. (A plain loop: page
+    # lists are short, and numpy's per-call overhead dominated at these sizes.)
+    out: list[Span] = []
+    run_s, run_d, run_n = int(src_pages[0]), int(dst_pages[0]), 1
+    for s, d in zip(src_pages[1:], dst_pages[1:]):
+        if s == run_s + run_n and d == run_d + run_n:
+            run_n += 1
+        else:
+            out.append(Span(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
+            run_s, run_d, run_n = int(s), int(d), 1
+    out.append(Span(run_s * page_bytes, run_d * page_bytes, run_n * page_bytes))
+    return out
 
 
 def total_bytes(spans: Sequence[Span]) -> int:

@@ -74,3 +74,25 @@ def test_cuda_pages_bit_exact_and_checksums_match_cpu(gpu_pair):
     for w in (a, b):
         st = w.call("settle", 10.0)
         assert st["free"] == st["total"]
+
+
+@pytest.mark.parametrize("page_bytes", [4096, 1168, 23360, 784896, 1026])
+def test_fused_checksum_matches_torch_and_cpu(page_bytes):
+    from kvtransfer.checksum import checksum_torch, page_checksum
+
+    g = torch.Generator().manual_seed(page_bytes)
+    cpu = torch.randint(0, 256, (24, page_bytes), dtype=torch.uint8, generator=g)
+    gpu = cpu.cuda()
+    for ids in ([3], list(range(5, 21)), [17, 2, 9, 9, 0, 23]):
+        want = int(checksum_torch(cpu, ids))
+        assert page_checksum(gpu, ids) == want                 # fused kernel where it applies
+        assert int(checksum_torch(gpu, ids)) == want           # torch ops on the GPU
+    ids = [4, 11, 7]
+    base = page_checksum(gpu, ids)
+    for page in ids:
+        for byte in (0, 3, page_bytes // 2, 4 * 4096 - 1, 4 * 4096, page_bytes - 1):
+            if byte >= page_bytes:
+                continue
+            bad = gpu.clone()
+            bad[page, byte] ^= 0x10
+            assert page_checksum(bad, ids) != base, (page, byte)
