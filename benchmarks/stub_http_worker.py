@@ -4,8 +4,9 @@ Cheap on purpose, so that the routers in front of it — not the worker — are 
 measures. HTTP/1.1 keep-alive, Content-Length or chunked bodies. Routes:
     POST /v1/completions, /generate    a deterministic completion of `max_tokens` letters
     GET  /health, /health_generate, /v1/models, /get_model_info, /get_server_info, /server_info
-`--delay-ms` adds a fixed service time per completion. With `--cache-log FILE` it also
-simulates a prefix cache (see placement_bench.py) and appends one JSON line per completion.
+`--delay-ms` adds a fixed service time per completion. Embedded in another program
+(placement_bench.py), an `on_request(body) -> (cached_tokens, delay_s)` hook simulates a prefix
+cache and a prefill queue.
 
     python benchmarks/stub_http_worker.py --port 9001 [--delay-ms 0]
 """
@@ -54,8 +55,8 @@ def _parse_chunked(buf: bytearray, start: int):
 
 
 class WorkerProtocol(asyncio.Protocol):
-    def __init__(self, delay_s: float, cache=None):
-        self.delay_s, self.cache, self.buf, self.transport = delay_s, cache, bytearray(), None
+    def __init__(self, delay_s: float, on_request=None):
+        self.delay_s, self.on_request, self.buf, self.transport = delay_s, on_request, bytearray(), None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -89,11 +90,11 @@ class WorkerProtocol(asyncio.Protocol):
     def _respond(self, method: str, path: str, body: bytes):
         if method == "POST" and path in ("/v1/completions", "/generate", "/v1/chat/completions"):
             req = json.loads(body or b"{}")
-            cached = self.cache(req) if self.cache else 0
+            cached, delay = self.on_request(req) if self.on_request else (0, self.delay_s)
             out = json.dumps(completion(req, cached)).encode()
             resp = _OK_JSON % (len(out), out)
-            if self.delay_s > 0:
-                asyncio.get_running_loop().call_later(self.delay_s, self._write, resp)
+            if delay > 0:
+                asyncio.get_running_loop().call_later(delay, self._write, resp)
                 return
         elif path == "/v1/models":
             out = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
@@ -108,9 +109,13 @@ class WorkerProtocol(asyncio.Protocol):
             self.transport.write(data)
 
 
-async def run_worker(host: str, port: int, delay_s: float, cache=None):
+async def start_worker(host: str, port: int, delay_s: float = 0.0, on_request=None):
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: WorkerProtocol(delay_s, cache), host, port, backlog=4096)
+    return await loop.create_server(lambda: WorkerProtocol(delay_s, on_request), host, port, backlog=4096)
+
+
+async def run_worker(host: str, port: int, delay_s: float):
+    server = await start_worker(host, port, delay_s)
     async with server:
         await server.serve_forever()
 
