@@ -292,6 +292,12 @@ def main() -> None:
               f"{r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
               f"{r['torch_copy_s_median'] * 1e3:>8.3f} {r['torch_copy_GBps']:>7.1f} "
               f"{r['write_vs_copy']:>6.2f} {r['handoff_s_median'] * 1e3:>11.2f}")
+    print("phases (ms): send() call | writes landed | finish() (sender checksums) | "
+          "finish -> ack (notify, receiver verify, ack)")
+    for r in results["sizes"]:
+        print(f"{r['tokens']:>7} {r['mode']:>11}  {r['send_call_s_median'] * 1e3:8.3f} "
+              f"{r['write_s_median'] * 1e3:8.3f} {r['finish_call_s_median'] * 1e3:8.3f} "
+              f"{r['finish_to_ack_s_median'] * 1e3:8.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

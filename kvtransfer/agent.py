@@ -64,8 +64,9 @@ class Agent:
     name:  the worker's stable name (no '#'); pools: kind -> uint8 tensor [num_pages, page_bytes],
     all on one device. num_threads: UCX worker threads (0 = NIXL default).
     progress_thread: NIXL's background progress thread. It moves transfers along between
-        poll() calls but spins a core at ~50% here; without it, progress happens only inside
-        state()/recv() (the Sender and Receiver poll()), which suffices when poll() runs often.
+        poll() calls but keeps ~half a core busy; without it, UCX progresses only inside
+        state()/recv() (Sender/Receiver poll()), and then BOTH sides must poll regularly: a
+        host-memory WRITE stalls while the receiving process does not progress.
     """
 
     def __init__(self, name: str, pools: Mapping[str, torch.Tensor], *, num_threads: int = 0,

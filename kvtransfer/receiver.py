@@ -163,7 +163,8 @@ class Receiver:
         res = self._res.get(request_id)
         if res is None:
             return False
-        self.metrics.failed("aborted")
+        if res.state != "fencing":
+            self.metrics.failed("aborted")
         if res.state == "ready":
             self._free(res)
         elif res.state == "corrupt":

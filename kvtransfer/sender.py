@@ -248,20 +248,22 @@ class Sender:
         if key in self._tombstones:
             raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
         out = self._out.get(key)
-        if out is None:      # nothing to write (e.g. all pools empty): still a transfer
+        if out is not None and out.answer is not None:
+            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        known = dict(out.src_pages) if out is not None else {}
+        known.update({k: tuple(int(i) for i in v) for k, v in (src_pages or {}).items()})
+        missing = [k for k, ids in target.page_ids if ids and k not in known]
+        if missing:
+            raise ValueError(f"no source pages known for pools {missing}")
+        if out is None:      # nothing was written (e.g. all pools empty): still a transfer
             if time.time() >= target.lease_deadline - self.post_margin_s:
                 raise LeaseExpired(f"lease of {target.request_id!r} already over")
             out = self._out[key] = _Outgoing(target, peer, time.perf_counter())
             out.began = True
             self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
-        if out.answer is not None:
-            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
-        if src_pages is not None:
-            out.src_pages.update({k: tuple(int(i) for i in v) for k, v in src_pages.items()})
-        missing = [k for k, ids in target.page_ids if ids and k not in out.src_pages]
-        if missing:
-            raise ValueError(f"no source pages known for pools {missing}")
-        pages = {k: out.src_pages[k] for k, ids in target.page_ids if ids}
+        out.src_pages = known
+        # Read on the current stream: source data produced on it is complete by stream order.
+        pages = {k: known[k] for k, ids in target.page_ids if ids}
         sums = pool_checksums(self.agent.pools, pages)
         out.attempt += 1
         out.pending_done = TransferDone(target.request_id, target.agent_epoch, out.attempt,
