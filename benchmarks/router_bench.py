@@ -185,7 +185,7 @@ def _ms(value: str) -> float:
 def run_wrk(url: str, concurrency: int, duration: float, threads: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_WRK_LUA % json.dumps(BODY))
-    proc = subprocess.run(["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(duration))}s", "--latency",
+    proc = subprocess.run(["wrk", "-t", str(min(threads, concurrency)), "-c", str(concurrency), "-d", f"{max(1, round(duration))}s", "--latency",
                            "-s", f.name, url + "/v1/completions"], capture_output=True, text=True)
     os.unlink(f.name)
     out = proc.stdout
@@ -269,15 +269,18 @@ def measure(setup: str, args) -> dict:
 
 
 def _direct_wrk(workers: list[str], args, duration: float) -> dict:
-    """Baseline: one wrk per worker in parallel; rates add up, percentiles are averaged."""
+    """Baseline: one wrk per worker in parallel, the connections split as evenly as possible; rates
+    add up, percentiles are averaged weighted by connections."""
     import concurrent.futures as cf
-    c = max(1, args.concurrency // len(workers))
-    with cf.ThreadPoolExecutor(len(workers)) as ex:
-        parts = list(ex.map(lambda w: run_wrk(w, c, duration, max(1, args.threads // len(workers))), workers))
-    n = len(parts)
+    n = len(workers)
+    conns = [c for c in (args.concurrency // n + (i < args.concurrency % n) for i in range(n)) if c]
+    with cf.ThreadPoolExecutor(len(conns)) as ex:
+        parts = list(ex.map(lambda wc: run_wrk(wc[0], wc[1], duration, max(1, args.threads // len(conns))),
+                            zip(workers, conns)))
+    total = sum(conns)
     return {"rps": sum(p["rps"] for p in parts), "requests": sum(p["requests"] for p in parts),
             "errors": sum(p["errors"] for p in parts),
-            **{k: sum(p[k] for p in parts) / n for k in ("p50_ms", "p90_ms", "p99_ms")}}
+            **{k: sum(p[k] * c for p, c in zip(parts, conns)) / total for k in ("p50_ms", "p90_ms", "p99_ms")}}
 
 
 def main():
