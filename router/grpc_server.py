@@ -10,6 +10,7 @@ cancels the handler task, which makes the dispatcher abort the backend request.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -134,20 +135,55 @@ def _with_deadline(req, deadline: float):
     return replace(req, deadline=deadline)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a valid `authorization: Bearer <key>` metadata entry (health exempt)."""
+class EdgeInterceptor(grpc.aio.ServerInterceptor):
+    """Every call passes here first: refuses calls without a valid `authorization: Bearer <key>`
+    metadata entry (health exempt), and turns undecodable request messages (bad UTF-8 in a string
+    field, a corrupt wire format) into INVALID_ARGUMENT instead of grpc's UNKNOWN."""
 
     def __init__(self, keys: KeyChecker):
         self.keys = keys
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or not self.keys.enabled or details.method.startswith(_OPEN_SERVICES):
-            return handler
-        md = dict(details.invocation_metadata or ())
-        if self.keys.allows(md.get("authorization")):
-            return handler
-        return _deny_handler(handler)
+        if handler is None:
+            return None
+        if self.keys.enabled and not details.method.startswith(_OPEN_SERVICES):
+            md = dict(details.invocation_metadata or ())
+            if not self.keys.allows(md.get("authorization")):
+                return _deny_handler(handler)
+        return _guard_malformed(handler)
+
+
+class _Malformed:
+    def __init__(self, err: Exception):
+        self.err = err
+
+
+def _guard_malformed(handler):
+    if handler.request_streaming or handler.request_deserializer is None:
+        return handler  # only reflection streams requests; its own errors are its own
+    deserialize = handler.request_deserializer
+
+    def safe(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as e:  # noqa: BLE001 - any decode failure is the client's malformed input
+            return _Malformed(e)
+
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    async def behavior(request, context):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.err}")
+        result = inner(request, context)
+        if inspect.isasyncgen(result):
+            async for msg in result:
+                await context.write(msg)
+            return None
+        return await result
+
+    make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+    return make(behavior, request_deserializer=safe, response_serializer=handler.response_serializer)
 
 
 def _deny_handler(handler):
@@ -175,7 +211,7 @@ class GRPCServer:
                  max_message_bytes: int, health_interval_s: float = 1.0):
         self.backend = backend
         self.server = grpc.aio.server(
-            interceptors=[AuthInterceptor(keys)],
+            interceptors=[EdgeInterceptor(keys)],
             options=[("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, dispatcher, limits), self.server)
         self.health = health.aio.HealthServicer()

@@ -191,3 +191,18 @@ def test_concurrent_generate(router, stub):
         t.join()
     for i in range(32):
         assert results[i] == router.expected(router.tokenizer.encode(f"c{i}"), 12, temperature=0.5, seed=i)[0]
+
+
+@pytest.mark.parametrize("raw", [b"\x0a\x02\xff\xfe\x18\x05", b"\xff\xff\xff"], ids=["bad utf-8", "corrupt wire"])
+def test_undecodable_request_is_invalid_argument(channel, raw):
+    call = channel.unary_stream("/v4serve.v1.Inference/Generate", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(raw, timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_watch_still_streams(channel):
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
