@@ -96,7 +96,7 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
     if config.http_port is not None:
         sock = _listen(config.host, config.http_port)
         http_port = sock.getsockname()[1]
-        app = HTTPApp(backend, dispatcher, limits, keys, metrics, config.max_body_bytes)
+        app = HTTPApp(backend, dispatcher, limits, keys, metrics, config.max_body_bytes, config.body_read_timeout_s)
         uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level, access_log=False,
                             ws="none", ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
                             timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=30,

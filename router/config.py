@@ -41,6 +41,7 @@ class RouterConfig:
 
     # --- limits
     max_body_bytes: int = 8 << 20
+    body_read_timeout_s: float = 30.0  # a request body not complete by then is refused (400)
     max_prompt_tokens: int | None = None  # None: the backend's max_model_len
     max_tokens_limit: int = 32768  # largest max_tokens a request may ask for
     default_max_tokens: int = 256  # when the request names none (capped by the context room)

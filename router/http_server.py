@@ -57,9 +57,10 @@ def parse_json(body: bytes):
 
 class HTTPApp:
     def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker, metrics,
-                 max_body_bytes: int):
+                 max_body_bytes: int, body_read_timeout_s: float = 30.0):
         self.backend, self.dispatcher, self.limits = backend, dispatcher, limits
         self.keys, self.metrics, self.max_body_bytes = keys, metrics, max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
         self.created = int(time.time())
         self.routes = {
             ("POST", "/v1/completions"): self._completions,
@@ -116,7 +117,11 @@ class HTTPApp:
 
     async def _generate(self, scope, receive, send, parse):
         arrival = time.perf_counter()
-        body = await self._read_body(scope, receive)
+        try:
+            async with asyncio.timeout(self.body_read_timeout_s):
+                body = await self._read_body(scope, receive)
+        except TimeoutError:
+            raise invalid(f"the request body did not arrive within {self.body_read_timeout_s:g} s") from None
         draft = parse(parse_json(body), self.limits)
         ids = draft.prompt_ids if draft.prompt_ids is not None else await self._tokenize(draft.prompt_text)
         parsed = finalize(draft, ids, self.limits, time.time())

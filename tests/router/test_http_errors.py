@@ -252,3 +252,21 @@ def _self_signed(tmp_path):
     key_path.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                          serialization.NoEncryption()))
     return cert_path, key_path
+
+
+def test_incomplete_body_times_out():
+    r = RouterThread(RouterConfig(http_port=0, grpc_port=None, body_read_timeout_s=0.3))
+    try:
+        host, port = r.http_url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")
+            reply = b""
+            while b"did not arrive" not in reply:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 400") and "did not arrive" in reply
+    finally:
+        r.close()
