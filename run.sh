@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install, create the tiny model once, serve one request.
+# The main job on a fresh machine: install, then serve the tiny model (created once, cached) on a
+# local 1-prefill / 1-decode cluster until Ctrl-C. Extra arguments go to `v4serve up`.
 set -euo pipefail
 cd "$(dirname "$0")"
-bash scripts/setup_env.sh transfer
-model=.cache/tiny-model
-[ -f "$model/config.json" ] || .venv/bin/v4serve make-tiny --out "$model" --seed 0
-.venv/bin/v4serve generate --model "$model" --prompt "DeepSeek-V4 says:" --max-new-tokens 24 "$@"
+bash scripts/setup_env.sh
+exec .venv/bin/v4serve up "$@"

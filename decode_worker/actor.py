@@ -45,7 +45,8 @@ class DecodeWorker:
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs))
-        self.agent = Agent(worker_id, pool_buffers(self.pools))
+        # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
+        self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
         self.receiver = Receiver(self.agent, self.pools, self.layout)
         self.registry = Registry(options.registry_url, options.cluster)
@@ -53,6 +54,7 @@ class DecodeWorker:
         self.awaiting_kv: dict[str, GenerateRequest] = {}  # reserved, KV not yet verified
         self.prefill_of: dict[str, Any] = {}  # request id → prefill actor handle
         self.commands: list = []
+        self.wakeup = asyncio.Event()  # set whenever a command is queued
         self.peer_epochs: dict[str, str] = {}  # prefill agent name → epoch loaded
         self.draining = False
         self.fallbacks = 0  # transfers that failed and were recomputed locally
@@ -88,7 +90,7 @@ class DecodeWorker:
         try:
             if prefill is not None:
                 prefill = await self._connect(prefill)
-            self.commands.append(lambda: self._start(req, prefill))
+            self._queue(lambda: self._start(req, prefill))
             while True:
                 chunk = await queue.get()
                 yield chunk
@@ -98,7 +100,7 @@ class DecodeWorker:
         finally:
             self.streams.pop(req.request_id, None)
             if not finished:  # the caller went away: abort everywhere
-                self.commands.append(lambda: self._abort(req.request_id))
+                self._queue(lambda: self._abort(req.request_id))
 
     async def _connect(self, prefill):
         """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it.
@@ -114,7 +116,7 @@ class DecodeWorker:
         return prefill
 
     async def abort(self, request_id: str) -> bool:
-        self.commands.append(lambda: self._abort(request_id))
+        self._queue(lambda: self._abort(request_id))
         return True
 
     def _start(self, req: GenerateRequest, prefill) -> None:
@@ -137,7 +139,7 @@ class DecodeWorker:
             await ref
         except Exception as e:  # prefill worker died or refused: recompute here
             log.warning("prefill of %s failed: %s", request_id, e)
-            self.commands.append(lambda: self._fallback(request_id))
+            self._queue(lambda: self._fallback(request_id))
 
     def _fallback(self, request_id: str) -> None:
         req = self.awaiting_kv.pop(request_id, None)
@@ -166,8 +168,10 @@ class DecodeWorker:
                 self._route(self._poll_transfers())
                 if self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
+                elif self.awaiting_kv:
+                    await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
-                    await asyncio.sleep(0.002)
+                    await self._idle()
             except Exception:  # a bug must not silently stall every stream: fail loudly per request
                 log.exception("decode loop error")
                 for rid in list(self.streams):
@@ -206,6 +210,19 @@ class DecodeWorker:
             queue = self.streams.get(chunk.request_id)
             if queue is not None:
                 queue.put_nowait(chunk)
+
+    async def _idle(self, timeout_s: float = 0.05) -> None:
+        """Sleep until a command arrives (or the timeout: leases still need checking)."""
+        self.wakeup.clear()
+        if not self.commands:
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _queue(self, command) -> None:
+        self.commands.append(command)
+        self.wakeup.set()
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -6,6 +6,7 @@ The byte tokenizer maps UTF-8 bytes to ids 0..255 and reserves ids from 256 for 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 BYTE_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
@@ -20,20 +21,16 @@ class ByteTokenizer:
         self.special = {tok: 256 + i for i, tok in enumerate(BYTE_SPECIALS)}
         self._special_by_id = {i: t for t, i in self.special.items()}
         self.bos_id, self.eos_id = 256, 257
+        self._split = re.compile("(" + "|".join(map(re.escape, self.special)) + ")")
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes; special-token strings embedded in `text` map to their ids."""
         ids: list[int] = []
-        i = 0
-        while i < len(text):
-            for tok, tid in self.special.items():
-                if text.startswith(tok, i):
-                    ids.append(tid)
-                    i += len(tok)
-                    break
-            else:
-                ids.extend(text[i].encode("utf-8"))
-                i += 1
+        for i, part in enumerate(self._split.split(text)):
+            if i % 2:  # odd parts are the captured special tokens
+                ids.append(self.special[part])
+            elif part:
+                ids.extend(part.encode("utf-8"))
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -48,7 +48,8 @@ class PrefillWorker:
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
                                                   max_running=options.max_seqs), store=self.store)
-        self.agent = Agent(worker_id, pool_buffers(self.pools))
+        # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
+        self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
         self.sender = Sender(self.agent, self.layout)
         self.registry = Registry(options.registry_url, options.cluster)
@@ -57,6 +58,7 @@ class PrefillWorker:
         self.shipping: dict[str, Prefilled] = {}  # written, awaiting the receiver's answer
         self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
         self.commands: list = []
+        self.wakeup = asyncio.Event()  # set whenever a command is queued
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> dict:
@@ -92,11 +94,11 @@ class PrefillWorker:
         fut = asyncio.get_running_loop().create_future()
         self.futures[req.request_id] = fut
         self.targets[req.request_id] = (decode_target(target), peer_metadata, peer_layout)
-        self.commands.append(lambda: self.engine.submit(req))
+        self._queue(lambda: self.engine.submit(req))
         return await fut
 
     async def abort(self, request_id: str) -> bool:
-        self.commands.append(lambda: self._abort(request_id))
+        self._queue(lambda: self._abort(request_id))
         return True
 
     def _abort(self, request_id: str) -> None:
@@ -125,8 +127,10 @@ class PrefillWorker:
                 if self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
+                elif self.shipping:
+                    await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
-                    await asyncio.sleep(0.002)
+                    await self._idle()
                 self._poll_sender()
                 await self._publish_events()
             except Exception:
@@ -178,6 +182,19 @@ class PrefillWorker:
                 self._answer(ev.request_id, {"first_token": done.first_token if done else None})
             else:
                 self._answer(ev.request_id, TransferFailed(ev.reason))
+
+    async def _idle(self, timeout_s: float = 0.05) -> None:
+        """Sleep until a command arrives (or the timeout: leases still need checking)."""
+        self.wakeup.clear()
+        if not self.commands:
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _queue(self, command) -> None:
+        self.commands.append(command)
+        self.wakeup.set()
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -111,8 +111,6 @@ class ClusterBackend:
         try:
             async for ref in decode.generate.options(num_returns="streaming").remote(req, prefill):
                 chunk = await ref
-                if chunk.usage is not None and self.metrics is not None and chunk.usage.cached_tokens:
-                    self.metrics.add_prefix_cache_hit_tokens(chunk.usage.cached_tokens)
                 finished = bool(chunk.finish_reason or chunk.error)
                 yield chunk
                 if finished:
