@@ -157,6 +157,8 @@ class DecodeWorker:
             if prefill is not None:
                 prefill.abort.remote(request_id)
         self.engine.abort(request_id)
+        # end the stream, so its generator returns even if nobody reads it any more
+        self._route([TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.CANCELLED, "request aborted"))])
 
     # --- the loop -------------------------------------------------------------------------
     async def _loop(self) -> None:

@@ -1,0 +1,82 @@
+"""1000 requests cancelled at random points (queued, prefilling, transferring, decoding) through
+the router's cluster backend leave every pool on every worker at its idle page count."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster.launcher import ClusterOptions, LocalCluster
+from cluster.messages import GenerateRequest
+from cluster.options import WorkerOptions
+from cluster.registry import Registry
+from cluster.settings import Environment
+from model.tokenizer import ByteTokenizer
+from router.cluster_backend import ClusterBackend
+from router.config import PlacementConfig
+
+pytest.importorskip("nixl")
+
+N_REQUESTS = 1000
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_official_ckpt):
+    options = WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16, lease_s=5.0,
+                            prefill_token_budget=256)
+    c = LocalCluster(ClusterOptions(options, prefill=1, decode=1), Environment(None, None, Path("/tmp"))).start()
+    yield c
+    c.stop()
+
+
+def test_abort_storm_leaves_no_pages(cluster):
+    rng = random.Random(7)
+
+    async def one(backend, i):
+        req = GenerateRequest(f"storm{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(1, 300))),
+                              max_tokens=rng.randrange(1, 30))
+        stop_after = rng.choice([0, 0, 1, 2, 5, 100])  # chunks before the client goes away
+        gen = backend.generate(req)
+        seen = 0
+        try:
+            async for chunk in gen:
+                assert chunk.error is None, chunk.error
+                seen += 1
+                if seen >= stop_after or chunk.finish_reason:
+                    break
+        finally:
+            await gen.aclose()  # the client disconnects: the backend aborts the request
+
+    async def run():
+        backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
+                                 PlacementConfig(remote_prefill_threshold=64))
+        await backend.start()
+        while backend.health()["decode"] < 1 or backend.health()["prefill"] < 1:
+            await asyncio.sleep(0.1)
+            await backend._refresh()
+        pending = set()
+        for i in range(N_REQUESTS):
+            pending.add(asyncio.ensure_future(one(backend, i)))
+            if len(pending) >= 48:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()
+        for d in await asyncio.gather(*pending, return_exceptions=True):
+            assert not isinstance(d, Exception), d
+        await backend.stop()
+
+    asyncio.run(run())
+    deadline = time.time() + 30  # aborted reservations are fenced, at worst at lease + grace
+    while True:
+        accounts = [ray.get(a.page_accounting.remote(drop_cache=True)) for a in cluster.prefill]
+        accounts += [ray.get(a.page_accounting.remote()) for a in cluster.decode]
+        if all(a["free"] == a["idle"] for a in accounts) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for a in accounts:
+        assert a["free"] == a["idle"], a
