@@ -23,18 +23,19 @@ from model.sampling import SamplingParams
 pytest.importorskip("nixl")
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_official_ckpt):
-    c = LocalCluster(ClusterOptions(WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16,
-                                                  prefill_token_budget=160), prefill=1, decode=1),
+@pytest.fixture(scope="module", params=["fp32", "fp8_pack"])
+def cluster(request, tiny_official_ckpt):
+    c = LocalCluster(ClusterOptions(WorkerOptions(str(tiny_official_ckpt), "", kv_dtype=request.param,
+                                                  max_tokens=512, max_seqs=16, prefill_token_budget=160),
+                                    prefill=1, decode=1),
                      Environment(None, None, Path("/tmp"))).start()
     yield c
     c.stop()
 
 
-def reference(ckpt, req):
+def reference(ckpt, req, kv_dtype="fp32"):
     cfg, model = load_checkpoint(ckpt)
-    pools = KVPools(cfg, "fp32", max_tokens=512, max_seqs=1)
+    pools = KVPools(cfg, kv_dtype, max_tokens=512, max_seqs=1)
     return generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling,
                     stop_ids=frozenset({cfg.eos_token_id})).token_ids
 
@@ -76,7 +77,7 @@ def test_pd_outputs_equal_generate(cluster, tiny_official_ckpt):
 
     got = asyncio.run(run())
     for r, tokens in zip(reqs, got):
-        assert tokens == reference(tiny_official_ckpt, r), r.request_id
+        assert tokens == reference(tiny_official_ckpt, r, cluster.options.worker.kv_dtype), r.request_id
     for actor in cluster.prefill:
         assert_idle(actor, prefill=True)
     for actor in cluster.decode:
@@ -111,7 +112,7 @@ def test_repeated_prefix_skips_prefill_through_the_cluster(cluster, tiny_officia
     reqs = [GenerateRequest("x1", tuple(first), 4), GenerateRequest("x2", tuple(second), 4)]
     got = [asyncio.run(run(r)) for r in reqs]
     for r, tokens in zip(reqs, got):
-        assert tokens == reference(tiny_official_ckpt, r)
+        assert tokens == reference(tiny_official_ckpt, r, cluster.options.worker.kv_dtype)
     computed = ray.get(p.page_accounting.remote())["computed_tokens"] - before
     assert computed == 300 + 340 - 256  # the second prompt resumed at the first one's page boundary
     assert_idle(p, prefill=True)
