@@ -74,6 +74,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TransferStats:
+    """How a request's KV reached its decode worker (on its first chunk; for the router's metrics)."""
+
+    nbytes: int  # bytes received (0 when the transfer failed)
+    seconds: float  # reservation → verified (or → failure)
+    failure: str | None = None  # why the KV was recomputed locally instead: "corrupt", "expired", ...
+
+
+@dataclass(frozen=True)
 class TokenChunk:
     """New tokens of one request; `text` is their detokenised text (stop strings removed)."""
 
@@ -83,6 +92,7 @@ class TokenChunk:
     finish_reason: str | None = None  # "stop" | "length" | None while streaming
     usage: Usage | None = None  # on the last chunk
     error: ErrorInfo | None = None  # terminal failure; finish_reason stays None
+    transfer: TransferStats | None = None  # on the first chunk of a request that used remote prefill
 
 
 @dataclass(frozen=True)

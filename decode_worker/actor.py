@@ -14,14 +14,16 @@ decoded from unverified pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
 
 from cluster.heartbeat import heartbeat_loop
 from cluster.kv_link import TransferHeader, layout_of, pool_buffers
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk
+from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, TransferStats
 from cluster.options import WorkerOptions
 from cluster.registry import Registry, WorkerInfo
 from decode_worker.engine import DecodeConfig, DecodeEngine
@@ -53,6 +55,8 @@ class DecodeWorker:
         self.streams: dict[str, asyncio.Queue] = {}
         self.awaiting_kv: dict[str, GenerateRequest] = {}  # reserved, KV not yet verified
         self.prefill_of: dict[str, Any] = {}  # request id → prefill actor handle
+        self.reserved_at: dict[str, float] = {}  # request id → perf_counter at reservation
+        self.transfer_stats: dict[str, TransferStats] = {}  # attached to the request's next chunk
         self.commands: list = []
         self.wakeup = asyncio.Event()  # set whenever a command is queued
         self.peer_epochs: dict[str, str] = {}  # prefill agent name → epoch loaded
@@ -131,6 +135,7 @@ class DecodeWorker:
             return
         self.awaiting_kv[req.request_id] = req
         self.prefill_of[req.request_id] = prefill
+        self.reserved_at[req.request_id] = time.perf_counter()
         ref = prefill.prefill.remote(req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes())
         asyncio.ensure_future(self._watch_prefill(req.request_id, ref))
 
@@ -147,10 +152,12 @@ class DecodeWorker:
         if req is None:
             return
         self.receiver.abort(request_id)
+        self._record(request_id, 0, "prefill_failed")
         self.fallbacks += 1
         self.engine.submit(req)
 
     def _abort(self, request_id: str) -> None:
+        self.reserved_at.pop(request_id, None)
         if self.awaiting_kv.pop(request_id, None) is not None:
             self.receiver.abort(request_id)
             prefill = self.prefill_of.pop(request_id, None)
@@ -191,6 +198,7 @@ class DecodeWorker:
                     self.receiver.release(ev.request_id)
                 continue
             if ev.kind != "ready":
+                self._record(ev.request_id, 0, ev.kind)
                 if ev.kind == "corrupt":
                     self.receiver.release(ev.request_id)
                 log.warning("transfer of %s %s (%s): recomputing locally", ev.request_id, ev.kind, ev.detail)
@@ -198,7 +206,9 @@ class DecodeWorker:
                 self.engine.submit(req)
                 continue
             header = TransferHeader.from_bytes(ev.header)
-            seq = self.pools.adopt(header.num_tokens, self.receiver.claim(ev.request_id))
+            pages = self.receiver.claim(ev.request_id)
+            self._record(ev.request_id, sum(len(ids) * self.pools.specs[k].page_bytes for k, ids in pages.items()))
+            seq = self.pools.adopt(header.num_tokens, pages)
             cached = header.num_tokens - header.computed_tokens
             try:
                 out += self.engine.admit_transferred(req, seq, header.first_token, cached_tokens=cached)
@@ -207,8 +217,15 @@ class DecodeWorker:
                 self.engine.submit(req)
         return out
 
+    def _record(self, request_id: str, nbytes: int, failure: str | None = None) -> None:
+        started = self.reserved_at.pop(request_id, time.perf_counter())
+        self.transfer_stats[request_id] = TransferStats(nbytes, time.perf_counter() - started, failure)
+
     def _route(self, chunks: list[TokenChunk]) -> None:
         for chunk in chunks:
+            stats = self.transfer_stats.pop(chunk.request_id, None)
+            if stats is not None:
+                chunk = dataclasses.replace(chunk, transfer=stats)
             queue = self.streams.get(chunk.request_id)
             if queue is not None:
                 queue.put_nowait(chunk)

@@ -111,6 +111,11 @@ class ClusterBackend:
         try:
             async for ref in decode.generate.options(num_returns="streaming").remote(req, prefill):
                 chunk = await ref
+                if chunk.transfer is not None and self.metrics is not None:
+                    if chunk.transfer.failure is None:
+                        self.metrics.kv_transfer_done(chunk.transfer.nbytes, chunk.transfer.seconds)
+                    else:
+                        self.metrics.kv_transfer_failed(chunk.transfer.failure)
                 finished = bool(chunk.finish_reason or chunk.error)
                 yield chunk
                 if finished:

@@ -14,6 +14,7 @@ import sys
 import time
 
 import grpc
+import httpx
 import psutil
 import pytest
 
@@ -123,6 +124,18 @@ def test_openai_sdk_32_concurrent_equal_generate(up, reference):
     got = asyncio.run(run())
     for i, (w, tokens) in enumerate(zip(work, got)):
         assert tokens == reference(prompt_ids(w), w["max_tokens"], w["temperature"], w["seed"]), i
+    metrics = {}
+    for line in httpx.get(up.http + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            metrics[name] = float(value)
+    # prompts of >= 64 tokens go to a prefill worker (--remote-prefill-threshold 64) unless the
+    # decode worker has no free slot to reserve for the transfer; then it prefills them itself
+    assert 0 < metrics["v4serve_kv_transfer_seconds_count"] <= sum(len(prompt_ids(w)) >= 64 for w in work)
+    assert metrics["v4serve_kv_transfer_bytes_total"] > 0
+    assert metrics.get('v4serve_requests_total{outcome="success",reason="length"}', 0) + \
+        metrics.get('v4serve_requests_total{outcome="success",reason="stop"}', 0) >= len(work)
+    assert 'v4serve_queue_depth{pool="decode"}' in metrics
 
 
 def test_grpc_stream_equal_generate(up, reference):
