@@ -1,6 +1,7 @@
 """KV hand-off benchmark: one request of DeepSeek-V4-Flash shape moved through kvtransfer.
 
     python benchmarks/kv_transfer_bench.py --out results.json                  # 2 GPUs: 0 -> 1
+    python benchmarks/kv_transfer_bench.py --path both                         # IPC and UCX
     python benchmarks/kv_transfer_bench.py --device cpu --tokens 1024,2048     # smoke test
 
 Shape (per request; page = 256 tokens; pool pages laid out [page][layer][entries][bytes]):
@@ -13,7 +14,10 @@ Shape (per request; page = 256 tokens; pool pages laid out [page][layer][entries
                21 x 8 x (4x512), 21 x 8 x (4x128), 20 x 128 x (2x512) floats
 
 The sender (this process, GPU0) and the receiver (a spawned process, GPU1; GPU0 if only one)
-each own their pools. Reported per size:
+each own their pools. --path picks the sender's data path: "ipc" (default: the agent's normal
+choice, CUDA IPC peer copies on one host), "ucx" (an agent built with cuda_ipc=False: every byte
+through NIXL/UCX), or "both" (two sender agents in this process, timed alternately against the
+same copy baseline). The path a write actually took is reported per row. Reported per size:
     kvtransfer write: send() of every pool (runs coalesced) until all writes landed, wall clock
     torch copy:       one device-to-device copy_ of the same number of bytes, CUDA events
                       (CPU: a memcpy of the same bytes in one process, as a reference)
@@ -106,7 +110,7 @@ def receiver_main(conn, device: str, layout_bytes: bytes, progress_thread: bool)
     while True:
         cmd, arg = conn.recv()
         if cmd == "peer":
-            agent.add_peer("bench-send", arg)
+            agent.add_peer(*arg)
             conn.send(None)
         elif cmd == "reserve":          # -> target, then (seconds reserve->verified, ok)
             rid, counts = arg
@@ -156,11 +160,28 @@ def torch_copy_seconds(nbytes: int, src_dev: str, dst_dev: str, warmup: int,
     return times
 
 
+def instrument(agent: Agent) -> dict:
+    """Time the agent's notify() and write() calls (seconds, accumulated into the dict)."""
+    acc = {"notify": 0.0, "write": 0.0}
+    for name in acc:
+        fn = getattr(agent, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_name] += time.perf_counter() - t0
+        setattr(agent, name, timed)
+    return acc
+
+
 def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
-                 per_layer: bool) -> dict:
+                 per_layer: bool, acc: dict) -> dict:
     """Reserve on the receiver, write everything, finish, wait for the ack. Seconds per phase."""
     conn.send(("reserve", (rid, counts)))
     target = decode_target(conn.recv())
+    acc.update(notify=0.0, write=0.0)
     t0 = time.perf_counter()
     descriptors = nbytes = 0
     if per_layer:      # streaming shape: one send() per layer, slices of every page
@@ -177,6 +198,7 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
         posted = sender.send(target, src_pages)
         descriptors, nbytes = posted.descriptors, posted.nbytes
     t_sent = time.perf_counter()
+    notify_s, post_s = acc["notify"], acc["write"]     # Begin, and posting the write(s)
     while sender.in_flight(rid):
         sender.poll()
     t1 = time.perf_counter()
@@ -191,7 +213,8 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
     handoff_s, kind = conn.recv()
     if kind != "ready" or released != "acked":
         raise RuntimeError(f"{rid}: receiver {kind}, sender {released}")
-    return {"write_s": t1 - t0, "send_call_s": t_sent - t0, "finish_call_s": t_fin - t1,
+    return {"write_s": t1 - t0, "send_call_s": t_sent - t0, "begin_notify_s": notify_s,
+            "post_s": post_s, "finish_call_s": t_fin - t1,
             "finish_to_ack_s": t2 - t1, "handoff_s": handoff_s,
             "descriptors": descriptors, "nbytes": nbytes}
 
@@ -203,6 +226,9 @@ def main() -> None:
                                                    "cpu: 1024,2048)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--path", choices=("ipc", "ucx", "both"), default="ipc",
+                    help="sender data path: ipc (default; CUDA IPC where possible), ucx "
+                         "(force NIXL/UCX), both (report each)")
     ap.add_argument("--per-layer", action="store_true",
                     help="also time the streaming shape (one send() per layer)")
     ap.add_argument("--progress-thread", choices=("on", "off"), default=None,
@@ -227,18 +253,25 @@ def main() -> None:
     proc = ctx.Process(target=receiver_main,
                        args=(child, dst_dev, layout.to_bytes(), progress), daemon=True)
     proc.start()
-    agent = Agent("bench-send", make_pools(layout, src_dev), progress_thread=progress)
-    sender = Sender(agent, layout)
     recv_md = conn.recv()
-    sender.handshake("bench-recv", recv_md, layout)
-    conn.send(("peer", agent.metadata()))
-    conn.recv()
+    senders = {}    # requested path -> (agent, sender, path taken)
+    for path in (("ipc", "ucx") if args.path == "both" else (args.path,)):
+        name = "bench-send" if path == "ipc" else "bench-send-ucx"
+        agent = Agent(name, make_pools(layout, src_dev), progress_thread=progress,
+                      cuda_ipc=path == "ipc")
+        sender = Sender(agent, layout)
+        sender.handshake("bench-recv", recv_md, layout)
+        conn.send(("peer", (name, agent.metadata())))
+        conn.recv()
+        taken = agent.transport("bench-recv")                 # maps ahead of the first write
+        senders[path] = (agent, sender, taken, instrument(agent))
 
     results = {"device": args.device, "src": src_dev, "dst": dst_dev,
                "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                if args.device == "cuda" else [],
                "torch": torch.__version__, "python": sys.version.split()[0],
                "repeats": args.repeats, "warmup": args.warmup, "progress_thread": progress,
+               "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
                "sizes": []}
     try:
         import importlib.metadata as md
@@ -250,54 +283,71 @@ def main() -> None:
     for t in tokens:
         counts = counts_for(t)
         src_pages = {k: list(range(n)) for k, n in counts.items()}
-        modes = [False, True] if args.per_layer else [False]
-        for per_layer in modes:
-            runs = []
+        rows = []
+        for per_layer in ([False, True] if args.per_layer else [False]):
+            runs = {path: [] for path in senders}
             for i in range(args.warmup + args.repeats):
-                seq += 1
-                r = one_transfer(sender, conn, f"bench-{seq}", counts, src_pages, per_layer)
-                if i >= args.warmup:
-                    runs.append(r)
-            nbytes = runs[0]["nbytes"]
-            copy = torch_copy_seconds(nbytes, src_dev, dst_dev, args.warmup, args.repeats)
-            write_s = statistics.median(r["write_s"] for r in runs)
-            copy_s = statistics.median(copy)
-            row = {
+                for path, (_, sender, _, acc) in senders.items():  # alternate: same conditions
+                    seq += 1
+                    r = one_transfer(sender, conn, f"bench-{seq}", counts, src_pages,
+                                     per_layer, acc)
+                    if i >= args.warmup:
+                        runs[path].append(r)
+            for path, rs in runs.items():
+                agent, _, taken, _ = senders[path]
+                rows.append((path, taken, agent.ipc_stats().get("modes", {}).get("bench-recv"),
+                             per_layer, rs))
+        nbytes = rows[0][4][0]["nbytes"]
+        copy = torch_copy_seconds(nbytes, src_dev, dst_dev, args.warmup, args.repeats)
+        copy_s = statistics.median(copy)
+        for path, taken, mode, per_layer, rs in rows:
+            write_s = statistics.median(r["write_s"] for r in rs)
+            handoffs = sorted(r["handoff_s"] for r in rs)
+            results["sizes"].append({
                 "tokens": t, "mode": "per_layer" if per_layer else "whole_pages",
-                "bytes": nbytes, "descriptors": runs[0]["descriptors"],
+                "path": path, "transport": taken, "ipc_mapping": mode,
+                "bytes": rs[0]["nbytes"], "descriptors": rs[0]["descriptors"],
                 "pool_bytes": {k: n * POOLS[k][0] for k, n in counts.items()},
-                "write_s_median": write_s, "write_GBps": nbytes / write_s / 1e9,
+                "write_s_median": write_s, "write_GBps": rs[0]["nbytes"] / write_s / 1e9,
+                "write_s_min": min(r["write_s"] for r in rs),
                 "torch_copy_s_median": copy_s, "torch_copy_GBps": nbytes / copy_s / 1e9,
                 "write_vs_copy": copy_s / write_s,
-                "handoff_s_median": statistics.median(r["handoff_s"] for r in runs),
-                "handoff_s_p90": sorted(r["handoff_s"] for r in runs)[
-                    min(len(runs) - 1, int(0.9 * len(runs)))],
-                "send_call_s_median": statistics.median(r["send_call_s"] for r in runs),
-                "finish_call_s_median": statistics.median(r["finish_call_s"] for r in runs),
-                "finish_to_ack_s_median": statistics.median(r["finish_to_ack_s"] for r in runs),
-            }
-            results["sizes"].append(row)
+                "handoff_s_median": statistics.median(handoffs),
+                "handoff_s_p90": handoffs[min(len(rs) - 1, int(0.9 * len(rs)))],
+                "send_call_s_median": statistics.median(r["send_call_s"] for r in rs),
+                "begin_notify_s_median": statistics.median(r["begin_notify_s"] for r in rs),
+                "post_s_median": statistics.median(r["post_s"] for r in rs),
+                "finish_call_s_median": statistics.median(r["finish_call_s"] for r in rs),
+                "finish_to_ack_s_median": statistics.median(r["finish_to_ack_s"] for r in rs),
+            })
 
+    for agent, _, _, _ in senders.values():
+        agent.close()             # unmap the receiver's pools before it exits
     conn.send(("exit", None))
     conn.recv()
     proc.join(10)
-    agent.close()
 
-    hdr = (f"{'tokens':>7} {'mode':>11} {'MB':>8} {'descs':>6} {'write ms':>9} {'GB/s':>7} "
-           f"{'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'hand-off ms':>11}")
-    print(f"kvtransfer {src_dev} -> {dst_dev}  (median of {args.repeats}, {args.warmup} warm-up)")
+    hdr = (f"{'tokens':>7} {'mode':>11} {'path':>8} {'MB':>8} {'descs':>6} {'write ms':>9} "
+           f"{'GB/s':>7} {'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'hand-off ms':>11}")
+    print(f"kvtransfer {src_dev} -> {dst_dev}  (median of {args.repeats}, {args.warmup} warm-up;"
+          f" path = the transport writes took, ucx-only = forced by --path ucx)")
     print(hdr)
     for r in results["sizes"]:
-        print(f"{r['tokens']:>7} {r['mode']:>11} {r['bytes'] / 1e6:>8.1f} {r['descriptors']:>6} "
-              f"{r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
+        r["label"] = r["transport"] if r["path"] == "ipc" else "ucx-only"
+        print(f"{r['tokens']:>7} {r['mode']:>11} {r['label']:>8} {r['bytes'] / 1e6:>8.1f} "
+              f"{r['descriptors']:>6} {r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
               f"{r['torch_copy_s_median'] * 1e3:>8.3f} {r['torch_copy_GBps']:>7.1f} "
               f"{r['write_vs_copy']:>6.2f} {r['handoff_s_median'] * 1e3:>11.2f}")
-    print("phases (ms): send() call | writes landed | finish() (sender checksums) | "
-          "finish -> ack (notify, receiver verify, ack)")
+    print("phases (ms): send() call (of it: Begin notify, posting the write) | writes landed | "
+          "finish() (sender checksums) | finish -> ack (notify, receiver verify, ack)")
     for r in results["sizes"]:
-        print(f"{r['tokens']:>7} {r['mode']:>11}  {r['send_call_s_median'] * 1e3:8.3f} "
-              f"{r['write_s_median'] * 1e3:8.3f} {r['finish_call_s_median'] * 1e3:8.3f} "
-              f"{r['finish_to_ack_s_median'] * 1e3:8.3f}")
+        print(f"{r['tokens']:>7} {r['mode']:>11} {r['label']:>8}  "
+              f"{r['send_call_s_median'] * 1e3:8.3f} ({r['begin_notify_s_median'] * 1e3:6.3f} "
+              f"{r['post_s_median'] * 1e3:6.3f}) {r['write_s_median'] * 1e3:8.3f} "
+              f"{r['finish_call_s_median'] * 1e3:8.3f} {r['finish_to_ack_s_median'] * 1e3:8.3f}")
+    modes = {r["ipc_mapping"] for r in results["sizes"] if r["ipc_mapping"]}
+    if modes:
+        print(f"CUDA IPC mapping mode: {', '.join(sorted(modes))}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -9,6 +9,10 @@
   agent metadata (connection info and remote keys) and the base address of every pool.
 - Notifications are demultiplexed by the protocol's one-byte tag, so a Sender and a Receiver can
   share one agent and each take only their own messages.
+- Same-host CUDA pools: writes go through CUDA IPC peer copies (cuda_ipc.py) instead of UCX;
+  the metadata then also carries the host id and the pools' IPC handles. UCX stays the path for
+  other hosts, CPU memory, agents built with cuda_ipc=False, and peers whose mapping failed.
+  Which path a write took is invisible to callers: state()/release() take either handle.
 
 Not thread-safe (NIXL is created without thread sync): drive it from one event-loop thread.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .cuda_ipc import CudaIpcPath, host_id
 from .regions import Span
 
 log = logging.getLogger(__name__)
@@ -37,13 +42,18 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class RemotePeer:
-    """A peer loaded from its metadata blob. pools: kind -> (base address, nbytes, device id)."""
+    """A peer loaded from its metadata blob. pools: kind -> (base address, nbytes, device id);
+    host: its host id; ipc: kind -> exported CUDA IPC handle (empty unless it offers them);
+    uuid: its GPU's UUID."""
 
     name: str
     epoch: str
     nixl_name: str
     mem_type: str
     pools: tuple[tuple[str, tuple[int, int, int]], ...]
+    host: str = ""
+    ipc: tuple[tuple[str, str], ...] = ()
+    uuid: str = ""
 
     def pool(self, kind: str) -> tuple[int, int, int]:
         for k, region in self.pools:
@@ -67,10 +77,12 @@ class Agent:
         poll() calls but keeps ~half a core busy; without it, UCX progresses only inside
         state()/recv() (Sender/Receiver poll()), and then BOTH sides must poll regularly: a
         host-memory WRITE stalls while the receiving process does not progress.
+    cuda_ipc: with CUDA pools, offer this agent's pools to same-host peers through CUDA IPC
+        handles and write to such peers by peer copies; False: every byte goes through UCX.
     """
 
     def __init__(self, name: str, pools: Mapping[str, torch.Tensor], *, num_threads: int = 0,
-                 progress_thread: bool = True):
+                 progress_thread: bool = True, cuda_ipc: bool = True):
         from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
 
         if not name or "#" in name:
@@ -92,6 +104,10 @@ class Agent:
                                 nixl_agent_config(enable_prog_thread=progress_thread,
                                                   backends=["UCX"], num_threads=num_threads))
         self._regs = [self._nixl.register_memory(t) for t in self.pools.values() if t.numel()]
+        self._ipc = (CudaIpcPath(device, self.pools)
+                     if cuda_ipc and device.type == "cuda" and self.pools else None)
+        self.host = self._ipc.host if self._ipc is not None else host_id()
+        self.writes_by_path = {"cuda_ipc": 0, "ucx": 0}
         self._peers: dict[str, RemotePeer] = {}
         self._inbox: dict[bytes, list[tuple[str, bytes]]] = defaultdict(list)
         self._closed = False
@@ -99,18 +115,24 @@ class Agent:
     # --- handshake
 
     def metadata(self) -> bytes:
-        """Blob for peers' add_peer(): identity, NIXL metadata and pool base addresses."""
+        """Blob for peers' add_peer(): identity, NIXL metadata, pool base addresses, host id and
+        (CUDA pools, IPC on) the pools' CUDA IPC handles."""
+        ipc = self._ipc
         return json.dumps({
             "name": self.name,
             "epoch": self.epoch,
             "mem": self.mem_type,
             "pools": {k: [t.data_ptr(), t.numel(), self.device_id] for k, t in self.pools.items()},
             "md": base64.b64encode(self._nixl.get_agent_metadata()).decode(),
+            "host": self.host,
+            "ipc": ipc.export() if ipc is not None else {},
+            "uuid": ipc.uuid if ipc is not None else "",
         }, separators=(",", ":")).encode()
 
     def add_peer(self, name: str, metadata: bytes) -> RemotePeer:
         """Load a peer's metadata. Same epoch again: no-op. New epoch: the old incarnation is
-        dropped first (a restarted peer is a new peer)."""
+        dropped first, its CUDA IPC mapping too (a restarted peer is a new peer). IPC handles
+        are only decoded and mapped on the first write to the peer."""
         d = json.loads(metadata)
         if d["name"] != name:
             raise ValueError(f"metadata is for agent {d['name']!r}, not {name!r}")
@@ -125,11 +147,15 @@ class Agent:
             raise ValueError(f"NIXL metadata names {loaded!r}, expected {name}#{d['epoch']}")
         peer = RemotePeer(name, d["epoch"], loaded, d["mem"],
                           tuple((k, (int(a), int(n), int(dev)))
-                                for k, (a, n, dev) in sorted(d["pools"].items())))
+                                for k, (a, n, dev) in sorted(d["pools"].items())),
+                          str(d.get("host", "")), tuple(sorted(d.get("ipc", {}).items())),
+                          str(d.get("uuid", "")))
         self._peers[name] = peer
         return peer
 
     def remove_peer(self, name: str) -> None:
+        if self._ipc is not None:
+            self._ipc.drop(name)       # waits for copies into it, then unmaps
         peer = self._peers.pop(name, None)
         if peer is not None:
             try:
@@ -140,29 +166,61 @@ class Agent:
     def peer(self, name: str) -> RemotePeer | None:
         return self._peers.get(name)
 
+    def transport(self, peer_name: str) -> str:
+        """"cuda_ipc" or "ucx": the path writes to this peer take (maps the peer if due, so a
+        caller may use it to set up the mapping ahead of the first write)."""
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise KeyError(f"unknown peer {peer_name!r}")
+        ok = self._ipc is not None and self._ipc.mapping(peer) is not None
+        return "cuda_ipc" if ok else "ucx"
+
+    def ipc_stats(self) -> dict:
+        """Counters of the CUDA IPC path (maps, unmaps, map_failures, writes) and the mode of
+        each mapped peer; empty when the path is off."""
+        if self._ipc is None:
+            return {}
+        return dict(self._ipc.stats, modes={n: self._ipc.peer_mode(n) for n in self._peers
+                                            if self._ipc.peer_mode(n)})
+
     # --- writes
 
-    def write(self, peer_name: str, spans: Sequence[tuple[str, Span]]):
-        """Post one NIXL WRITE of (kind, span) pairs into peer `peer_name`'s pools.
+    def write(self, peer_name: str, spans: Sequence[tuple[str, Span]],
+              epoch: str | None = None):
+        """Write (kind, span) pairs into peer `peer_name`'s pools: one NIXL WRITE, or for a
+        same-host CUDA peer one peer copy per span on this agent's copy stream (after the work
+        already on the current stream).
 
+        epoch: if given, the peer incarnation the caller means; another one is refused.
         Returns an opaque handle for state()/release(); None when `spans` is empty.
         Raises KeyError for an unknown peer or kind, ValueError for out-of-range spans,
-        TransferError when NIXL refuses the transfer.
+        TransferError when the transfer is refused or cannot be posted.
         """
         if not spans:
             return None
         peer = self._peers.get(peer_name)
         if peer is None:
             raise KeyError(f"unknown peer {peer_name!r}")
+        if epoch is not None and epoch != peer.epoch:
+            raise TransferError(f"{peer_name!r} is now epoch {peer.epoch}, not {epoch}")
+        for kind, s in spans:
+            n, r_len = self.pools[kind].numel(), peer.pool(kind)[1]
+            if s.src_offset + s.nbytes > n or s.dst_offset + s.nbytes > r_len:
+                raise ValueError(f"span {s} outside pool {kind!r} (local {n} B, "
+                                 f"remote {r_len} B)")
+        mapping = self._ipc.mapping(peer) if self._ipc is not None else None
+        if mapping is not None:
+            try:
+                handle = self._ipc.write(mapping, spans)
+            except Exception as e:      # a CUDA error: the context is likely unusable anyway
+                raise TransferError(f"CUDA IPC copy to {peer.nixl_name} failed: {e}") from e
+            self.writes_by_path["cuda_ipc"] += 1
+            return handle
         local = np.empty((len(spans), 3), dtype=np.uint64)
         remote = np.empty((len(spans), 3), dtype=np.uint64)
         for i, (kind, s) in enumerate(spans):
-            t = self.pools[kind]
-            r_addr, r_len, r_dev = peer.pool(kind)
-            if s.src_offset + s.nbytes > t.numel() or s.dst_offset + s.nbytes > r_len:
-                raise ValueError(f"span {s} outside pool {kind!r} (local {t.numel()} B, "
-                                 f"remote {r_len} B)")
-            local[i] = (t.data_ptr() + s.src_offset, s.nbytes, self.device_id)
+            r_addr, _, r_dev = peer.pool(kind)
+            local[i] = (self.pools[kind].data_ptr() + s.src_offset, s.nbytes, self.device_id)
             remote[i] = (r_addr + s.dst_offset, s.nbytes, r_dev)
         try:
             handle = self._nixl.initialize_xfer(
@@ -174,17 +232,22 @@ class Agent:
         if status == "ERR":
             self.release(handle)
             raise TransferError(f"WRITE to {peer.nixl_name} failed on post")
+        self.writes_by_path["ucx"] += 1
         return handle
 
     def state(self, handle) -> str:
         """"DONE" (data landed at the peer), "PROC" or "ERR"."""
         try:
+            if isinstance(handle, torch.cuda.Event):      # a CUDA IPC write
+                return "DONE" if handle.query() else "PROC"
             return self._nixl.check_xfer_state(handle)
         except Exception:
             log.debug("check_xfer_state failed", exc_info=True)
             return "ERR"
 
     def release(self, handle) -> None:
+        if isinstance(handle, torch.cuda.Event):
+            return
         try:
             handle.release()
         except Exception:   # in-flight transfer that NIXL could not cancel: it keeps it
@@ -220,6 +283,8 @@ class Agent:
         self._closed = True
         for name in list(self._peers):
             self.remove_peer(name)
+        if self._ipc is not None:
+            self._ipc.close()
         for reg in self._regs:
             try:
                 self._nixl.deregister_memory(reg)

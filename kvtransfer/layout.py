@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class LayoutDescriptor:
             "layer_map": sorted([k, list(ids)] for k, ids in self.layer_map),
         }
 
-    @property
+    @cached_property        # immutable: computed once (send() checks it on every call)
     def layout_id(self) -> str:
         """Stable 16-hex-digit hash of everything that must match between peers."""
         blob = json.dumps(self._identity(), sort_keys=True, separators=(",", ":")).encode()

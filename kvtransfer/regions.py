@@ -43,6 +43,10 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int], page_bytes: int
         # Gaps between the slices of neighbouring pages: nothing to merge.
         return [Span(int(s) * page_bytes + off, int(d) * page_bytes + off, length)
                 for s, d in zip(src_pages, dst_pages)]
+    n, s0, d0 = len(src_pages), int(src_pages[0]), int(dst_pages[0])
+    if (list(src_pages) == list(range(s0, s0 + n))
+            and list(dst_pages) == list(range(d0, d0 + n))):   # one run on both sides (common)
+        return [Span(s0 * page_bytes, d0 * page_bytes, n * page_bytes)]
     # A run breaks wherever either side is not the previous page id + 1. (A plain loop: page
     # lists are short, and numpy's per-call overhead dominated at these sizes.)
     out: list[Span] = []

@@ -211,7 +211,7 @@ class Sender:
         if out.done_sent and out.pending_done is None:     # resend after a reported mismatch
             out.done_sent, out.nbytes = False, 0
         for kind, ids in src_pages.items():
-            out.src_pages[kind] = tuple(int(i) for i in ids)
+            out.src_pages[kind] = tuple(map(int, ids))
         if not out.began:
             out.began = True
             self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
@@ -227,8 +227,14 @@ class Sender:
         return Posted(len(spans), nbytes)
 
     def _post(self, out: _Outgoing, spans: list[tuple[str, Span]]) -> None:
+        current = self.agent.peer(out.peer.name)
+        if current is None or current.epoch != out.target.agent_epoch:
+            # A write queued behind a CUDA event while the peer restarted and was handshaken
+            # again: it must not land in the new incarnation's pages.
+            out.answer = out.answer or "peer_restarted"
+            return
         try:
-            handle = self.agent.write(out.peer.name, spans)
+            handle = self.agent.write(out.peer.name, spans, epoch=out.target.agent_epoch)
         except TransferError:
             self.metrics.failed("xfer_error")
             out.answer = out.answer or "xfer_error"

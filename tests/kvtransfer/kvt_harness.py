@@ -73,7 +73,7 @@ def digest(pool: torch.Tensor, ids) -> str:
 
 class _Worker:
     def __init__(self, name, layout, device, seed, sender_faults, receiver_faults, grace_s,
-                 progress_thread):
+                 progress_thread, cuda_ipc=True):
         if str(device).startswith("cuda"):
             torch.cuda.set_device(torch.device(device))   # one GPU per worker process
         gen = torch.Generator().manual_seed(seed)
@@ -81,7 +81,7 @@ class _Worker:
         pools = {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
                                        generator=gen).to(device) for p in layout.pools}
         self.gen = gen
-        self.agent = Agent(name, pools, progress_thread=progress_thread)
+        self.agent = Agent(name, pools, progress_thread=progress_thread, cuda_ipc=cuda_ipc)
         self.alloc = PageAllocator(layout)
         self.grace_s = grace_s
         self.peers: dict[str, tuple[bytes, bytes]] = {}
@@ -214,11 +214,21 @@ class _Worker:
     def cmd_epoch(self):
         return self.agent.epoch
 
+    def cmd_paths(self):
+        """Which data path writes took, IPC mapping counters, live imported CUDA storages."""
+        from kvtransfer.cuda_ipc import live_imports
+
+        return {"writes": dict(self.agent.writes_by_path), "ipc": self.agent.ipc_stats(),
+                "live_imports": live_imports() if torch.cuda.is_available() else 0}
+
+    def cmd_transport(self, peer):
+        return self.agent.transport(peer)
+
 
 def _main(conn, name, layout_bytes, device, seed, sender_faults, receiver_faults, grace_s,
-          progress_thread):
+          progress_thread, cuda_ipc=True):
     w = _Worker(name, LayoutDescriptor.from_bytes(layout_bytes), device, seed, sender_faults,
-                receiver_faults, grace_s, progress_thread)
+                receiver_faults, grace_s, progress_thread, cuda_ipc)
     conn.send(("ready", (w.agent.metadata(), layout_bytes)))
     while True:
         # Block on the pipe while nothing is in flight, so idle workers leave the (2) cores to
@@ -251,7 +261,7 @@ class Worker:
     def __init__(self, name, layout=None, *, device="cpu", seed=0,
                  sender_faults: FaultPlan | None = None,
                  receiver_faults: FaultPlan | None = None, grace_s: float = 0.3,
-                 progress_thread: bool = False):
+                 progress_thread: bool = False, cuda_ipc: bool = True):
         self.name = name
         self.layout = layout or make_layout()
         ctx = mp.get_context("spawn")
@@ -259,7 +269,7 @@ class Worker:
         self.proc = ctx.Process(target=_main, daemon=True,
                                 args=(child, name, self.layout.to_bytes(), device, seed,
                                       sender_faults, receiver_faults, grace_s,
-                                      progress_thread))
+                                      progress_thread, cuda_ipc))
         self.proc.start()
         self.metadata = None
 
