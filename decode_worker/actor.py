@@ -88,6 +88,10 @@ class DecodeWorker:
     # --- requests -------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest, prefill=None):
         """Stream `TokenChunk`s of `req`; with a prefill actor, its KV is computed there."""
+        if req.request_id in self.streams:  # ids key all per-request state here: never mix two
+            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST,
+                                                                 "request id already in progress"))
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
         finished = False

@@ -51,7 +51,8 @@ class PrefillWorker:
         # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
         self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
-        self.sender = Sender(self.agent, self.layout)
+        # a write still in flight a lease after its deadline went to a dead peer: give up on it
+        self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)
         self.registry = Registry(options.registry_url, options.cluster)
         self.targets: dict[str, tuple[TransferTarget, bytes, bytes]] = {}  # rid → (target, peer md, layout)
         self.futures: dict[str, asyncio.Future] = {}
@@ -91,6 +92,8 @@ class PrefillWorker:
     async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes) -> dict:
         """Prefill `req` and deliver its KV into `target`; returns once the receiver verified it.
         Raises TransferFailed if it could not be delivered."""
+        if req.request_id in self.futures:  # ids key all per-request state here: never mix two
+            raise ValueError(f"request {req.request_id!r} is already being prefilled")
         fut = asyncio.get_running_loop().create_future()
         self.futures[req.request_id] = fut
         self.targets[req.request_id] = (decode_target(target), peer_metadata, peer_layout)

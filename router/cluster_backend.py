@@ -31,14 +31,15 @@ log = logging.getLogger(__name__)
 class ClusterBackend:
     def __init__(self, registry: Registry, tokenizer, model_name: str, max_model_len: int,
                  placement: PlacementConfig, metrics: RouterMetrics | None = None,
-                 max_waiting_per_worker: int = 64, refresh_s: float = 0.2):
+                 max_waiting_per_worker: int = 64, refresh_s: float = 0.2, max_retargets: int = 2):
         self.registry, self.tokenizer, self.model_name = registry, tokenizer, model_name
         self.max_model_len, self.placement, self.metrics = max_model_len, placement, metrics
         self.max_waiting_per_worker, self.refresh_s = max_waiting_per_worker, refresh_s
+        self.max_retargets = max_retargets  # decode workers a request may lose before it fails
         self.index = PrefixIndex(placement.page_size)
         self.loads: dict[str, WorkerLoad] = {}
         self.placed = Counter()  # worker id → requests placed here since its last load report
-        self.decode_of: dict[str, str] = {}  # request id → decode worker id
+        self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
         self._actors: dict[str, object] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -95,9 +96,44 @@ class ClusterBackend:
         return self._actors[worker_id]
 
     async def generate(self, req: GenerateRequest):
-        decode_loads, prefill_loads = self._view("decode"), self._view("prefill")
-        where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads, prefill_loads,
-                      self.placement, tie_key=req.request_id)
+        """Stream `req`'s chunks. If its decode worker dies, the request moves to another one:
+        prompt + tokens generated so far are recomputed there, and since sampling is a pure
+        function of (logits, seed, position) the stream goes on with the tokens it would have had."""
+        generated: list[int] = []
+        lost: set[str] = set()  # decode workers that died under this request
+        while True:
+            # a retry is a new request to the workers (its own id: the old one may linger there)
+            attempt = req if not lost else dataclasses.replace(
+                req, request_id=f"{req.request_id}~{len(lost)}", prompt_ids=req.prompt_ids + tuple(generated),
+                max_tokens=req.max_tokens - len(generated))
+            outcome = None
+            async for chunk in self._generate_once(attempt, lost, req.request_id):
+                if isinstance(chunk, str):  # the decode worker died: retarget
+                    outcome = chunk
+                    break
+                generated.extend(chunk.token_ids)
+                if lost:  # the client knows only its own id, and the original prompt length
+                    usage = chunk.usage and dataclasses.replace(
+                        chunk.usage, prompt_tokens=len(req.prompt_ids), completion_tokens=len(generated))
+                    chunk = dataclasses.replace(chunk, request_id=req.request_id, usage=usage)
+                yield chunk
+                if chunk.finish_reason or chunk.error:
+                    return
+            if outcome is None:
+                return
+            lost.add(outcome)
+            log.warning("decode worker %s lost under %s after %d tokens: retargeting", outcome, req.request_id,
+                        len(generated))
+            if len(lost) > self.max_retargets:
+                yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "decode workers lost"))
+                return
+
+    async def _generate_once(self, req: GenerateRequest, exclude: set[str], client_id: str):
+        """One placement and one streaming call. Yields chunks, or the worker id (a str) last
+        if that decode worker died."""
+        decode_loads = [l for l in self._view("decode") if l.worker_id not in exclude]
+        where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads,
+                      self._view("prefill"), self.placement, tie_key=req.request_id)
         if where is None:
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no decode worker available"))
             return
@@ -106,7 +142,7 @@ class ClusterBackend:
             self.placed[where.prefill_id] += 1
         decode = self._actor(where.decode_id)
         prefill = self._actor(where.prefill_id) if where.prefill_id is not None else None
-        self.decode_of[req.request_id] = where.decode_id
+        self.decode_of[client_id] = (where.decode_id, req.request_id)
         finished = False
         try:
             async for ref in decode.generate.options(num_returns="streaming").remote(req, prefill):
@@ -122,20 +158,24 @@ class ClusterBackend:
                     return
             if not finished:
                 yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
-        except ray.exceptions.RayActorError as e:
-            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, f"decode worker lost: {e}"))
+                finished = True
+        except ray.exceptions.RayActorError:
+            self._actors.pop(where.decode_id, None)
+            finished = True  # nothing left to abort there
+            yield where.decode_id
         finally:
-            self.decode_of.pop(req.request_id, None)
-            if not finished:  # client went away or the worker failed: make sure it stops
+            self.decode_of.pop(client_id, None)
+            if not finished:  # client went away: make sure the worker stops
                 try:
                     decode.abort.remote(req.request_id)
                 except Exception:
                     pass
 
     async def abort(self, request_id: str) -> None:
-        worker = self.decode_of.get(request_id)
-        if worker is not None:
-            await self._actor(worker).abort.remote(request_id)
+        placed = self.decode_of.get(request_id)
+        if placed is not None:
+            worker, worker_request_id = placed
+            await self._actor(worker).abort.remote(worker_request_id)
 
     def overloaded(self) -> float | None:
         decode = self._view("decode")
