@@ -161,10 +161,15 @@ class Sender:
 
     def send(self, target: TransferTarget, src_pages: Mapping[str, Sequence[int]],
              page_byte_range: tuple[int, int] | None = None,
-             ready: torch.cuda.Event | None = None) -> Posted:
+             ready: torch.cuda.Event | None = None,
+             first_page: Mapping[str, int] | None = None) -> Posted:
         """WRITE src_pages[kind][i] -> target page i of kind, for each kind given.
 
-        src_pages: per kind, this worker's page ids in request order, as many as the target has.
+        src_pages: per kind, this worker's page ids in request order, as many as the target has
+            (or any run of them with `first_page`).
+        first_page: per kind, the target page index src_pages[kind][0] goes to: streams a
+            request's pages in pieces as they become final (e.g. per prefill chunk); finish()
+            then needs the full source lists (its src_pages) for the checksums.
         page_byte_range: (offset_in_page, length) to write only that slice of every page
             (e.g. one layer; see regions.layer_byte_range); None = whole pages.
         ready: CUDA event after which the source data is complete; the write is posted by a
@@ -183,19 +188,21 @@ class Sender:
             raise RuntimeError(f"finish() of {target.request_id!r} is still pending")
         dst = target.pages()
         spans: list[tuple[str, Span]] = []
+        offsets = first_page or {}
         for kind, ids in src_pages.items():
             if kind not in dst:
                 raise ValueError(f"target of {target.request_id!r} has no pool {kind!r}")
-            if len(ids) != len(dst[kind]):
+            start = offsets.get(kind)
+            to = dst[kind] if start is None else dst[kind][start:start + len(ids)]
+            if len(ids) != len(to) or (start is not None and start < 0):
                 raise ValueError(f"pool {kind!r}: {len(ids)} source pages for "
-                                 f"{len(dst[kind])} target pages")
+                                 f"{len(dst[kind])} target pages (first page {start})")
             mine, theirs = self.layout.pool(kind), peer_layout.pool(kind)
             if ids and (min(ids) < 0 or max(ids) >= mine.num_pages):
                 raise ValueError(f"pool {kind!r}: source page id out of range")
-            if dst[kind] and max(dst[kind]) >= theirs.num_pages:
+            if to and max(to) >= theirs.num_pages:
                 raise ValueError(f"pool {kind!r}: target page id out of range")
-            spans += [(kind, s) for s in coalesce(ids, dst[kind], mine.page_bytes,
-                                                  page_byte_range)]
+            spans += [(kind, s) for s in coalesce(ids, to, mine.page_bytes, page_byte_range)]
         faults = self._faults
         if faults is not None:
             if faults.stall_before_write_s:
@@ -211,7 +218,8 @@ class Sender:
         if out.done_sent and out.pending_done is None:     # resend after a reported mismatch
             out.done_sent, out.nbytes = False, 0
         for kind, ids in src_pages.items():
-            out.src_pages[kind] = tuple(map(int, ids))
+            if kind not in offsets:  # a partial run is not the full list finish() checksums
+                out.src_pages[kind] = tuple(map(int, ids))
         if not out.began:
             out.began = True
             self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))

@@ -1,8 +1,9 @@
-"""The prefill worker as a Ray actor: chunked prefill, then push the KV into the decode target.
+"""The prefill worker as a Ray actor: chunked prefill, pushing the KV into the decode target.
 
     prefill(req, target, peer metadata, peer layout) → waits until the decode side verified
-    loop: apply commands → engine.step() (in a thread) → for each finished prompt: handshake
-          (once per peer epoch), WRITE its resume pages, TransferDone with the header →
+    loop: apply commands → engine.step() (in a thread) → WRITE the compressed pages each chunk
+          made final (transfer overlaps the next chunks) → for each finished prompt: WRITE the
+          rest (last pages, SWA window, compress-state rings), TransferDone with the header →
           sender.poll(): on ack / refusal / lease end, free the pages and answer the caller
 
 The prefill worker keeps a request's pages until the decode side acknowledges them (or the
@@ -26,7 +27,7 @@ from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
 from model.checkpoint import load_checkpoint
-from model.kv_pool import KVPools
+from model.kv_pool import RATIO_OF_KIND, KVPools
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
 from prefill_worker.prefix_store import PrefixStore
 
@@ -58,6 +59,8 @@ class PrefillWorker:
         self.futures: dict[str, asyncio.Future] = {}
         self.shipping: dict[str, Prefilled] = {}  # written, awaiting the receiver's answer
         self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
+        self.streamed: dict[str, dict[str, int]] = {}  # rid → kind → leading pages already sent
+        self.streamed_pages = 0  # pages shipped before their request's prefill ended
         self.commands: list = []
         self.wakeup = asyncio.Event()  # set whenever a command is queued
         self._tasks: list[asyncio.Task] = []
@@ -86,6 +89,7 @@ class PrefillWorker:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping),
+                "streamed_pages": self.streamed_pages,
                 "transfers": self.sender.metrics.snapshot()}
 
     # --- requests -------------------------------------------------------------------------
@@ -105,6 +109,7 @@ class PrefillWorker:
         return True
 
     def _abort(self, request_id: str) -> None:
+        self.streamed.pop(request_id, None)
         self.engine.abort(request_id)
         if request_id in self.shipping:
             self.sender.abort(request_id)  # pages are freed when poll() reports it
@@ -130,6 +135,7 @@ class PrefillWorker:
                 if self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
+                    self._stream_progress()
                 elif self.shipping:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
@@ -150,21 +156,59 @@ class PrefillWorker:
         except Exception as e:  # Redis down: routing degrades to load only; the cache is intact
             log.warning("publishing %d KV events failed: %s", len(events), e)
 
+    def _connect(self, target: TransferTarget, metadata: bytes, layout: bytes) -> None:
+        if self.peers.get(target.agent_name) != target.agent_epoch:
+            self.sender.handshake(target.agent_name, metadata, LayoutDescriptor.from_bytes(layout))
+            self.peers[target.agent_name] = target.agent_epoch
+
+    def _stream_progress(self) -> None:
+        """Ship the compressed pages that became final in this step (every page whose entries
+        are all written), so the transfer overlaps the prefill of the next chunks."""
+        for rid, job in self.engine.running.items():
+            entry = self.targets.get(rid)
+            if entry is None or job.seq is None:
+                continue
+            target, metadata, layout = entry
+            sent = self.streamed.setdefault(rid, {})
+            runs, offsets = {}, {}
+            for kind, pages in target.page_ids:
+                if kind not in RATIO_OF_KIND:
+                    continue  # SWA (only the last window) and state rings go at the end
+                final = job.seq.num_tokens // RATIO_OF_KIND[kind] // self.pools.specs[kind].entries_per_page
+                final = min(final, len(pages))
+                if final > sent.get(kind, 0):
+                    runs[kind] = job.seq.pages[kind][sent.get(kind, 0):final]
+                    offsets[kind] = sent.get(kind, 0)
+            if not runs:
+                continue
+            try:
+                self._connect(target, metadata, layout)
+                self.sender.send(target, runs, first_page=offsets)
+            except Exception as e:  # the target is gone or refused: the decode side recomputes
+                log.warning("streaming %s failed: %s", rid, e)
+                self.sender.abort(rid)
+                self._answer(rid, TransferFailed(str(e)))
+                continue
+            for kind, run in runs.items():
+                sent[kind] = offsets[kind] + len(run)
+                self.streamed_pages += len(run)
+
     def _ship(self, done: Prefilled) -> None:
         entry = self.targets.get(done.request_id)
+        sent = self.streamed.pop(done.request_id, {})
         if entry is None:  # aborted while computing
             self.engine.release(done)
             return
         target, metadata, layout = entry
         try:
-            if self.peers.get(target.agent_name) != target.agent_epoch:
-                self.sender.handshake(target.agent_name, metadata, LayoutDescriptor.from_bytes(layout))
-                self.peers[target.agent_name] = target.agent_epoch
+            self._connect(target, metadata, layout)
             # kinds with no pages yet (e.g. c128 before 128 tokens) are not part of the target
             pages = {k: v for k, v in self.pools.resume_pages(done.seq).items() if v}
-            self.sender.send(target, pages)
+            rest = {k: v[sent.get(k, 0):] for k, v in pages.items() if v[sent.get(k, 0):]}
+            if rest:
+                self.sender.send(target, rest, first_page={k: sent.get(k, 0) for k in rest})
             header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens)
-            self.sender.finish(target, header.to_bytes())
+            self.sender.finish(target, header.to_bytes(), src_pages=pages)
         except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
             log.warning("shipping %s failed: %s", done.request_id, e)
             self.sender.abort(done.request_id)

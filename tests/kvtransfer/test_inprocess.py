@@ -193,3 +193,24 @@ def test_fault_plan_is_inert_when_absent(agents):
     sender = Sender(a, LAYOUT, faults=None)
     assert sender._faults is None and sender._notifier._plan is None
     FaultPlan()   # the empty plan is valid too
+
+
+def test_pages_streamed_in_pieces_verify_as_one_transfer(sides, agents):
+    """Pages sent in runs as they become final (first_page offsets), then finish() with the full
+    lists: the receiver verifies the whole request and every byte matches."""
+    sender, receiver, _ = sides
+    a, b = agents
+    target = receiver.reserve("pieces", {"c4": 5}, lease_s=5)
+    src = [9, 3, 4, 10, 2]
+    sender.send(target, {"c4": src[:2]}, first_page={"c4": 0})
+    sender.send(target, {"c4": src[2:3]}, first_page={"c4": 2})
+    with pytest.raises(ValueError, match="first page 4"):
+        sender.send(target, {"c4": src[3:]}, first_page={"c4": 4})  # runs past the target
+    sender.send(target, {"c4": src[3:]}, first_page={"c4": 3})
+    sender.finish(target, b"h", src_pages={"c4": src})
+    _, r_ev = pump(sender, receiver, lambda s, r: has(r, "pieces", "ready"))
+    dst = receiver.claim("pieces")["c4"]
+    assert torch.equal(b.pools["c4"][list(dst)], a.pools["c4"][src])
+    for page in dst:
+        receiver.allocator.free("c4", [page])
+    pump(sender, receiver, lambda s, r: not sender.holding())
