@@ -23,48 +23,15 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp8_pack"])
-def test_disaggregated_equals_generate(model, fmt):
-    rng = random.Random(3)
-    reqs = [GenerateRequest(f"r{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(1, 300))),
-                            max_tokens=rng.randrange(1, 12),
-                            sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i)) for i in range(8)]
-    p_pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=4)
-    d_pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=8)
-    prefill = PrefillEngine(model, p_pools, "p0", PrefillConfig(token_budget=211, max_running=3))
-    decode = DecodeEngine(model, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
-    for r in reqs:
-        prefill.submit(r)
-    by_id = {r.request_id: r for r in reqs}
-    got = {r.request_id: [] for r in reqs}
-    while prefill.has_work() or decode.has_work():
-        for done in prefill.step():
-            src = p_pools.resume_pages(done.seq)
-            dst = {k: d_pools.alloc(k, len(v)) for k, v in src.items()}
-            for kind in src:
-                d_pools.buffers[kind][dst[kind]] = p_pools.buffers[kind][src[kind]]
-            prefill.release(done)
-            seq = d_pools.adopt(done.seq.num_tokens, dst)
-            for c in decode.admit_transferred(by_id[done.request_id], seq, done.first_token):
-                got[c.request_id].extend(c.token_ids)
-        for c in decode.step():
-            got[c.request_id].extend(c.token_ids)
-    for r in reqs:
-        pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=1)
-        ref = generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling,
-                       stop_ids=frozenset({model.cfg.eos_token_id})).token_ids
-        assert got[r.request_id] == ref, r.request_id
-    assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
-    assert prefill.computed_tokens == sum(len(r.prompt_ids) for r in reqs)
-
-
-def run_pd(model, reqs, p_pools, prefill, d_pools):
-    """Drive prefill → page copy → decode to completion; tokens per request."""
+def run_pd(model, reqs, p_pools, prefill, d_pools, all_at_once=False):
+    """Drive prefill → page copy → decode to completion; tokens per request. Requests go in one
+    at a time (so later ones can reuse what earlier ones cached) unless `all_at_once`."""
     decode = DecodeEngine(model, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
     by_id = {r.request_id: r for r in reqs}
     got = {r.request_id: [] for r in reqs}
-    for r in reqs:  # one at a time, so later requests can reuse what earlier ones cached
-        prefill.submit(r)
+    for batch in ([reqs] if all_at_once else [[r] for r in reqs]):
+        for r in batch:
+            prefill.submit(r)
         while prefill.has_work() or decode.has_work():
             for done in prefill.step():
                 src = {k: v for k, v in p_pools.resume_pages(done.seq).items()}
@@ -78,6 +45,25 @@ def run_pd(model, reqs, p_pools, prefill, d_pools):
             for c in decode.step():
                 got[c.request_id].extend(c.token_ids)
     return got
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_pack"])
+def test_disaggregated_equals_generate(model, fmt):
+    rng = random.Random(3)
+    reqs = [GenerateRequest(f"r{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(1, 300))),
+                            max_tokens=rng.randrange(1, 12),
+                            sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i)) for i in range(8)]
+    p_pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=4)
+    d_pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=8)
+    prefill = PrefillEngine(model, p_pools, "p0", PrefillConfig(token_budget=211, max_running=3))
+    got = run_pd(model, reqs, p_pools, prefill, d_pools, all_at_once=True)
+    for r in reqs:
+        pools = KVPools(model.cfg, fmt, max_tokens=512, max_seqs=1)
+        ref = generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling,
+                       stop_ids=frozenset({model.cfg.eos_token_id})).token_ids
+        assert got[r.request_id] == ref, r.request_id
+    assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
+    assert prefill.computed_tokens == sum(len(r.prompt_ids) for r in reqs)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp8_pack"])
