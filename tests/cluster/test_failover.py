@@ -1,4 +1,4 @@
-"""A decode worker killed mid-stream: its requests continue on the other decode worker with
+"""Worker failures under load. A decode worker killed mid-stream: its requests continue on the other decode worker with
 exactly the tokens they would have had (recompute of prompt + generated tokens), the client sees
 one stream, and the surviving workers' pages return to idle."""
 
@@ -78,4 +78,49 @@ def test_killed_decode_worker_requests_continue_elsewhere(tiny_official_ckpt):
             assert a["free"] == a["idle"], a
     finally:
         cluster.decode = cluster.decode[1:]  # the killed actor is gone already
+        cluster.stop()
+
+
+def test_killed_prefill_worker_requests_are_recomputed(tiny_official_ckpt):
+    """The prefill worker dies with prompts queued and in flight: the decode worker prefills
+    them itself; every request finishes with the tokens it would have had."""
+    options = WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16, lease_s=3.0,
+                            prefill_token_budget=64)
+    cluster = LocalCluster(ClusterOptions(options, prefill=1, decode=1), Environment(None, None, Path("/tmp"))).start()
+    rng = random.Random(5)
+    reqs = [GenerateRequest(f"k{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(100, 300))),
+                            max_tokens=6, ignore_eos=True) for i in range(10)]
+    try:
+        async def run():
+            backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
+                                     PlacementConfig(remote_prefill_threshold=64))
+            await backend.start()
+            while backend.health()["decode"] < 1 or backend.health()["prefill"] < 1:
+                await asyncio.sleep(0.1)
+                await backend._refresh()
+
+            async def one(req):
+                return [t async for chunk in backend.generate(req) for t in chunk.token_ids if chunk.error is None]
+
+            tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+            await asyncio.sleep(0.3)  # prompts are queued and prefilling on the prefill worker
+            ray.kill(cluster.prefill[0])
+            out = await asyncio.gather(*tasks)
+            await backend.stop()
+            return out
+
+        got = asyncio.run(run())
+        cfg, model = load_checkpoint(tiny_official_ckpt)
+        for req, tokens in zip(reqs, got):
+            pools = KVPools(cfg, "fp32", max_tokens=512, max_seqs=1)
+            assert tokens == generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling).token_ids
+        decode = ray.get(cluster.decode[0].page_accounting.remote())
+        assert decode["fallbacks"] > 0  # some prompts really were lost with the prefill worker
+        deadline = time.time() + 15
+        while decode["free"] != decode["idle"] and time.time() < deadline:
+            time.sleep(0.5)
+            decode = ray.get(cluster.decode[0].page_accounting.remote())
+        assert decode["free"] == decode["idle"], decode
+    finally:
+        cluster.prefill = []  # killed already
         cluster.stop()
