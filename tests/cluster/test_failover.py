@@ -1,6 +1,9 @@
-"""Worker failures under load. A decode worker killed mid-stream: its requests continue on the other decode worker with
-exactly the tokens they would have had (recompute of prompt + generated tokens), the client sees
-one stream, and the surviving workers' pages return to idle."""
+"""Worker failures under load, through the router's cluster backend.
+
+A decode worker killed mid-stream: its requests continue on the other decode worker with exactly
+the tokens they would have had (recompute of prompt + generated tokens), in one client stream. A
+prefill worker killed mid-prefill: the decode worker prefills its requests itself. Either way the
+surviving workers' pages return to idle."""
 
 from __future__ import annotations
 
