@@ -1,0 +1,307 @@
+{{/* ---- names and labels ------------------------------------------------------------- */}}
+{{- define "v4serve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "v4serve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "v4serve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "v4serve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "v4serve.labels" -}}
+helm.sh/chart: {{ include "v4serve.chart" . }}
+{{ include "v4serve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* labels of a component: (dict "ctx" $ "component" "router"). Selectors use only the
+     v4serve.io/ labels: KubeRay rewrites some app.kubernetes.io/ labels on the pods it makes. */}}
+{{- define "v4serve.componentLabels" -}}
+{{ include "v4serve.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{ include "v4serve.componentSelector" . }}
+{{- end }}
+
+{{- define "v4serve.componentSelector" -}}
+v4serve.io/instance: {{ .ctx.Release.Name }}
+v4serve.io/component: {{ .component }}
+{{- end }}
+
+{{/* pods that are Ray nodes (head, workers, router) may talk to each other on any port */}}
+{{- define "v4serve.rayMemberLabel" -}}
+v4serve.io/ray-member: "true"
+{{- end }}
+
+{{- define "v4serve.rayMemberSelector" -}}
+v4serve.io/instance: {{ .Release.Name }}
+{{ include "v4serve.rayMemberLabel" . }}
+{{- end }}
+
+{{- define "v4serve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "v4serve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "v4serve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* ---- Ray ---------------------------------------------------------------------------- */}}
+{{- define "v4serve.rayCluster" -}}
+{{ include "v4serve.fullname" . }}
+{{- end }}
+
+{{/* KubeRay names the head Service <cluster>-head-svc */}}
+{{- define "v4serve.rayHeadAddress" -}}
+{{ include "v4serve.rayCluster" . }}-head-svc.{{ .Release.Namespace }}.svc.cluster.local:6379
+{{- end }}
+
+{{- define "v4serve.rayTokenSecret" -}}
+{{- .Values.ray.auth.existingSecret | default (printf "%s-ray-token" (include "v4serve.fullname" .)) }}
+{{- end }}
+
+{{- define "v4serve.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "v4serve.rayTokenSecret" . }}
+      key: token
+{{- else -}}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
+{{- end }}
+
+{{/* one worker group's settings: ray.workers overridden key by key by ray.<role> */}}
+{{- define "v4serve.workerValues" -}}
+{{- $base := deepCopy .ctx.Values.ray.workers }}
+{{- $over := deepCopy (index .ctx.Values.ray .role) }}
+{{- toYaml (mustMergeOverwrite $base $over) }}
+{{- end }}
+
+{{/* ---- secrets and the registry ------------------------------------------------------- */}}
+{{- define "v4serve.apiKeysSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-api-keys" (include "v4serve.fullname" .)) }}
+{{- end }}
+
+{{/* data keys of the API-key Secret, one key each */}}
+{{- define "v4serve.apiKeyNames" -}}
+{{- if .Values.auth.existingSecret }}
+{{- toYaml .Values.auth.existingSecretKeys }}
+{{- else if .Values.auth.apiKeys }}
+{{- range $i, $_ := .Values.auth.apiKeys }}
+- api-key-{{ $i }}
+{{- end }}
+{{- else }}
+- api-key
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.redisSecret" -}}
+{{- if eq .Values.redis.mode "internal" }}
+{{- .Values.redis.internal.existingSecret | default (printf "%s-redis" (include "v4serve.fullname" .)) }}
+{{- else }}
+{{- .Values.redis.external.existingSecret | default (printf "%s-redis-url" (include "v4serve.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.redisService" -}}
+{{ include "v4serve.fullname" . }}-redis
+{{- end }}
+
+{{/* REDIS_URL for the process that owns the pools; the workers receive it from there */}}
+{{- define "v4serve.redisEnv" -}}
+{{- if eq .Values.redis.mode "internal" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "v4serve.redisSecret" . }}
+      key: redis-password
+- name: REDIS_URL
+  value: redis://:$(REDIS_PASSWORD)@{{ include "v4serve.redisService" . }}.{{ .Release.Namespace }}.svc.cluster.local:6379/0
+{{- else -}}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "v4serve.redisSecret" . }}
+      key: {{ if .Values.redis.external.existingSecret }}{{ .Values.redis.external.existingSecretKey }}{{ else }}redis-url{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* a generated secret value kept across upgrades: (dict "ctx" $ "name" secret "key" k "length" n) */}}
+{{- define "v4serve.generatedSecretValue" -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .name }}
+{{- if and $existing (hasKey ($existing.data | default dict) .key) }}
+{{- index $existing.data .key }}
+{{- else }}
+{{- randAlphaNum (int .length) | b64enc }}
+{{- end }}
+{{- end }}
+
+{{/* ---- pods --------------------------------------------------------------------------- */}}
+{{- define "v4serve.modelVolume" -}}
+- name: models
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: {{ .Values.model.hostPath.type }}
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.modelMount" -}}
+- name: models
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{- define "v4serve.modelDir" -}}
+{{- if .Values.model.path }}
+{{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (.Values.model.path | trimPrefix "/") }}
+{{- else }}
+{{- .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+{{- if .rdma }}
+  add: [IPC_LOCK]  # pinning RDMA-registered memory
+{{- end }}
+{{- end }}
+
+{{- define "v4serve.httpScheme" -}}
+{{ if .Values.tls.enabled }}HTTPS{{ else }}HTTP{{ end }}
+{{- end }}
+
+{{/* Ray metrics and the v4serve worker preStop hook are shared by KubeRay groups and the
+     KEDA-scaled Deployments: (dict "ctx" $ "role" "prefill" "standalone" bool) */}}
+{{- define "v4serve.workerPod" -}}
+{{- $ := .ctx }}
+{{- $w := include "v4serve.workerValues" (dict "ctx" $ "role" .role) | fromYaml }}
+{{- $kv := $.Values.kvTransfer -}}
+metadata:
+  labels:
+    {{- include "v4serve.componentLabels" (dict "ctx" $ "component" .role) | nindent 4 }}
+    {{- include "v4serve.rayMemberLabel" $ | nindent 4 }}
+spec:
+  serviceAccountName: {{ include "v4serve.serviceAccountName" $ }}
+  automountServiceAccountToken: false
+  securityContext:
+    {{- toYaml $.Values.podSecurityContext | nindent 4 }}
+  {{- if $kv.hostNetwork }}
+  hostNetwork: true
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
+  terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+  {{- with $.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $w.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $w.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $w.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: ray-worker
+      image: {{ include "v4serve.image" $ }}
+      imagePullPolicy: {{ $.Values.image.pullPolicy }}
+      {{- if .standalone }}
+      # a Ray worker node joining the RayCluster's head, advertising one `{{ .role }}` slot
+      command: ["/usr/bin/tini", "--", "/bin/sh", "-ec"]
+      args:
+        - >-
+          exec ray start --block --address={{ include "v4serve.rayHeadAddress" $ }}
+          --resources='{"{{ .role }}": 1}' --metrics-export-port=8080 --disable-usage-stats
+      {{- end }}
+      env:
+        {{- include "v4serve.rayAuthEnv" $ | nindent 8 }}
+        {{- if $kv.ucxTls }}
+        - name: UCX_TLS
+          value: {{ $kv.ucxTls | quote }}
+        {{- end }}
+        {{- if $kv.ucxNetDevices }}
+        - name: UCX_NET_DEVICES
+          value: {{ $kv.ucxNetDevices | quote }}
+        {{- end }}
+        {{- with $kv.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        - {name: metrics, containerPort: 8080}
+      resources:
+        requests:
+          {{- range $k, $v := $w.resources.requests }}
+          {{ $k }}: {{ $v | quote }}
+          {{- end }}
+          nvidia.com/gpu: {{ $w.gpus | quote }}
+          {{- if $kv.rdma.enabled }}
+          {{ $kv.rdma.resourceName }}: {{ $kv.rdma.count | quote }}
+          {{- end }}
+        limits:
+          {{- range $k, $v := $w.resources.limits }}
+          {{ $k }}: {{ $v | quote }}
+          {{- end }}
+          nvidia.com/gpu: {{ $w.gpus | quote }}
+          {{- if $kv.rdma.enabled }}
+          {{ $kv.rdma.resourceName }}: {{ $kv.rdma.count | quote }}
+          {{- end }}
+      securityContext:
+        {{- include "v4serve.containerSecurityContext" (dict "rdma" $kv.rdma.enabled) | nindent 8 }}
+      lifecycle:
+        preStop:  # finish the work on this pod before it goes (scale-down, eviction, update)
+          exec:
+            command: [python, -m, cluster.autoscale_actuator, drain-node, --role, {{ .role }}]
+      volumeMounts:
+        - {name: dshm, mountPath: /dev/shm}
+        - {name: tmp, mountPath: /tmp}
+        {{- include "v4serve.modelMount" $ | nindent 8 }}
+  volumes:
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $w.shmSize }}
+    - name: tmp
+      emptyDir: {}
+    {{- include "v4serve.modelVolume" $ | nindent 4 }}
+{{- end }}
