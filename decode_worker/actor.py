@@ -247,6 +247,31 @@ class DecodeWorker:
         self.commands.append(command)
         self.wakeup.set()
 
+    async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
+        """Scale-down: stop being chosen, finish what is here, return once idle for `settle_s`.
+
+        The load turns `draining` (published at once, so routers skip this worker from their
+        next refresh on); requests that still arrive — placed on an older view — are served like
+        any other. Idle = no stream, no KV awaited, no engine work, for `settle_s` on end (longer
+        than a heartbeat plus a router refresh). Returns {"idle": False} if `timeout_s` passes
+        first: the worker stays draining and nothing is cut short; call again."""
+        self.draining = True
+        try:
+            await asyncio.to_thread(self.registry.heartbeat, self.info())
+        except Exception as e:  # Redis down: the next regular heartbeat publishes it
+            log.warning("publishing drain of %s failed: %s", self.worker_id, e)
+        loop = asyncio.get_running_loop()
+        start, quiet = loop.time(), None
+        while True:
+            busy = self.streams or self.awaiting_kv or self.commands or self.engine.has_work()
+            now = loop.time()
+            quiet = None if busy else (now if quiet is None else quiet)
+            if quiet is not None and now - quiet >= settle_s:
+                return {"worker_id": self.worker_id, "idle": True, "fallbacks": self.fallbacks}
+            if timeout_s is not None and now - start >= timeout_s:
+                return {"worker_id": self.worker_id, "idle": False, "fallbacks": self.fallbacks}
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()

@@ -13,6 +13,7 @@ lease ends), so a decode worker that fails mid-transfer can still be re-served f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import torch
@@ -63,6 +64,7 @@ class PrefillWorker:
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
         self.commands: list = []
         self.wakeup = asyncio.Event()  # set whenever a command is queued
+        self.draining = False
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> dict:
@@ -73,10 +75,11 @@ class PrefillWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.worker_id, self.agent.name, self.agent.epoch,
-                          self.layout.to_bytes().decode(), self.agent.metadata(), self.engine.load())
+                          self.layout.to_bytes().decode(), self.agent.metadata(), self.load())
 
     def load(self):
-        return self.engine.load()
+        load = self.engine.load()
+        return dataclasses.replace(load, draining=True) if self.draining else load
 
     def peer_info(self) -> tuple[str, str, bytes]:
         """(agent name, epoch, metadata): what a decode worker loads to answer our transfers."""
@@ -242,6 +245,31 @@ class PrefillWorker:
     def _queue(self, command) -> None:
         self.commands.append(command)
         self.wakeup.set()
+
+    async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
+        """Scale-down: stop being chosen, finish every prefill here and keep its KV pages until
+        the decode side has acknowledged them; return once idle for `settle_s`.
+
+        The load turns `draining` (published at once: routers skip this worker from their next
+        refresh on); prefills that still arrive are served. Idle = no queued or running prefill,
+        no transfer awaiting its acknowledgement, no caller waiting. Returns {"idle": False} if
+        `timeout_s` passes first: the worker stays draining and nothing is cut short."""
+        self.draining = True
+        try:
+            await asyncio.to_thread(self.registry.heartbeat, self.info())
+        except Exception as e:  # Redis down: the next regular heartbeat publishes it
+            log.warning("publishing drain of %s failed: %s", self.worker_id, e)
+        loop = asyncio.get_running_loop()
+        start, quiet = loop.time(), None
+        while True:
+            busy = self.futures or self.shipping or self.targets or self.commands or self.engine.has_work()
+            now = loop.time()
+            quiet = None if busy else (now if quiet is None else quiet)
+            if quiet is not None and now - quiet >= settle_s:
+                return {"worker_id": self.worker_id, "idle": True, "computed_tokens": self.engine.computed_tokens}
+            if timeout_s is not None and now - start >= timeout_s:
+                return {"worker_id": self.worker_id, "idle": False, "computed_tokens": self.engine.computed_tokens}
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         for t in self._tasks:
