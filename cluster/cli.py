@@ -78,6 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--remote-prefill-threshold", type=int, default=0,
                     help="uncached prompt tokens from which a prefill worker is used")
     up.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    up.add_argument("--api-key-file", type=Path, default=None,
+                    help="file with one API key per line (keeps keys out of the command line)")
+    up.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: HTTPS and gRPC over TLS")
+    up.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
+    up.add_argument("--start-timeout", type=_positive, default=120, help="seconds to wait for the workers")
+    up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
+                    help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
+                         "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
+    up.add_argument("--autoscale-config", type=Path, default=None, help="JSON AutoscalerConfig for --autoscale policy")
     return parser
 
 
@@ -122,13 +132,32 @@ def cmd_up(args: argparse.Namespace) -> None:
     model_dir = _tiny_model_dir(env.cache_dir) if args.model == "tiny" else Path(args.model)
     if not (model_dir / "config.json").exists():
         raise CliError(f"--model {model_dir}: no config.json there")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CliError("--tls-cert and --tls-key must be given together")
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            keys += [k.strip() for k in args.api_key_file.read_text().splitlines() if k.strip()]
+        except OSError as e:
+            raise CliError(f"--api-key-file: {e}") from None
+    autoscale_config = None
+    if args.autoscale == "policy":
+        from cluster.autoscaler import AutoscalerConfig
+
+        try:
+            raw = json.loads(args.autoscale_config.read_text()) if args.autoscale_config else {}
+            autoscale_config = AutoscalerConfig.from_dict(raw)
+        except (OSError, ValueError, TypeError) as e:
+            raise CliError(f"--autoscale-config: {e}") from None
     worker = WorkerOptions(str(model_dir), "", kv_dtype=args.kv_dtype, max_tokens=args.max_model_len,
                            max_seqs=args.max_seqs)
     options = up.UpOptions(
-        ClusterOptions(worker, prefill=args.prefill, decode=args.decode),
-        RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(args.api_key),
-                     default_temperature=0.0,
-                     placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold)))
+        ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker),
+        RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
+                     tls_cert=str(args.tls_cert) if args.tls_cert else None,
+                     tls_key=str(args.tls_key) if args.tls_key else None, default_temperature=0.0,
+                     placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold)),
+        autoscale=args.autoscale, autoscale_config=autoscale_config, start_timeout_s=float(args.start_timeout))
     asyncio.run(up.run(options, env, ready_line=lambda line: print(line, flush=True)))
 
 

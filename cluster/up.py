@@ -11,6 +11,8 @@ import asyncio
 import signal
 from dataclasses import dataclass
 
+from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_resources
+from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.launcher import ClusterOptions, LocalCluster
 from cluster.registry import Registry
 from cluster.settings import Environment
@@ -26,6 +28,9 @@ from router.metrics import RouterMetrics
 class UpOptions:
     cluster: ClusterOptions
     router: RouterConfig
+    autoscale: str = "off"  # "off" | "policy" (queue-depth autoscaler) | "follow" (one worker per Ray slot)
+    autoscale_config: AutoscalerConfig | None = None
+    start_timeout_s: float = 120.0
 
 
 async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
@@ -33,7 +38,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
     cfg = read_config(model_dir)
     tokenizer = load_tokenizer(model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     cluster = LocalCluster(options.cluster, env)
-    backend = handle = None
+    backend = handle = actuator = None
     try:
         # On the main thread, and before our handlers: Ray installs signal handlers of its own.
         cluster.start()
@@ -47,17 +52,32 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
                                                                               options.cluster.worker.max_tokens),
                                  placement, metrics)
         await backend.start()
-        await _wait_for_workers(backend, options.cluster)
+        await _wait_for_workers(backend, options.cluster, options.start_timeout_s)
+        actuator = _actuator(options, cluster)
         handle = await serve(options.router, backend, metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
                    f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url}")
         await stop.wait()
     finally:
+        if actuator is not None:
+            await actuator.stop()
         if handle is not None:
             await handle.stop()
         if backend is not None:
             await backend.stop()
         await asyncio.to_thread(cluster.stop)
+
+
+def _actuator(options: UpOptions, cluster: LocalCluster) -> RayActuator | None:
+    """The pools' autoscaler, if asked for: it drains a worker before removing it."""
+    if options.autoscale == "off":
+        return None
+    registry = Registry(cluster.registry_url, options.cluster.worker.cluster)
+    if options.autoscale == "policy":
+        config = options.autoscale_config or AutoscalerConfig()
+        desired = Autoscaler(config, {"prefill": options.cluster.prefill, "decode": options.cluster.decode}).step
+        return RayActuator(cluster, registry, desired, ActuatorOptions(interval_s=config.interval_s)).start()
+    return RayActuator(cluster, registry, follow_ray_resources, ActuatorOptions(scale_down=False)).start()
 
 
 async def _wait_for_workers(backend: ClusterBackend, options: ClusterOptions, timeout_s: float = 120.0) -> None:

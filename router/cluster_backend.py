@@ -140,8 +140,15 @@ class ClusterBackend:
         self.placed[where.decode_id] += 1
         if where.prefill_id is not None:
             self.placed[where.prefill_id] += 1
-        decode = self._actor(where.decode_id)
-        prefill = self._actor(where.prefill_id) if where.prefill_id is not None else None
+        try:
+            decode = self._actor(where.decode_id)
+        except ValueError:  # removed since our last registry view (scale-down): as if it died
+            yield where.decode_id
+            return
+        try:
+            prefill = self._actor(where.prefill_id) if where.prefill_id is not None else None
+        except ValueError:
+            prefill = None  # the decode worker prefills itself
         self.decode_of[client_id] = (where.decode_id, req.request_id)
         finished = False
         try:

@@ -104,3 +104,16 @@ def test_tokenizer_json_is_used_when_present(tmp_path):
     assert loaded.encode("hello world") == [1, 2] and loaded.eos_id == 3
     assert loaded.decode([1, 2]) == "hello world"
     assert isinstance(load_tokenizer(tmp_path / "elsewhere", 320, 256, 257), ByteTokenizer)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
+    (["--autoscale", "policy", "--autoscale-config", "{cfg}"], "unknown autoscaler settings"),
+    (["--api-key-file", "/nonexistent/keys"], "--api-key-file"),
+])
+def test_up_bad_options_fail_before_starting_anything(tiny_official_ckpt, tmp_path, extra, message):
+    cfg = tmp_path / "autoscale.json"
+    cfg.write_text('{"bogus": 1}')
+    out = v4serve("up", "--model", str(tiny_official_ckpt), *[e.replace("{cfg}", str(cfg)) for e in extra],
+                  check=False)
+    assert out.returncode == 2 and message in out.stderr

@@ -172,11 +172,8 @@ def test_router_command_is_what_v4serve_up_accepts(chart, name):
     assert parsed.http_port == 8000 and parsed.grpc_port == 50051
 
 
-@pytest.mark.xfail(strict=True, raises=SystemExit,
-                   reason="`v4serve up` has no --tls-cert/--tls-key/--autoscale/--autoscale-config yet "
-                          "(docs/deploy.md, 'CLI flags the chart expects'); remove this mark once it has")
 @pytest.mark.parametrize("name", ["tls", "ray autoscaling", "keda"])
-def test_pending_cli_flags(chart, name):
+def test_router_flags_for_tls_and_autoscaling_parse(chart, name):
     from cluster.cli import build_parser
 
     build_parser().parse_args(router_args(render(chart, CONFIGS[name])))  # argparse exits on unknown flags
