@@ -141,7 +141,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         except OSError as e:
             raise CliError(f"--api-key-file: {e}") from None
     autoscale_config = None
-    if args.autoscale == "policy":
+    if args.autoscale == "policy":  # the defaults when no --autoscale-config is given
         from cluster.autoscaler import AutoscalerConfig
 
         try:
@@ -152,7 +152,10 @@ def cmd_up(args: argparse.Namespace) -> None:
     worker = WorkerOptions(str(model_dir), "", kv_dtype=args.kv_dtype, max_tokens=args.max_model_len,
                            max_seqs=args.max_seqs)
     options = up.UpOptions(
-        ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker),
+        ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
+                       slots=None if autoscale_config is None else (
+                           max(args.prefill, autoscale_config.prefill.max_replicas),
+                           max(args.decode, autoscale_config.decode.max_replicas))),
         RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
                      tls_cert=str(args.tls_cert) if args.tls_cert else None,
                      tls_key=str(args.tls_key) if args.tls_key else None, default_temperature=0.0,

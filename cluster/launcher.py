@@ -28,6 +28,9 @@ class ClusterOptions:
     prefill: int = 1
     decode: int = 1
     gpus_per_worker: float = 0.0
+    # (prefill, decode) resource units a locally started Ray advertises; None: the initial pool
+    # sizes. An autoscaler that may grow the pools needs their maxima here.
+    slots: tuple[int, int] | None = None
 
 
 class LocalCluster:
@@ -47,7 +50,8 @@ class LocalCluster:
             if self.env.ray_address:
                 ray.init(address=self.env.ray_address, namespace=self.namespace, log_to_driver=False)
             else:
-                ray.init(resources={"prefill": max(1, self.options.prefill), "decode": max(1, self.options.decode)},
+                prefill, decode = self.options.slots or (self.options.prefill, self.options.decode)
+                ray.init(resources={"prefill": max(1, prefill), "decode": max(1, decode)},
                          namespace=self.namespace, include_dashboard=False, log_to_driver=False,
                          configure_logging=False)
                 self.started_ray = True
