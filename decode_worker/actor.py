@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from cluster.commands import Commands
 from cluster.heartbeat import heartbeat_loop
 from cluster.kv_link import TransferHeader, layout_of, pool_buffers
 from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, TransferStats
@@ -57,8 +58,7 @@ class DecodeWorker:
         self.prefill_of: dict[str, Any] = {}  # request id → prefill actor handle
         self.reserved_at: dict[str, float] = {}  # request id → perf_counter at reservation
         self.transfer_stats: dict[str, TransferStats] = {}  # attached to the request's next chunk
-        self.commands: list = []
-        self.wakeup = asyncio.Event()  # set whenever a command is queued
+        self.commands = Commands()  # changes from actor methods, applied by the loop
         self.peer_epochs: dict[str, str] = {}  # prefill agent name → epoch loaded
         self.draining = False
         self.fallbacks = 0  # transfers that failed and were recomputed locally
@@ -98,7 +98,7 @@ class DecodeWorker:
         try:
             if prefill is not None:
                 prefill = await self._connect(prefill)
-            self._queue(lambda: self._start(req, prefill))
+            self.commands.put(lambda: self._start(req, prefill))
             while True:
                 chunk = await queue.get()
                 yield chunk
@@ -108,7 +108,7 @@ class DecodeWorker:
         finally:
             self.streams.pop(req.request_id, None)
             if not finished:  # the caller went away: abort everywhere
-                self._queue(lambda: self._abort(req.request_id))
+                self.commands.put(lambda: self._abort(req.request_id))
 
     async def _connect(self, prefill):
         """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it.
@@ -124,7 +124,7 @@ class DecodeWorker:
         return prefill
 
     async def abort(self, request_id: str) -> bool:
-        self._queue(lambda: self._abort(request_id))
+        self.commands.put(lambda: self._abort(request_id))
         return True
 
     def _start(self, req: GenerateRequest, prefill) -> None:
@@ -148,7 +148,7 @@ class DecodeWorker:
             await ref
         except Exception as e:  # prefill worker died or refused: recompute here
             log.warning("prefill of %s failed: %s", request_id, e)
-            self._queue(lambda: self._fallback(request_id))
+            self.commands.put(lambda: self._fallback(request_id))
 
     def _fallback(self, request_id: str) -> None:
         req = self.awaiting_kv.pop(request_id, None)
@@ -175,16 +175,14 @@ class DecodeWorker:
     async def _loop(self) -> None:
         while True:
             try:
-                commands, self.commands = self.commands, []
-                for command in commands:
-                    command()
+                self.commands.run()
                 self._route(self._poll_transfers())
                 if self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
                 elif self.awaiting_kv:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
-                    await self._idle()
+                    await self.commands.wait()
             except Exception:  # a bug must not silently stall every stream: fail loudly per request
                 log.exception("decode loop error")
                 for rid in list(self.streams):
@@ -233,19 +231,6 @@ class DecodeWorker:
             queue = self.streams.get(chunk.request_id)
             if queue is not None:
                 queue.put_nowait(chunk)
-
-    async def _idle(self, timeout_s: float = 0.05) -> None:
-        """Sleep until a command arrives (or the timeout: leases still need checking)."""
-        self.wakeup.clear()
-        if not self.commands:
-            try:
-                await asyncio.wait_for(self.wakeup.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-
-    def _queue(self, command) -> None:
-        self.commands.append(command)
-        self.wakeup.set()
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
         """Scale-down: stop being chosen, finish what is here, return once idle for `settle_s`.

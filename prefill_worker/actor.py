@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from cluster.commands import Commands
 from cluster.heartbeat import heartbeat_loop
 from cluster.kv_link import TransferHeader, layout_of, pool_buffers
 from cluster.messages import GenerateRequest
@@ -62,8 +63,7 @@ class PrefillWorker:
         self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
         self.streamed: dict[str, dict[str, int]] = {}  # rid → kind → leading pages already sent
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
-        self.commands: list = []
-        self.wakeup = asyncio.Event()  # set whenever a command is queued
+        self.commands = Commands()  # changes from actor methods, applied by the loop
         self.draining = False
         self._tasks: list[asyncio.Task] = []
 
@@ -104,11 +104,11 @@ class PrefillWorker:
         fut = asyncio.get_running_loop().create_future()
         self.futures[req.request_id] = fut
         self.targets[req.request_id] = (decode_target(target), peer_metadata, peer_layout)
-        self._queue(lambda: self.engine.submit(req))
+        self.commands.put(lambda: self.engine.submit(req))
         return await fut
 
     async def abort(self, request_id: str) -> bool:
-        self._queue(lambda: self._abort(request_id))
+        self.commands.put(lambda: self._abort(request_id))
         return True
 
     def _abort(self, request_id: str) -> None:
@@ -132,9 +132,7 @@ class PrefillWorker:
     async def _loop(self) -> None:
         while True:
             try:
-                commands, self.commands = self.commands, []
-                for command in commands:
-                    command()
+                self.commands.run()
                 if self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
@@ -142,7 +140,7 @@ class PrefillWorker:
                 elif self.shipping:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
-                    await self._idle()
+                    await self.commands.wait()
                 self._poll_sender()
                 await self._publish_events()
             except Exception:
@@ -232,19 +230,6 @@ class PrefillWorker:
                 self._answer(ev.request_id, {"first_token": done.first_token if done else None})
             else:
                 self._answer(ev.request_id, TransferFailed(ev.reason))
-
-    async def _idle(self, timeout_s: float = 0.05) -> None:
-        """Sleep until a command arrives (or the timeout: leases still need checking)."""
-        self.wakeup.clear()
-        if not self.commands:
-            try:
-                await asyncio.wait_for(self.wakeup.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-
-    def _queue(self, command) -> None:
-        self.commands.append(command)
-        self.wakeup.set()
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
         """Scale-down: stop being chosen, finish every prefill here and keep its KV pages until
