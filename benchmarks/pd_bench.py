@@ -77,9 +77,7 @@ async def run_mode(mode: str, model_dir: str, work, threads_total: int) -> dict:
         backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 1024,
                                  PlacementConfig(remote_prefill_threshold=0))
         await backend.start()
-        while backend.health()["decode"] < 1 or backend.health()["prefill"] < prefill:
-            await asyncio.sleep(0.1)
-            await backend._refresh()
+        await backend.wait_for_workers(prefill=prefill, decode=1)
         await drive(backend, work[:4])  # warm-up: first calls compile / allocate
         rows = await drive(backend, work)
         await backend.stop()

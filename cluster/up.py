@@ -52,7 +52,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
                                                                               options.cluster.worker.max_tokens),
                                  placement, metrics)
         await backend.start()
-        await _wait_for_workers(backend, options.cluster, options.start_timeout_s)
+        await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
         actuator = _actuator(options, cluster)
         handle = await serve(options.router, backend, metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
@@ -78,16 +78,3 @@ def _actuator(options: UpOptions, cluster: LocalCluster) -> RayActuator | None:
         desired = Autoscaler(config, {"prefill": options.cluster.prefill, "decode": options.cluster.decode}).step
         return RayActuator(cluster, registry, desired, ActuatorOptions(interval_s=config.interval_s)).start()
     return RayActuator(cluster, registry, follow_ray_resources, ActuatorOptions(scale_down=False)).start()
-
-
-async def _wait_for_workers(backend: ClusterBackend, options: ClusterOptions, timeout_s: float = 120.0) -> None:
-    """Ready means every worker is registered, so the first request can be placed."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        health = backend.health()
-        if health["decode"] >= options.decode and health["prefill"] >= options.prefill:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"workers did not register within {timeout_s}s: {health}")
-        await asyncio.sleep(0.1)
-        await backend._refresh()

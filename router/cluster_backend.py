@@ -48,6 +48,19 @@ class ClusterBackend:
         await self._refresh()
         self._tasks = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._event_loop())]
 
+    async def wait_for_workers(self, prefill: int, decode: int, timeout_s: float = 120.0) -> None:
+        """Return once at least `prefill` / `decode` workers are registered (so a first request
+        can be placed); TimeoutError after `timeout_s`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            health = self.health()
+            if health["decode"] >= decode and health["prefill"] >= prefill:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"workers did not register within {timeout_s}s: {health}")
+            await asyncio.sleep(0.1)
+            await self._refresh()
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

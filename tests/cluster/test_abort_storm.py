@@ -62,9 +62,7 @@ def test_abort_storm_leaves_no_pages(cluster):
         backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
                                  PlacementConfig(remote_prefill_threshold=64))
         await backend.start()
-        while backend.health()["decode"] < 1 or backend.health()["prefill"] < 1:
-            await asyncio.sleep(0.1)
-            await backend._refresh()
+        await backend.wait_for_workers(prefill=1, decode=1)
         pending = set()
         for i in range(N_REQUESTS):
             pending.add(asyncio.ensure_future(one(backend, i)))

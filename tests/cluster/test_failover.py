@@ -43,9 +43,7 @@ def test_killed_decode_worker_requests_continue_elsewhere(tiny_official_ckpt):
             backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
                                      PlacementConfig(remote_prefill_threshold=64))
             await backend.start()
-            while backend.health()["decode"] < 2:
-                await asyncio.sleep(0.1)
-                await backend._refresh()
+            await backend.wait_for_workers(prefill=1, decode=2)
             victim_killed = asyncio.Event()
 
             async def one(req):
@@ -98,9 +96,7 @@ def test_killed_prefill_worker_requests_are_recomputed(tiny_official_ckpt):
             backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
                                      PlacementConfig(remote_prefill_threshold=64))
             await backend.start()
-            while backend.health()["decode"] < 1 or backend.health()["prefill"] < 1:
-                await asyncio.sleep(0.1)
-                await backend._refresh()
+            await backend.wait_for_workers(prefill=1, decode=1)
 
             async def one(req):
                 return [t async for chunk in backend.generate(req) for t in chunk.token_ids if chunk.error is None]
