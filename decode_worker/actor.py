@@ -77,8 +77,7 @@ class DecodeWorker:
 
     def load(self):
         load = self.engine.load()
-        return load.__class__(**{**load.__dict__, "waiting": load.waiting + len(self.awaiting_kv),
-                                 "draining": self.draining})
+        return dataclasses.replace(load, waiting=load.waiting + len(self.awaiting_kv), draining=self.draining)
 
     def page_accounting(self) -> dict:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),

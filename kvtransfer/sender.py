@@ -159,6 +159,18 @@ class Sender:
 
     # --- sending
 
+    def _open(self, target: TransferTarget):
+        """(peer, peer layout, key, outgoing state or None) of a request still open to writes;
+        raises RequestClosed when the receiver or an answer already ended it."""
+        peer, peer_layout = self._peer_for(target)
+        key = (target.request_id, target.agent_name, target.agent_epoch)
+        if key in self._tombstones:
+            raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
+        out = self._out.get(key)
+        if out is not None and out.answer is not None:
+            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        return peer, peer_layout, key, out
+
     def send(self, target: TransferTarget, src_pages: Mapping[str, Sequence[int]],
              page_byte_range: tuple[int, int] | None = None,
              ready: torch.cuda.Event | None = None,
@@ -177,13 +189,7 @@ class Sender:
         Raises NotConnected / StaleTarget / LayoutMismatch / RequestClosed / LeaseExpired /
         ValueError before any byte moves.
         """
-        peer, peer_layout = self._peer_for(target)
-        key = (target.request_id, target.agent_name, target.agent_epoch)
-        if key in self._tombstones:
-            raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
-        out = self._out.get(key)
-        if out is not None and out.answer is not None:
-            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        peer, peer_layout, key, out = self._open(target)
         if out is not None and out.pending_done is not None:
             raise RuntimeError(f"finish() of {target.request_id!r} is still pending")
         dst = target.pages()
@@ -257,13 +263,7 @@ class Sender:
 
         src_pages: the full source page lists per kind, if not all were given to send().
         """
-        peer, _ = self._peer_for(target)
-        key = (target.request_id, target.agent_name, target.agent_epoch)
-        if key in self._tombstones:
-            raise RequestClosed(f"{target.request_id!r} to {target.agent_name!r} already ended")
-        out = self._out.get(key)
-        if out is not None and out.answer is not None:
-            raise RequestClosed(f"{target.request_id!r} already ended: {out.answer}")
+        peer, _, key, out = self._open(target)
         known = dict(out.src_pages) if out is not None else {}
         known.update({k: tuple(int(i) for i in v) for k, v in (src_pages or {}).items()})
         missing = [k for k, ids in target.page_ids if ids and k not in known]
