@@ -7,10 +7,17 @@ of ReLU score ties). `tiny_ckpt_weights` are its random float32 weights (seed 0,
 official names. `tiny_official_ckpt` / `tiny_hf_ckpt` are those weights written as a single-file
 checkpoint in each format; treat the directories as read-only."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in the interpreter, so their parity tests still run
+    # (model/kernels/__init__.py). Set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -19,8 +26,6 @@ from model.tiny import random_weights, tiny_config  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

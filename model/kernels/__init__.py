@@ -1,0 +1,21 @@
+"""Triton kernels of DeepSeek-V4, each beside the pure-torch reference it must match.
+
+Every op is one module here exposing `op(..., impl)`: impl "torch" is the reference (plain torch,
+any device; it defines the semantics) and impl "triton" the kernel (CUDA tensors on a GPU; on
+the CPU it runs only under `TRITON_INTERPRET=1`, which the CPU test suite sets so that kernel
+logic is tested without a GPU). Parity is tested on random data at small shapes in
+`tests/model/test_kernels_*.py` (interpreter, CI) and at real shapes in `tests/gpu/` (GPU).
+
+Kernels never synchronise with the host and keep their launch grids a function of tensor
+shapes only, so a decode step built from them can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+IMPLS = ("torch", "triton")
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"kernel impl must be one of {IMPLS}, got {impl!r}")
+    return impl
