@@ -4,15 +4,52 @@ Each segment is one request contributing `length` tokens starting at position `s
 (= tokens already in its pools): a prefill chunk (any start, any length, e.g. after a cached
 prefix) or a single-token decode. Segments are independent; the model reads and writes each
 request's pools through its own `SeqKV` page tables.
+
+The torch reference path walks `segments`; the kernels read the same facts as device tensors
+(`BatchMeta`, built once per batch in one host→device copy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from model.kv_pool import SeqKV
+from model.kv_pool import ALL_KINDS, SeqKV
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Device-side view of a batch for the kernels (int32 unless noted).
+
+    token_seq [T]: segment of each token; positions [T]; seg_start, seg_end [B] (absolute
+    positions, end exclusive); tables[kind] [B, P_kind]: page ids (-1 released), padded with -1;
+    max_end: the largest `seg_end` (host int: bounds the compressed entries any query can see).
+    """
+
+    token_seq: torch.Tensor
+    positions: torch.Tensor
+    seg_start: torch.Tensor
+    seg_end: torch.Tensor
+    tables: dict[str, torch.Tensor]
+    max_end: int
+
+    @classmethod
+    def build(cls, segments: tuple["Segment", ...], device: torch.device) -> "BatchMeta":
+        widths = {k: max(1, max(len(s.seq.pages[k]) for s in segments)) for k in ALL_KINDS}
+        token_seq = [i for i, s in enumerate(segments) for _ in range(s.length)]
+        positions = [p for s in segments for p in range(s.start, s.end)]
+        parts = [token_seq, positions, [s.start for s in segments], [s.end for s in segments]]
+        for k in ALL_KINDS:
+            for s in segments:
+                pages = s.seq.pages[k]
+                parts.append(list(pages) + [-1] * (widths[k] - len(pages)))
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32).to(device, non_blocking=True)
+        T, B = len(token_seq), len(segments)
+        views = list(flat.split([T, T, B, B] + [B * widths[k] for k in ALL_KINDS]))
+        tables = {k: v.view(B, widths[k]) for k, v in zip(ALL_KINDS, views[4:])}
+        return cls(views[0], views[1], views[2], views[3], tables, max(s.end for s in segments))
 
 
 @dataclass(frozen=True)
@@ -50,6 +87,11 @@ class ForwardBatch:
             offset += len(tokens)
         return cls(torch.tensor(ids, dtype=torch.long, device=device),
                    torch.tensor(pos, dtype=torch.long, device=device), tuple(segs))
+
+    @cached_property
+    def meta(self) -> BatchMeta:
+        """The batch as device tensors for the kernels (built on first use)."""
+        return BatchMeta.build(self.segments, self.input_ids.device)
 
     @property
     def last_rows(self) -> torch.Tensor:

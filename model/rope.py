@@ -40,6 +40,14 @@ class Rope:
     def __init__(self, dim: int, theta: float, yarn: YarnScaling | None):
         self.dim = dim
         self.inv_freq = inv_freq(dim, theta, yarn)
+        self._on_device = {self.inv_freq.device: self.inv_freq}  # copies made once per device
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """[r/2] float32 on `device` (cached: no host→device copy per call, graph-capturable)."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
 
     @classmethod
     def for_layer(cls, cfg: ModelConfig, compressed: bool) -> "Rope":
@@ -49,7 +57,7 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → cos, sin [T, r/2] float32."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq_on(positions.device)
         return freqs.cos(), freqs.sin()
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

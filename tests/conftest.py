@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in the interpreter, so their parity tests still run
     # (model/kernels/__init__.py). Set before any kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.triton_interpreter import install as _install_interpreter_shim  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    _install_interpreter_shim()
 
 from model.checkpoint import expected_shapes, write_checkpoint  # noqa: E402
 from model.tiny import random_weights, tiny_config  # noqa: E402

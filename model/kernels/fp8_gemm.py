@@ -1,0 +1,120 @@
+"""FP8 block-scaled GEMM: y = x · dequant(W)ᵀ with W in e4m3 and UE8M0 scales per 128×128 block.
+
+This is how the official checkpoint stores the dense projections (`wq_a`, `wq_b`, `wkv`, `wo_a`,
+`wo_b`, `indexer.wq_b`, shared experts). Activations stay bf16 (W8A16): the weight tile is
+dequantised in registers (an e4m3 value times a power of two is exact in bf16) and multiplied on
+the tensor cores with fp32 accumulation, so the kernel computes exactly the reference's product up
+to the order of the fp32 sums.
+
+Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
+x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
+
+Scales are applied per output column of each 128-wide K step (acc += dot(x, qᵀ) · s[n]), so tiles
+never need to align with the 128-row scale blocks. Small M (decode) splits K over programs and
+reduces with fp32 atomics so that a few output tiles still fill the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels import check_impl
+
+BLOCK = 128  # scale block along N and K
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [..., K] (or [M, G, K] when grouped), weight e4m3 [G·N, K], scale float [⌈G·N/128⌉, ⌈K/128⌉]
+    → y in x.dtype: [..., N] (or [M, G, N])."""
+    rows, k = weight.shape
+    s = scale.float().repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :k]
+    w = (weight.float() * s).to(x.dtype)
+    if groups == 1:
+        return torch.nn.functional.linear(x, w)
+    return torch.einsum("mgk,gnk->mgn", x, w.view(groups, rows // groups, k))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1) -> torch.Tensor:
+    """See module docstring; `impl` "torch" or "triton"."""
+    if check_impl(impl) == "torch":
+        return reference(x, weight, scale, groups)
+    rows, K = weight.shape
+    N = rows // groups
+    if groups == 1:
+        lead = x.shape[:-1]
+        x3 = x.reshape(-1, 1, K)
+    else:
+        lead = None
+        x3 = x
+    M = x3.shape[0]
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    cfg = _config(M, N, K, groups)
+    out_dtype = x.dtype
+    split = cfg["SPLIT_K"]
+    y = torch.zeros if split > 1 else torch.empty
+    out = y((M, groups, N), device=x.device, dtype=torch.float32 if split > 1 else out_dtype)
+    if M:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), groups, split)
+        _fp8_gemm_kernel[grid](
+            x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out,
+            M, N, K,
+            x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, SPLIT_K=split,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    out = out.to(out_dtype)
+    return out.view(*lead, N) if lead is not None else out
+
+
+def _config(M: int, N: int, K: int, groups: int) -> dict:
+    """Tile sizes by problem shape (no autotuning: deterministic and capturable in graphs)."""
+    if M <= 16:
+        bm, bn, warps, stages = 16, 64, 4, 4
+    elif M <= 64:
+        bm, bn, warps, stages = 64, 64, 4, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn) * groups
+    k_blocks = triton.cdiv(K, BLOCK)
+    split = 1
+    if M <= 64:  # decode: spread K over programs until ~2 waves of 132 SMs
+        while tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
+            split *= 2
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": stages}
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // n_tiles, pid % n_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = g * N + offs_n  # weight rows of this group
+    mask_m, mask_n = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    for i in range(0, tl.cdiv(k_blocks - split, SPLIT_K)):
+        kb = split + i * SPLIT_K
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
+        part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        acc += part * s[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=mask)

@@ -1,0 +1,113 @@
+"""Reading and writing KV-pool entries inside Triton kernels (the layouts of `model.kv_pool`).
+
+A pool is one uint8 buffer [num_pages, page_bytes], page-major, a page laid out
+[layer][entry][entry_bytes]. Entry `j` of a request in layer slot `l` lives at byte
+
+    table[seq, j // entries_per_page] · page_bytes + l · layer_bytes + (j % entries_per_page) · entry_bytes
+
+Entry encodings (`PACK`, a constexpr; `pack_code` maps pool kind and storage format to it):
+
+| code | encoding | bytes |
+|---|---|---|
+| 0 | fp32 values | 4·d |
+| 1 | bf16 values | 2·d |
+| 2 | KV `NopeFp8RopeBf16Pack`: nope e4m3, rope bf16, one UE8M0 byte per 64 nope dims, zero pad | 584 for d=512 |
+| 3 | indexer key: e4m3 values then one fp32 scale (amax/448) | d + 4 |
+
+Decoding reproduces `model.quant` exactly (an e4m3 value times a power of two is exact in fp32
+and bf16). Encoding matches it bit for bit except that the UE8M0 exponent is taken from the
+float's bits (exact ceil(log2)) where torch evaluates log2 in fp32; they differ only when
+amax/448 lies within an ulp above a power of two.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from model.kv_pool import KVPools, STATE_KINDS
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def pack_code(pools: KVPools, kind: str) -> int:
+    """The entry encoding of `kind` in `pools` (table in the module docstring)."""
+    fmt = "fp32" if kind in STATE_KINDS else pools.format
+    if fmt == "fp32":
+        return 0
+    if fmt == "bf16":
+        return 1
+    return 3 if kind == "c4_indexer" else 2
+
+
+@triton.jit
+def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page_bytes, layer_off, entry_bytes):
+    """Byte offsets (int64) of entries `idx` of request row `seq` (0 where not `valid`)."""
+    page = tl.load(table_ptr + seq * table_stride + idx // EPP, mask=valid, other=0)
+    base = page.to(tl.int64) * page_bytes + layer_off + (idx % EPP).to(tl.int64) * entry_bytes
+    return tl.where(valid, base, 0)
+
+
+@triton.jit
+def load_entries(buf_ptr, base, valid, cols, d, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr):
+    """Decode entries at byte offsets `base` [N] → fp32 [N, C] over columns `cols` [C] (< d)."""
+    ptr = buf_ptr + base[:, None] + cols[None, :]
+    mask = valid[:, None] & (cols < d)[None, :]
+    if PACK == 0:
+        x = tl.load((buf_ptr + base[:, None] + 4 * cols[None, :]).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+    elif PACK == 1:
+        x = tl.load((buf_ptr + base[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=mask,
+                    other=0.0).to(tl.float32)
+    elif PACK == 2:
+        nope = (cols < NOPE)[None, :]
+        q = tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope, other=0.0).to(tl.float32)
+        e = tl.load(buf_ptr + base[:, None] + (NOPE + 2 * ROPE) + cols[None, :] // 64, mask=mask & nope, other=127)
+        scale = tl.exp2(e.to(tl.float32) - 127.0)
+        rope_ptr = buf_ptr + base[:, None] + NOPE + 2 * (cols[None, :] - NOPE)
+        r = tl.load(rope_ptr.to(tl.pointer_type(tl.bfloat16)), mask=mask & ~nope, other=0.0).to(tl.float32)
+        x = tl.where(nope, q * scale, r)
+    else:
+        q = tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
+        s = tl.load((buf_ptr + base + d).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        x = q * s[:, None]
+    return x
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """2^ceil(log2(x)) for positive normal fp32 x, from its bits (exact)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True), e
+
+
+@triton.jit
+def store_entry(buf_ptr, base, v, cols, d, NOPE: tl.constexpr, ROPE: tl.constexpr, ENTRY_BYTES: tl.constexpr,
+                D: tl.constexpr, PACK: tl.constexpr):
+    """Encode one entry `v` fp32 [D] (columns `cols` = arange(D), valid below d) at byte `base`."""
+    valid = cols < d
+    if PACK == 0:
+        tl.store((buf_ptr + base + 4 * cols).to(tl.pointer_type(tl.float32)), v, mask=valid)
+    elif PACK == 1:
+        tl.store((buf_ptr + base + 2 * cols).to(tl.pointer_type(tl.bfloat16)), v.to(tl.bfloat16), mask=valid)
+    elif PACK == 2:
+        nope = cols < NOPE
+        blocks = tl.reshape(tl.abs(tl.where(nope, v, 0.0)), (D // 64, 64))
+        amax = tl.maximum(tl.max(blocks, axis=1), AMAX_FLOOR)  # [D/64]
+        scale, e = _pow2_ceil(amax / FP8_MAX)
+        scale_col = tl.reshape(tl.broadcast_to(scale[:, None], (D // 64, 64)), (D,))
+        q = tl.clamp(v / scale_col, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        tl.store((buf_ptr + base + cols).to(tl.pointer_type(tl.float8e4nv)), q, mask=nope)
+        rope_ptr = buf_ptr + base + NOPE + 2 * (cols - NOPE)
+        tl.store(rope_ptr.to(tl.pointer_type(tl.bfloat16)), v.to(tl.bfloat16), mask=valid & ~nope)
+        blk = tl.arange(0, D // 64)
+        tl.store(buf_ptr + base + NOPE + 2 * ROPE + blk, e.to(tl.uint8), mask=blk < NOPE // 64)
+        pad = NOPE + 2 * ROPE + NOPE // 64
+        tl.store(buf_ptr + base + pad + cols, tl.zeros_like(cols).to(tl.uint8), mask=cols < ENTRY_BYTES - pad)
+    else:
+        amax = tl.maximum(tl.max(tl.abs(tl.where(valid, v, 0.0)), axis=0), AMAX_FLOOR)
+        s = amax / FP8_MAX
+        q = tl.clamp(v / s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        tl.store((buf_ptr + base + cols).to(tl.pointer_type(tl.float8e4nv)), q, mask=valid)
+        tl.store((buf_ptr + base + d).to(tl.pointer_type(tl.float32)), s)

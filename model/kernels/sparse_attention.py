@@ -1,0 +1,219 @@
+"""Sparse MQA with attention sink over the paged pools: each query attends to its sliding window
+(the last `window` positions, SWA pool) plus its compressed entries (HCA: every complete window
+of `ratio` tokens; CSA: the indexer's picks, -1 = none), one shared K = V head.
+
+    out_h = Σ_j softmax_j([q_h·k_j / √d]_j ∪ {sink_h}) · k_j      (the sink carries no value)
+
+then the rope channels of the output are rotated back by -position (the output de-rotation).
+
+Kernel: one program per (token, block of BH heads, KV split). Entries are gathered through the
+page tables and decoded to bf16 in registers (exact for bf16 and fp8_pack pools), scores and the
+P·V product run on the tensor cores with fp32 accumulation, softmax is online in base 2. The sink
+seeds the running max and denominator of split 0 (m = sink, l = 1, acc = 0), so no -inf ever
+reaches an exponent. With one split the kernel also de-rotates and writes the final output;
+with several (decode with few tokens, to fill the GPU) it writes partial (acc, m, l) that
+`_combine` merges.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels import check_impl
+from model.kernels.pool_io import entry_base, load_entries, pack_code
+from model.rope import Rope
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------
+
+def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int, rope: Rope) -> torch.Tensor:
+    """q [T, H, d] → de-rotated output [T, H, d] float32 (see module docstring)."""
+    T, H, d = q.shape
+    out = torch.empty(T, H, d, dtype=torch.float32, device=q.device)
+    kind = {4: "c4", 128: "c128"}.get(ratio)
+    for seg in batch.segments:
+        qs, qpos = q[seg.rows], batch.positions[seg.rows]
+        kpos = torch.arange(max(0, seg.start - window + 1), seg.end, device=q.device)
+        keys = pools.read("swa", layer, seg.seq.pages["swa"], kpos)
+        visible = (kpos <= qpos.unsqueeze(1)) & (kpos > qpos.unsqueeze(1) - window)  # [S, Lw]
+        if ratio:
+            n = seg.end // ratio
+            keys = torch.cat([keys, pools.read(kind, layer, seg.seq.pages[kind], torch.arange(n, device=q.device))])
+            if picks is None:  # HCA: every complete window at or before the query
+                comp_visible = torch.arange(n, device=q.device) < ((qpos + 1) // ratio).unsqueeze(1)
+            else:  # CSA: the indexer's picks (-1 = no pick)
+                p = picks[seg.rows].long()
+                comp_visible = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=q.device)
+                comp_visible.scatter_(1, torch.where(p < 0, n, p.clamp_max(n)), True)
+                comp_visible = comp_visible[:, :n]
+            visible = torch.cat([visible, comp_visible], dim=1)
+        logits = torch.einsum("shd,ld->hsl", qs.float(), keys) * d ** -0.5
+        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        sinks = sink.float().view(-1, 1, 1).expand(-1, qs.shape[0], 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        out[seg.rows] = torch.einsum("hsl,ld->shd", probs, keys)
+    return rope.apply(out, batch.positions, inverse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# op
+# ---------------------------------------------------------------------------------------
+
+def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
+           window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """q [T, H, d] (roped) → [T, H, d] float32 de-rotated attention output.
+
+    picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
+    the launch heuristics (tests and tuning)."""
+    if check_impl(impl) == "torch":
+        return reference(q, batch, pools, layer, ratio, picks, sink, window, rope)
+    T, H, d = q.shape
+    out = torch.empty(T, H, d, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out
+    meta = batch.meta
+    kind = {4: "c4", 128: "c128"}.get(ratio, "swa")  # "swa" as a placeholder pool when ratio == 0
+    swa, comp = pools.specs["swa"], pools.specs[kind]
+    n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
+    bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
+    bn = 32 if d >= 256 else 64
+    blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
+    programs = T * triton.cdiv(H, bh)
+    if splits is None:
+        splits = 1
+        while programs * splits < 2 * _num_sms(q.device) and blocks // (splits * 2) >= 2:
+            splits *= 2
+    if splits == 1:
+        partial, ml = out, out  # unused
+    else:
+        partial = torch.empty(splits, T, H, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
+    picks_arg = picks if picks is not None else meta.token_seq
+    _sparse_attn_kernel[(T, triton.cdiv(H, bh), splits)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,
+        meta.token_seq, meta.positions, sink, rope.inv_freq_on(q.device),
+        pools.buffers["swa"], meta.tables["swa"], meta.tables["swa"].stride(0), swa.page_bytes,
+        pools._local["swa"][layer] * swa.layer_bytes, swa.entry_bytes,
+        pools.buffers[kind], meta.tables[kind], meta.tables[kind].stride(0), comp.page_bytes,
+        pools._local[kind].get(layer, 0) * comp.layer_bytes, comp.entry_bytes,
+        picks_arg, picks_arg.stride(0) if picks is not None else 0, n_comp,
+        H, d, d ** -0.5 * LOG2E,
+        WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
+        C_EPP=comp.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
+        BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits,
+        num_warps=8 if bh >= 64 else 4, num_stages=2)
+    if splits == 1:
+        return out
+    return _combine(partial, ml, batch.positions, rope)
+
+
+def _combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Merge split partials (acc [S,T,H,d], (m, l) [S,T,H,2], base-2 logits) and de-rotate."""
+    m, l = ml[..., 0], ml[..., 1]
+    w = torch.exp2(m - m.amax(dim=0, keepdim=True))
+    out = (w.unsqueeze(-1) * partial).sum(0) / (w * l).sum(0).unsqueeze(-1)
+    return rope.apply(out, positions, inverse=True)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _sparse_attn_kernel(
+        q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr,
+        seq_ptr, pos_ptr, sink_ptr, inv_freq_ptr,
+        swa_buf, swa_table, swa_tstride, swa_page_bytes, swa_layer_off, swa_entry_bytes,
+        c_buf, c_table, c_tstride, c_page_bytes, c_layer_off, c_entry_bytes,
+        picks_ptr, stride_pk, n_comp,
+        H, d, scale_log2,
+        WINDOW: tl.constexpr, RATIO: tl.constexpr, HAS_PICKS: tl.constexpr, SWA_EPP: tl.constexpr,
+        C_EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr,
+        BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    cols = tl.arange(0, D)
+    offs = tl.arange(0, BN)
+    hmask = heads < H
+    seq = tl.load(seq_ptr + t)
+    pos = tl.load(pos_ptr + t)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=hmask[:, None] & (cols < d)[None, :], other=0.0).to(tl.bfloat16)
+    if split == 0:  # the sink: a logit with a zero value vector
+        m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l = tl.full((BH,), 1.0, tl.float32)
+    else:
+        m = tl.full((BH,), -1e30, tl.float32)
+        l = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, D), tl.float32)
+
+    lo = tl.maximum(pos - WINDOW + 1, 0)
+    n_win_blocks = tl.cdiv(WINDOW, BN)
+    if RATIO == 0:
+        n_blocks = n_win_blocks
+    elif HAS_PICKS:
+        n_blocks = n_win_blocks + tl.cdiv(n_comp, BN)
+    else:
+        n_blocks = n_win_blocks + tl.cdiv((pos + 1) // RATIO, BN)
+    for i in range(split, n_blocks, SPLITS):
+        if i < n_win_blocks:
+            idx = lo + i * BN + offs
+            valid = idx <= pos
+            base = entry_base(swa_table, swa_tstride, seq, idx, valid, SWA_EPP, swa_page_bytes, swa_layer_off,
+                              swa_entry_bytes)
+            k = load_entries(swa_buf, base, valid, cols, d, NOPE, ROPE, PACK)
+        else:
+            j = (i - n_win_blocks) * BN + offs
+            if HAS_PICKS:
+                idx = tl.load(picks_ptr + t * stride_pk + j, mask=j < n_comp, other=-1)
+                valid = idx >= 0
+            else:
+                idx = j
+                valid = j < (pos + 1) // RATIO
+            base = entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off, c_entry_bytes)
+            k = load_entries(c_buf, base, valid, cols, d, NOPE, ROPE, PACK)
+        k = k.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        m = m_new
+
+    if SPLITS == 1:
+        o = acc / l[:, None]
+        # de-rotate the rope channels: pairs (2i, 2i+1) by -pos·inv_freq[i]
+        pairs = tl.reshape(o, (BH, D // 2, 2))
+        even, odd = tl.split(pairs)
+        half = tl.arange(0, D // 2)
+        in_rope = (half >= (d - ROPE) // 2) & (half < d // 2)
+        freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half - (d - ROPE) // 2, mask=in_rope, other=0.0)
+        cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
+        rot_even = tl.where(in_rope[None, :], even * cos + odd * sin, even)
+        rot_odd = tl.where(in_rope[None, :], odd * cos - even * sin, odd)
+        o = tl.reshape(tl.join(rot_even, rot_odd), (BH, D))
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], o,
+                 mask=hmask[:, None] & (cols < d)[None, :])
+    else:
+        T = tl.num_programs(0)
+        row = (split * T + t) * H + heads
+        tl.store(partial_ptr + row[:, None] * d + cols[None, :], acc, mask=hmask[:, None] & (cols < d)[None, :])
+        tl.store(ml_ptr + row * 2, m, mask=hmask)
+        tl.store(ml_ptr + row * 2 + 1, l, mask=hmask)

@@ -1,0 +1,65 @@
+"""Shared builders for kernel parity tests: random pools holding random requests.
+
+`random_batch` makes a batch of segments (prefill chunks at any start and decodes) over fresh
+pools whose every page is filled with random entries of the pool's encoding, so kernels are never
+checked against zeros. Used by the interpreter tests here and the GPU tests in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import quant
+from model.batch import ForwardBatch
+from model.config import ModelConfig
+from model.kv_pool import KVPools, SeqKV, STATE_KINDS
+
+
+def fill_random(pools: KVPools, seed: int) -> None:
+    """Every entry of every pool := a valid random encoding (values ~N(0,1), state rows too)."""
+    g = torch.Generator().manual_seed(seed)
+    for kind, spec in pools.specs.items():
+        if not spec.layers:
+            continue
+        n = spec.num_pages * len(spec.layers) * spec.entries_per_page
+        if kind in STATE_KINDS:
+            width = spec.entry_bytes // 4
+        elif kind == "c4_indexer":
+            width = pools.cfg.index_head_dim
+        else:
+            width = pools.cfg.head_dim
+        values = torch.randn(n, width, generator=g)
+        raw = pools._encode(kind, values) if kind not in STATE_KINDS else values.view(torch.uint8)
+        pools.buffers[kind].copy_(raw.reshape(spec.num_pages, -1).to(pools.buffers[kind].device))
+
+
+def random_batch(cfg: ModelConfig, pools: KVPools, shapes: list[tuple[int, int]], seed: int,
+                 device: str | torch.device = "cpu") -> ForwardBatch:
+    """One segment per (cached tokens, new tokens) in `shapes`, pages reserved in `pools`."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for cached, new in shapes:
+        seq = SeqKV()
+        pools.reserve(seq, cached + new)
+        seq.num_tokens = cached
+        tokens = torch.randint(0, cfg.vocab_size, (new,), generator=g).tolist()
+        items.append((seq, tokens))
+    return ForwardBatch.build(items, device=device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def unpack_all(pools: KVPools, kind: str) -> torch.Tensor:
+    """Decoded view of a whole pool (for comparing two pools' contents)."""
+    spec = pools.specs[kind]
+    raw = pools.buffers[kind].cpu().reshape(-1, spec.entry_bytes)
+    if kind in STATE_KINDS or pools.format == "fp32":
+        return raw.contiguous().view(torch.float32)
+    if pools.format == "bf16":
+        return raw.contiguous().view(torch.bfloat16).float()
+    if kind == "c4_indexer":
+        return quant.unpack_index_key(raw, pools.cfg.index_head_dim)
+    return quant.unpack_kv(raw, pools.cfg.head_dim, pools.cfg.qk_rope_head_dim)
