@@ -53,20 +53,22 @@ def install() -> None:
         s, d = src.dtype.scalar, dst_type.scalar
         if s not in torch_dtypes or d not in torch_dtypes or d.primitive_bitwidth >= s.primitive_bitwidth:
             return None
-        wide = torch.from_numpy(np.ascontiguousarray(src.data).view(
-            {32: np.float32, 16: np.uint16}[s.primitive_bitwidth]).copy())
-        if s == tl.bfloat16:
-            wide = wide.view(torch.bfloat16)
-        elif s == tl.float16:
-            wide = wide.view(torch.float16)
+        data = np.asarray(src.data)
+        if s == tl.float32:  # real values, though NumPy may have promoted them to float64
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).copy())
+        else:  # 16-bit floats are held as their bits
+            bits = torch.from_numpy(np.ascontiguousarray(data).astype(np.uint16).copy())
+            wide = bits.view(torch.bfloat16 if s == tl.bfloat16 else torch.float16)
         out = wide.to(torch_dtypes[d]).view({16: torch.uint16, 8: torch.uint8}[d.primitive_bitwidth]).numpy()
         return interpreter.TensorHandle(out.view(interpreter._get_np_dtype(dst_type)), d)
 
     def cast_impl(self, src, dst_type):
-        return narrow(src, dst_type) or original_cast(self, src, dst_type)
+        out = narrow(src, dst_type)
+        return original_cast(self, src, dst_type) if out is None else out
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        return narrow(src, dst_type) or original_fp_to_fp(self, src, dst_type, rounding_mode)
+        out = narrow(src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp

@@ -1,0 +1,116 @@
+"""Lightning indexer: per query, score every causal compressed entry and keep the top k.
+
+    score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k_j) / √c      for j < (pos_t + 1) / 4
+
+keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32), q [T, n_I, c] roped,
+w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
+entries of the longest request), -1 where a query sees fewer than K entries.
+
+Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
+page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
+write -inf and read nothing. The logits of a chunk of queries are materialised [T_chunk, N] for
+torch's top-k, with T_chunk bounded so that buffer stays under `max_logit_bytes`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels import check_impl
+from model.kernels.pool_io import entry_base, load_entries, pack_code
+
+
+def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
+    T, n_heads, c = q.shape
+    max_end = max(s.end for s in batch.segments)
+    K = min(topk, max_end // 4)
+    picks = torch.full((T, K), -1, dtype=torch.int32, device=q.device)
+    for seg in batch.segments:
+        n = seg.end // 4
+        keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
+        scores = torch.einsum("shc,tc->sht", q[seg.rows].float(), keys).relu() * c ** -0.5
+        scores = (scores * w[seg.rows].float().unsqueeze(-1)).sum(dim=1)  # [S, n]
+        picks[seg.rows, : min(topk, n)] = select(scores, batch.positions[seg.rows], topk).int()
+    return picks
+
+
+def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)], -1 where a
+    query has fewer than k causal entries (entry j is causal for p iff j < (p+1)/4)."""
+    visible = (positions + 1) // 4
+    future = torch.arange(scores.shape[1], device=scores.device) >= visible.unsqueeze(1)
+    top = scores.masked_fill(future, float("-inf")).topk(min(topk, scores.shape[1]), dim=-1).indices
+    return torch.where(top >= visible.unsqueeze(1), -1, top)
+
+
+def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int) -> torch.Tensor:
+    """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end."""
+    meta = batch.meta
+    spec = pools.specs["c4_indexer"]
+    T = rows.stop - rows.start
+    n_heads, c = q.shape[1], q.shape[2]
+    out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
+    bn = 64
+    qs, ws = q[rows], w[rows]
+    _logits_kernel[(T, triton.cdiv(n_max, bn))](
+        qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
+        meta.token_seq[rows], meta.positions[rows],
+        pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
+        pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
+        EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
+        C=triton.next_power_of_2(c), BN=bn, num_warps=4)
+    return out
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, topk: int, impl: str,
+                 max_logit_bytes: int = 1 << 28) -> torch.Tensor:
+    """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring)."""
+    if check_impl(impl) == "torch":
+        return reference(q, w, batch, pools, layer, topk)
+    T = q.shape[0]
+    n_max = batch.meta.max_end // 4
+    K = min(topk, n_max)
+    picks = torch.empty(T, K, dtype=torch.int32, device=q.device)
+    if K == 0 or T == 0:
+        return picks
+    chunk = max(1, max_logit_bytes // (4 * n_max))
+    for lo in range(0, T, chunk):
+        rows = slice(lo, min(T, lo + chunk))
+        scores = logits(q, w, batch, pools, layer, rows, n_max)
+        values, idx = scores.topk(K, dim=-1)
+        picks[rows] = torch.where(values == float("-inf"), -1, idx).int()
+    return picks
+
+
+@triton.jit
+def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
+                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale,
+                   EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    pos = tl.load(pos_ptr + t)
+    n_vis = (pos + 1) // 4
+    if tl.program_id(1) * BN >= n_vis:  # wholly past this query's causal end
+        tl.store(out_ptr + t * stride_ot + j, tl.full((BN,), float("-inf"), tl.float32), mask=j < n_max)
+        return
+    seq = tl.load(seq_ptr + t)
+    heads = tl.arange(0, NH)
+    cols = tl.arange(0, C)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=(heads < n_heads)[:, None] & (cols < c)[None, :], other=0.0).to(tl.bfloat16)
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32)
+    valid = j < n_vis
+    base = entry_base(table, tstride, seq, j, valid, EPP, page_bytes, layer_off, entry_bytes)
+    if PACK == 3:  # FP8 keys: multiply on the raw e4m3 values (exact in bf16), scale the columns after
+        raw = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
+                      mask=valid[:, None] & (cols < c)[None, :], other=0.0)
+        k = raw.to(tl.bfloat16)
+        key_scale = tl.load((buf + base + c).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    else:
+        k = load_entries(buf, base, valid, cols, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
+        key_scale = tl.full((BN,), 1.0, tl.float32)
+    s = tl.maximum(tl.dot(q, tl.trans(k)) * key_scale[None, :], 0.0) * scale  # [NH, BN]
+    score = tl.sum(s * w[:, None], axis=0)
+    tl.store(out_ptr + t * stride_ot + j, tl.where(valid, score, float("-inf")), mask=j < n_max)

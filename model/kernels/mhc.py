@@ -1,0 +1,195 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is hc parallel streams
+x [T, hc, D]. Around each sub-block:
+
+* `hc_pre`: mixes = rms(x.flatten) · fnᵀ (fn [(2+hc)·hc, hc·D]) split into pre [hc], post [hc],
+  comb [hc, hc]; pre = σ(·) + eps, post = 2σ(·), comb = Sinkhorn-Knopp(softmax(·) + eps) (columns
+  first, then rows / columns alternately, `hc_sinkhorn_iters` in all); collapsed = Σᵢ preᵢ·xᵢ;
+* `hc_post`: new streams = post ⊗ out + combᵀ · x (in the activations' dtype);
+* `hc_head`: the final collapse with pre only.
+
+Kernels: `_pre_kernel` does everything of `hc_pre` for a block of tokens in one launch (the
+skinny mixes GEMM on the tensor cores in fp32, the RMS factor, sigmoid/softmax, all Sinkhorn
+iterations in registers, then the weighted collapse), where the reference takes ~50 small torch
+ops; `_post_kernel` fuses the mixing of `hc_post`, rounding where the reference rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from model.kernels import check_impl
+
+
+# ---------------------------------------------------------------------------------------
+# references (the model's definition)
+# ---------------------------------------------------------------------------------------
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def reference_pre(x, fn, base, scale, hc: int, iters: int, hc_eps: float, rms_eps: float):
+    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return collapsed, post, comb
+
+
+def reference_head(x, fn, base, scale, hc_eps: float, rms_eps: float):
+    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+def reference_post(out, x, post, comb):
+    dtype = x.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+
+
+# ---------------------------------------------------------------------------------------
+# ops
+# ---------------------------------------------------------------------------------------
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+           hc_eps: float, rms_eps: float, impl: str):
+    """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)."""
+    if check_impl(impl) == "torch":
+        return reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
+    return _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head=False)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            rms_eps: float, impl: str) -> torch.Tensor:
+    """x [T, hc, D] → [T, D] (fn [hc, hc·D], scale [1])."""
+    if check_impl(impl) == "torch":
+        return reference_head(x, fn, base, scale, hc_eps, rms_eps)
+    return _launch_pre(x, fn, base, scale, x.shape[1], 0, hc_eps, rms_eps, head=True)[0]
+
+
+def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, impl: str) -> torch.Tensor:
+    """out [T, D], streams x [T, hc, D] → new streams [T, hc, D]."""
+    if check_impl(impl) == "torch":
+        return reference_post(out, x, post, comb)
+    T, hc, D = x.shape
+    new = torch.empty_like(x)
+    if T:
+        x, out = x.contiguous(), out.contiguous()
+        bd = min(1024, triton.next_power_of_2(D))
+        _post_kernel[(T, triton.cdiv(D, bd))](
+            out, x, post.contiguous(), comb.contiguous(), new, D, HC=hc, BD=bd,
+            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=4)
+    return new
+
+
+def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
+    T, _, D = x.shape
+    x = x.contiguous()
+    collapsed = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
+    if T:
+        bt = 16
+        _pre_kernel[(triton.cdiv(T, bt),)](
+            x, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
+            T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, BK=128, NP=16, BD=min(256, triton.next_power_of_2(D)),
+            HEAD=head, num_warps=4)
+    return collapsed, post, comb
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _fn_dot(acc, x, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr):
+    """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero)."""
+    r = tl.arange(0, NP)
+    w = tl.load(fn_ptr + (row0 + r)[:, None] * K + offs_k[None, :], mask=(r < n_rows)[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+
+
+@triton.jit
+def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps,
+                HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+                HEAD: tl.constexpr):
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = tok < T
+    K = HC * D
+    # 1. mixes = x · fnᵀ (three row groups of fn, padded to NP) and Σ x² for the RMS factor
+    a_pre = tl.zeros((BT, NP), tl.float32)
+    a_post = tl.zeros((BT, NP), tl.float32)
+    a_comb = tl.zeros((BT, NP), tl.float32)
+    sq = tl.zeros((BT,), tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+        a_pre = _fn_dot(a_pre, x, fn_ptr, 0, HC, offs_k, K, NP)
+        if not HEAD:
+            a_post = _fn_dot(a_post, x, fn_ptr, HC, HC, offs_k, K, NP)
+            a_comb = _fn_dot(a_comb, x, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP)
+    r = tl.rsqrt(sq / K + rms_eps)[:, None]
+    cols = tl.arange(0, NP)
+    pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
+    pre = tl.where((cols < HC)[None, :], pre, 0.0)
+    if not HEAD:
+        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
+                                                                              other=0.0))
+        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
+        # 2. comb: softmax over each row i of the hc×hc matrix, then Sinkhorn-Knopp
+        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
+        c = tl.reshape(logit, (BT, HC, NP // HC))  # NP == HC·HC: [t, i, j]
+        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+        c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], tl.reshape(c, (BT, NP)), mask=tmask[:, None])
+    # 3. collapsed = Σᵢ preᵢ · xᵢ
+    streams = tl.arange(0, HC)
+    pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        ptr = x_ptr + tok[:, None, None].to(tl.int64) * K + streams[None, :, None] * D + offs_d[None, None, :]
+        xs = tl.load(ptr, mask=tmask[:, None, None] & (offs_d < D)[None, None, :], other=0.0).to(tl.float32)
+        tl.store(col_ptr + tok[:, None].to(tl.int64) * D + offs_d[None, :],
+                 tl.sum(pre_s[:, :, None] * xs, axis=1).to(col_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = offs < D
+    s = tl.arange(0, HC)
+    o = tl.load(out_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :], mask=mask[None, :],
+                other=0.0).to(tl.float32)  # [HC(j), BD]
+    post = tl.load(post_ptr + t * HC + s)
+    comb = tl.load(comb_ptr + t * HC * HC + s[:, None] * HC + s[None, :])  # [j, i]
+    if ROUND_BF16:  # the reference mixes in the activations' dtype
+        post = post.to(tl.bfloat16).to(tl.float32)
+        comb = comb.to(tl.bfloat16).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [i, BD] = Σ_j comb[j, i] x_j
+    scaled = post[:, None] * o[None, :]
+    if ROUND_BF16:
+        mixed = mixed.to(tl.bfloat16).to(tl.float32)
+        scaled = scaled.to(tl.bfloat16).to(tl.float32)
+    tl.store(new_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :],
+             (scaled + mixed).to(new_ptr.dtype.element_ty), mask=mask[None, :])
