@@ -16,18 +16,21 @@ Reference path in pure torch. Per layer, for a batch of segments (see `model.bat
    position; grouped low-rank output projection (wo_a per group, then wo_b).
 
 Every K/V read comes back from the pool, so the storage format's rounding is seen identically
-by prefill, chunked prefill and decode.
+by prefill, chunked prefill and decode. Steps 1-4 are ops of `model.kernels` (`impl` "torch": the
+pure-torch reference, walking the batch's segments; "triton": the GPU kernels).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model.batch import ForwardBatch, Segment
+from model.batch import ForwardBatch
 from model.config import ModelConfig
+from model.kernels import compressor, indexer, sparse_attention
+from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
+from model.quantized import Fp8Linear
 from model.rope import Rope
 
 
@@ -54,52 +57,27 @@ class Compressor(nn.Module):
     """Gated pooling of `ratio` tokens into one entry; ratio 4 overlaps the previous window.
 
     Parameters: wkv, wgate [coff·h, D]; ape [ratio, coff·h]; norm [h] (coff = 2 if overlap).
-    Writes entries to pool `kind` and keeps partial windows in ring pool `state_kind`.
+    Writes entries to pool `kind` and keeps partial windows in ring pool `state_kind`
+    (semantics in `model.kernels.compressor`).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, ratio: int, head_dim: int, kind: str, state_kind: str):
+    def __init__(self, cfg: ModelConfig, layer: int, ratio: int, head_dim: int, kind: str, state_kind: str,
+                 impl: str = "torch"):
         super().__init__()
-        self.layer, self.ratio, self.head_dim = layer, ratio, head_dim
+        self.layer, self.ratio, self.head_dim, self.impl = layer, ratio, head_dim, impl
         self.kind, self.state_kind = kind, state_kind
-        self.overlap = ratio == 4
-        coff = 2 if self.overlap else 1
+        coff = 2 if ratio == 4 else 1
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
         self.wkv = linear(cfg.hidden_size, coff * head_dim)
         self.wgate = linear(cfg.hidden_size, coff * head_dim)
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.rope = Rope.for_layer(cfg, compressed=True)
-        self.ring = 2 * ratio if self.overlap else ratio
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
         xf = x.float()  # compression runs in fp32 (the reference keeps wkv/wgate in fp32)
         proj = torch.cat([self.wkv(xf), self.wgate(xf)], dim=-1)  # [T, 2·coff·h]
-        for seg in batch.segments:
-            self._segment(seg, proj[seg.rows], pools)
-
-    def _segment(self, seg: Segment, proj: torch.Tensor, pools: KVPools) -> None:
-        r, h, s, e = self.ratio, self.head_dim, seg.start, seg.end
-        slot = seg.seq.pages[self.state_kind]
-        n0, n1 = s // r, e // r  # entries complete before / after this segment
-        if n1 > n0:
-            lo = max(0, n0 * r - (r if self.overlap else 0))
-            history = pools.read(self.state_kind, self.layer, slot, torch.arange(lo, s) % self.ring)
-            rows = torch.cat([history, proj[: n1 * r - s]])  # tokens [lo, n1·r)
-            width = rows.shape[1] // 2
-            kv, score = rows[:, :width], rows[:, width:] + self.ape[torch.arange(lo, n1 * r) % r]
-            windows = torch.arange(n0, n1).unsqueeze(1) * r + torch.arange(r) - lo  # [n, r] row ids
-            if self.overlap:
-                prev, first = windows - r, n0 == 0
-                kv = torch.cat([kv[prev.clamp_min(0), :h], kv[windows, h:]], dim=1)
-                score = torch.cat([score[prev.clamp_min(0), :h], score[windows, h:]], dim=1)
-                if first:  # window 0 has no predecessor: zero value, zero weight
-                    kv[0, :r], score[0, :r] = 0.0, float("-inf")
-            else:
-                kv, score = kv[windows], score[windows]
-            pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [n, h]
-            entries = self.rope.apply(self.norm(pooled), torch.arange(n0, n1) * r)
-            pools.write(self.kind, self.layer, seg.seq.pages[self.kind], torch.arange(n0, n1), entries)
-        keep = min(self.ring, seg.length)  # ring rows written after the read above
-        pools.write(self.state_kind, self.layer, slot, torch.arange(e - keep, e) % self.ring, proj[-keep:])
+        compressor.compress(proj, batch, pools, self.layer, self.ratio, self.kind, self.state_kind, self.ape,
+                            self.norm.weight, self.norm.eps, self.rope, self.impl)
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,35 +90,22 @@ class Indexer(nn.Module):
     Parameters: wq_b [n_I·c, q_lora], weights_proj [n_I, D], compressor (ratio 4, head dim c).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, impl: str = "torch"):
         super().__init__()
         self.layer, self.n_heads, self.head_dim, self.topk = layer, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.impl = impl
         self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
-        self.compressor = Compressor(cfg, layer, 4, cfg.index_head_dim, "c4_indexer", "state_c4_indexer")
+        self.compressor = Compressor(cfg, layer, 4, cfg.index_head_dim, "c4_indexer", "state_c4_indexer", impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> list[torch.Tensor]:
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
+        """→ picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
         self.compressor(x, batch, pools)
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        q = self.rope.apply(q, batch.positions).float()
+        q = rope_ops.rotate(q, batch.positions, self.rope, self.impl)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [T, n_I]
-        picks = []
-        for seg in batch.segments:
-            n = seg.end // 4
-            keys = pools.read("c4_indexer", self.layer, seg.seq.pages["c4_indexer"], torch.arange(n))
-            scores = torch.einsum("shc,tc->sht", q[seg.rows], keys).relu() * self.head_dim ** -0.5
-            scores = (scores * w[seg.rows].unsqueeze(-1)).sum(dim=1)  # [S, n]
-            picks.append(self.select(scores, batch.positions[seg.rows]))
-        return picks
-
-    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)], -1 where
-        a query has fewer than k causal entries (entry j is causal for p iff j < (p+1)/4)."""
-        visible = (positions + 1) // 4
-        future = torch.arange(scores.shape[1]) >= visible.unsqueeze(1)
-        top = scores.masked_fill(future, float("-inf")).topk(min(self.topk, scores.shape[1]), dim=-1).indices
-        return torch.where(top >= visible.unsqueeze(1), -1, top)
+        return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl)
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,9 +119,9 @@ class Attention(nn.Module):
     wo_a [g·o_lora, H·d/g], wo_b [D, g·o_lora], attn_sink [H].
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, ratio: int):
+    def __init__(self, cfg: ModelConfig, layer: int, ratio: int, impl: str = "torch"):
         super().__init__()
-        self.cfg, self.layer, self.ratio = cfg, layer, ratio
+        self.cfg, self.layer, self.ratio, self.impl = cfg, layer, ratio, impl
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.attn_sink = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
@@ -172,51 +137,30 @@ class Attention(nn.Module):
         self.indexer = None
         if ratio:
             kind = "c4" if ratio == 4 else "c128"
-            self.compressor = Compressor(cfg, layer, ratio, cfg.head_dim, kind, f"state_{kind}")
+            self.compressor = Compressor(cfg, layer, ratio, cfg.head_dim, kind, f"state_{kind}", impl)
         if ratio == 4:
-            self.indexer = Indexer(cfg, layer)
+            self.indexer = Indexer(cfg, layer, impl)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """x [T, D] → [T, D]."""
-        T, pos = x.shape[0], batch.positions
+        T, pos, eps = x.shape[0], batch.positions, self.cfg.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps).to(q.dtype)
-        q = self.rope.apply(q, pos)
-        kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
-        for seg in batch.segments:
-            pools.write("swa", self.layer, seg.seq.pages["swa"], pos[seg.rows], kv[seg.rows])
+        q = rope_ops.q_rms_rope(q, pos, self.rope, eps, self.impl)
+        rope_ops.store_kv(self.wkv(x), batch, pools, self.layer, self.kv_norm.weight, eps, self.rope, self.impl)
         if self.compressor is not None:
             self.compressor(x, batch, pools)
         picks = self.indexer(x, qr, batch, pools) if self.indexer is not None else None
-        out = torch.empty(T, self.n_heads, self.head_dim, dtype=torch.float32)
-        for i, seg in enumerate(batch.segments):
-            out[seg.rows] = self._attend(q[seg.rows], pos[seg.rows], seg, pools, picks[i] if picks else None)
-        out = self.rope.apply(out, pos, inverse=True).to(x.dtype)
+        out = sparse_attention.attend(q, batch, pools, self.layer, self.ratio, picks, self.attn_sink,
+                                      self.cfg.sliding_window, self.rope, self.impl).to(x.dtype)
         groups = out.view(T, self.cfg.o_groups, -1)
-        wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("tgi,gri->tgr", groups, wo_a).flatten(1))
+        return self.wo_b(grouped_linear(groups, self.wo_a).flatten(1))
 
-    def _attend(self, q: torch.Tensor, qpos: torch.Tensor, seg: Segment, pools: KVPools,
-                picks: torch.Tensor | None) -> torch.Tensor:
-        """q [S, H, d] of one segment → [S, H, d] over its window and compressed entries."""
-        window = self.cfg.sliding_window
-        kpos = torch.arange(max(0, seg.start - window + 1), seg.end)
-        keys = pools.read("swa", self.layer, seg.seq.pages["swa"], kpos)
-        visible = (kpos <= qpos.unsqueeze(1)) & (kpos > qpos.unsqueeze(1) - window)  # [S, Lw]
-        if self.ratio:
-            n = seg.end // self.ratio
-            kind = self.compressor.kind
-            keys = torch.cat([keys, pools.read(kind, self.layer, seg.seq.pages[kind], torch.arange(n))])
-            if picks is None:  # HCA: every complete window at or before the query
-                comp_visible = torch.arange(n) < ((qpos + 1) // self.ratio).unsqueeze(1)
-            else:  # CSA: the indexer's picks (-1 = no pick)
-                comp_visible = torch.zeros(q.shape[0], n + 1, dtype=torch.bool)
-                comp_visible.scatter_(1, torch.where(picks < 0, n, picks), True)
-                comp_visible = comp_visible[:, :n]
-            visible = torch.cat([visible, comp_visible], dim=1)
-        logits = torch.einsum("shd,ld->hsl", q.float(), keys) * self.head_dim ** -0.5
-        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
-        sink = self.attn_sink.float().view(-1, 1, 1).expand(-1, q.shape[0], 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("hsl,ld->shd", probs, keys)
+
+def grouped_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """The grouped low-rank projection: x [T, g, in] by group g's rows of `proj` → [T, g, out]."""
+    g = x.shape[1]
+    if isinstance(proj, Fp8Linear):
+        return proj.grouped(x)
+    w = proj.weight.view(g, -1, x.shape[2])
+    return torch.einsum("tgi,gri->tgr", x, w)

@@ -3,7 +3,8 @@
 The residual stream is `hc_mult` parallel streams [T, hc, D] (manifold-constrained
 hyper-connections). Around each sub-block, `hc_pre` collapses the streams with weights `pre`
 (σ + eps) and `hc_post` expands the output with `post` (2σ) and mixes the old streams with
-`comb`, a Sinkhorn-projected doubly-stochastic matrix: new = post ⊗ out + combᵀ · streams.
+`comb`, a Sinkhorn-projected doubly-stochastic matrix: new = post ⊗ out + combᵀ · streams
+(definitions and kernels in `model.kernels.mhc`).
 
 Parameter names mirror the official checkpoint (`embed`, `layers.N.attn_norm`, `hc_attn_fn`,
 `hc_head_fn`, `head`, `mtp.0.e_proj`, ...), so loading it is a name-for-name copy.
@@ -12,58 +13,22 @@ Parameter names mirror the official checkpoint (`embed`, `layers.N.attn_norm`, `
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
+from model.kernels import mhc
 from model.kv_pool import KVPools
 from model.moe import MoE
 
 
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, hc, D] → (collapsed [T, D], post [T, hc], comb [T, hc, hc]); weights in fp32."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
-    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps), fn.float())
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    # Sinkhorn-Knopp: columns first, then alternate rows / columns.
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return collapsed, post, comb
-
-
-def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out [T, D], streams x [T, hc, D] → new streams [T, hc, D]."""
-    dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
-
-
-def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Final collapse of the streams [T, hc, D] → [T, D]."""
-    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps), fn.float())
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + cfg.hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ratio: int):
+    def __init__(self, cfg: ModelConfig, layer: int, ratio: int, impl: str = "torch"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.impl = cfg, impl
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
-        self.attn = Attention(cfg, layer, ratio)
+        self.attn = Attention(cfg, layer, ratio, impl)
         self.ffn = MoE(cfg, layer)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -76,18 +41,25 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """x [T, hc, D] → [T, hc, D]."""
-        collapsed, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
-        x = hc_post(self.attn(self.attn_norm(collapsed), batch, pools), x, post, comb)
-        collapsed, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.cfg)
-        return hc_post(self.ffn(self.ffn_norm(collapsed), batch.input_ids), x, post, comb)
+        collapsed, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = mhc.hc_post(self.attn(self.attn_norm(collapsed), batch, pools), x, post, comb, self.impl)
+        collapsed, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return mhc.hc_post(self.ffn(self.ffn_norm(collapsed), batch.input_ids), x, post, comb, self.impl)
+
+    def _pre(self, x, fn, base, scale):
+        c = self.cfg
+        return mhc.hc_pre(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, self.impl)
+
+    def head(self, x: torch.Tensor, fn, base, scale) -> torch.Tensor:
+        return mhc.hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps, self.impl)
 
 
 class MTPBlock(Block):
     """Multi-token prediction: fuses the main model's streams at t with the embedding of token
     t+1 and predicts token t+2 through one more block and its own hc_head / norm."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio)
+    def __init__(self, cfg: ModelConfig, impl: str = "torch"):
+        super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio, impl)
         D = cfg.hidden_size
         self.e_proj = nn.Linear(D, D, bias=False)
         self.h_proj = nn.Linear(D, D, bias=False)
@@ -100,20 +72,23 @@ class MTPBlock(Block):
 
 
 class Transformer(nn.Module):
-    """The whole model. `forward` runs one mixed prefill/decode batch over the pools."""
+    """The whole model. `forward` runs one mixed prefill/decode batch over the pools.
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+    `impl` picks the kernels of `model.kernels` ("torch" reference or "triton"); the GPU path
+    also wants the device weight format (`model.quantized.quantize_model`)."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, impl: str = "torch"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.impl = cfg, impl
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, r) for i, r in enumerate(cfg.compress_ratios))
+        self.layers = nn.ModuleList(Block(cfg, i, r, impl) for i, r in enumerate(cfg.compress_ratios))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Linear(D, cfg.vocab_size, bias=False)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self.mtp = nn.ModuleList([MTPBlock(cfg)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
+        self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = False,
@@ -128,7 +103,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, pools)
         rows = slice(None) if all_logits else batch.last_rows
-        h = self.norm(hc_head(x[rows], self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
+        h = self.norm(mhc.hc_head(x[rows], self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
+                                  self.cfg.rms_norm_eps, self.impl))
         logits = self.head(h).float()
         return (logits, x) if return_streams else logits
 
@@ -140,5 +116,5 @@ class Transformer(nn.Module):
         e = mtp.enorm(self.embed(batch.input_ids))
         x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
         x = mtp(x, batch, pools)
-        h = mtp.norm(hc_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, self.cfg))
+        h = mtp.norm(mtp.head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale))
         return self.head(h).float()

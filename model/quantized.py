@@ -1,0 +1,106 @@
+"""The model in its device format: FP8 dense projections, packed experts, bf16 activations.
+
+The checkpoint's dense projections are FP8 e4m3 with UE8M0 scales per 128×128 block
+(`model.checkpoint_formats`); on a GPU they stay in that form and multiply through
+`model.kernels.fp8_gemm` (half the bytes of bf16, which is what decode is bound by). The CPU
+reference model instead holds every weight as a float `nn.Linear`.
+
+`quantize_model` turns a loaded float model into the device format in place:
+
+| parameters | device format |
+|---|---|
+| `attn.wq_a/wq_b/wkv/wo_a/wo_b`, `attn.indexer.wq_b`, MTP `e_proj/h_proj` | `Fp8Linear` |
+| routed and shared experts | `MoE.pack_experts(expert_format)` (FP4 or FP8 routed, FP8 shared) |
+| compressor `wkv/wgate` | fp32 (the compressor's reference precision) |
+| norms, `ape`, `attn_sink`, `hc_*`, gate bias | fp32 |
+| everything else (`embed`, `head`, `ffn.gate`, `indexer.weights_proj`) | bf16 |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model import quant
+from model.kernels import check_impl, fp8_gemm
+
+FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "e_proj", "h_proj")
+
+
+class Fp8Linear(nn.Module):
+    """y = x · dequant(weight)ᵀ. weight e4m3 [out, in]; scale fp32 [⌈out/128⌉, ⌈in/128⌉] (powers of 2)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch"):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"Fp8Linear needs float8_e4m3fn weights, got {weight.dtype}")
+        rows, cols = -(-weight.shape[0] // fp8_gemm.BLOCK), -(-weight.shape[1] // fp8_gemm.BLOCK)
+        if tuple(scale.shape) != (rows, cols):
+            raise ValueError(f"Fp8Linear scale shape {tuple(scale.shape)} does not match weight "
+                             f"{tuple(weight.shape)} (expected {(rows, cols)})")
+        self.impl = check_impl(impl)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, impl: str = "torch") -> "Fp8Linear":
+        q, s = quant.fp8_quantize_weight(linear.weight.detach().float())
+        return cls(q, s, impl)
+
+    @classmethod
+    def random(cls, out_features: int, in_features: int, device: torch.device | str, impl: str = "torch",
+               generator: torch.Generator | None = None) -> "Fp8Linear":
+        """Random e4m3 codes with scales giving unit-variance outputs (benchmarks at full size)."""
+        w = torch.randn(out_features, in_features, device=device, generator=generator) / in_features ** 0.5
+        q, s = quant.fp8_quantize_weight(w)
+        return cls(q, s, impl)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, groups=x.shape[1])
+
+
+def set_impl(model: nn.Module, impl: str) -> None:
+    """Point every module that dispatches to kernels at `impl` ("torch" or "triton")."""
+    check_impl(impl)
+    for module in model.modules():
+        if hasattr(module, "impl"):
+            module.impl = impl
+
+
+def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
+                   dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Convert a float model (on its target device) to the device format (table above), in place."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
+                setattr(module, child_name, Fp8Linear.from_linear(child, impl))
+    for module in model.modules():
+        if hasattr(module, "pack_experts"):
+            module.pack_experts(expert_format)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(_param_dtype(name, p, dtype))
+    set_impl(model, impl)
+    return model
+
+
+def _is_projection(module_name: str) -> bool:
+    """FP8 in the checkpoint: attention and indexer projections, MTP e/h projections."""
+    leaf = module_name.rsplit(".", 1)[-1]
+    return leaf in ("attn", "indexer") or module_name.startswith("mtp.")
+
+
+def _param_dtype(name: str, p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    if not p.is_floating_point():
+        return p.dtype
+    if ".compressor." in name or p.dim() == 1 or name.endswith(("ape", "attn_sink")) or ".hc_" in name \
+            or name.startswith("hc_") or "norm" in name:
+        return torch.float32
+    return dtype
