@@ -23,6 +23,7 @@ pure-torch reference, walking the batch's segments; "triton": the GPU kernels).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.batch import ForwardBatch
@@ -47,6 +48,13 @@ class RMSNorm(nn.Module):
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x · weightᵀ accumulated and returned in fp32 (bf16 operands stay bf16 on the GPU)."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,8 +82,9 @@ class Compressor(nn.Module):
         self.rope = Rope.for_layer(cfg, compressed=True)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
-        xf = x.float()  # compression runs in fp32 (the reference keeps wkv/wgate in fp32)
-        proj = torch.cat([self.wkv(xf), self.wgate(xf)], dim=-1)  # [T, 2·coff·h]
+        # compression runs in fp32 (the reference keeps wkv/wgate in fp32; the checkpoint's bf16
+        # values are exact there, so bf16 weights with fp32 accumulation and output lose nothing)
+        proj = torch.cat([linear_fp32_out(x, self.wkv.weight), linear_fp32_out(x, self.wgate.weight)], dim=-1)
         compressor.compress(proj, batch, pools, self.layer, self.ratio, self.kind, self.state_kind, self.ape,
                             self.norm.weight, self.norm.eps, self.rope, self.impl)
 

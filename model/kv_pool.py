@@ -114,7 +114,7 @@ class KVPools:
 
     def __init__(self, cfg: ModelConfig, storage_format: str = "fp32", page_size: int = 256,
                  max_tokens: int = 8192, max_seqs: int = 16, device: str | torch.device = "cpu",
-                 with_mtp: bool = False):
+                 with_mtp: bool = False, swa_pages: int | None = None):
         if storage_format not in STORAGE_FORMATS:
             raise ValueError(f"storage format must be one of {STORAGE_FORMATS}, got {storage_format!r}")
         if page_size % 128 or page_size <= 0:
@@ -130,9 +130,10 @@ class KVPools:
         n_attn = len(cfg.attention_ratios(with_mtp))
         token_pages = -(-max_tokens // page_size) * max_seqs
         # SWA keeps one window (+1 page of slack for the page being filled) per running request,
-        # plus full-length pages for prefixes held by a cache; size it like the compressed pools.
+        # plus full-length pages for prefixes held by a cache; by default sized like the compressed
+        # pools, `swa_pages` when the caller trims windows (decode-only replicas, benchmarks).
         geometry = {
-            "swa": (tuple(range(n_attn)), page_size, kv_bytes[storage_format], token_pages),
+            "swa": (tuple(range(n_attn)), page_size, kv_bytes[storage_format], swa_pages or token_pages),
             "c4": (c4, page_size // 4, kv_bytes[storage_format], token_pages),
             "c128": (c128, page_size // 128, kv_bytes[storage_format], token_pages),
             "c4_indexer": (c4, page_size // 4, idx_bytes[storage_format], token_pages),

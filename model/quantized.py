@@ -11,7 +11,7 @@ reference model instead holds every weight as a float `nn.Linear`.
 |---|---|
 | `attn.wq_a/wq_b/wkv/wo_a/wo_b`, `attn.indexer.wq_b`, MTP `e_proj/h_proj` | `Fp8Linear` |
 | routed and shared experts | `MoE.pack_experts(expert_format)` (FP4 or FP8 routed, FP8 shared) |
-| compressor `wkv/wgate` | fp32 (the compressor's reference precision) |
+| compressor `wkv/wgate` | bf16 (as stored; multiplied with fp32 accumulation and output) |
 | norms, `ape`, `attn_sink`, `hc_*`, gate bias | fp32 |
 | everything else (`embed`, `head`, `ffn.gate`, `indexer.weights_proj`) | bf16 |
 """
@@ -100,7 +100,7 @@ def _is_projection(module_name: str) -> bool:
 def _param_dtype(name: str, p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     if not p.is_floating_point():
         return p.dtype
-    if ".compressor." in name or p.dim() == 1 or name.endswith(("ape", "attn_sink")) or ".hc_" in name \
+    if p.dim() == 1 or name.endswith(("ape", "attn_sink")) or ".hc_" in name \
             or name.startswith("hc_") or "norm" in name:
         return torch.float32
     return dtype

@@ -59,6 +59,26 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict({**TINY_CONFIG, **overrides})
 
 
+def flash_config(num_layers: int = 43, **overrides: Any) -> ModelConfig:
+    """DeepSeek-V4-Flash's shapes (hidden 4096, 64 heads × 512, 256 experts top-6, ...) with the
+    first `num_layers` of its layer pattern: 2 window-only, then ratio 4 and 128 alternating
+    (43 layers: 2 + 21 + 20). For kernel tests and benchmarks with random weights."""
+    ratios = ([0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)])[:num_layers]
+    return ModelConfig.from_dict({**TINY_CONFIG, **FLASH_SHAPES, "num_hidden_layers": num_layers,
+                                  "compress_ratios": ratios + [0], **overrides})
+
+
+FLASH_SHAPES: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512,
+    "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
+    "num_hash_layers": 3, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
 def random_weights(shapes: dict[str, torch.Size], cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic random tensors (float32; int32 for `tid2eid`) for the given official names."""
     g = torch.Generator().manual_seed(seed)

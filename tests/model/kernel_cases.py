@@ -28,9 +28,9 @@ def fill_random(pools: KVPools, seed: int) -> None:
             width = pools.cfg.index_head_dim
         else:
             width = pools.cfg.head_dim
-        values = torch.randn(n, width, generator=g)
+        values = torch.randn(n, width, generator=g).to(pools.buffers[kind].device)
         raw = pools._encode(kind, values) if kind not in STATE_KINDS else values.view(torch.uint8)
-        pools.buffers[kind].copy_(raw.reshape(spec.num_pages, -1).to(pools.buffers[kind].device))
+        pools.buffers[kind].copy_(raw.reshape(spec.num_pages, -1))
 
 
 def random_batch(cfg: ModelConfig, pools: KVPools, shapes: list[tuple[int, int]], seed: int,

@@ -1,0 +1,134 @@
+"""Decode steps and prefill of full-width DeepSeek-V4-Flash layers on one GPU (random weights in
+the device format: FP8 projections, FP4 experts; fp8_pack pools), against rooflines measured in
+the same run.
+
+    python benchmarks/decode_step_bench.py --out $OUT/decode_step.json [--layers N]
+
+* decode: batch 1 / 64 / 256 at contexts 8K / 32K, one step of as many layers as fit (the V4-Flash
+  pattern from layer 0: window, window, then ratio 4 / 128 alternating), replayed as a CUDA graph.
+  Roofline: the fewest bytes the step must move — every dense weight, the experts the step's routing
+  actually hit (counted from the gates), the KV entries read (window, picks or all compressed
+  entries, the indexer's full key scan) and the activations — over the copy bandwidth.
+* prefill: the same layers over one request of 8K tokens (eager). Ceiling: its FLOPs (projections,
+  attention over window + picks, indexer scores, the routed + shared experts) over the bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.flash_model import decode_batch, decode_pools, layers_that_fit, roofline_bytes, stack  # noqa: E402
+from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
+from model.batch import ForwardBatch  # noqa: E402
+from model.cuda_graph import DecodeGraph  # noqa: E402
+from model.kv_pool import KVPools, SeqKV  # noqa: E402
+
+
+def experts_hit(model, batch, pools) -> list[int]:
+    """Distinct routed experts per layer for this batch (one eager forward with gate hooks)."""
+    seen: list[int] = []
+    hooks = [b.ffn.gate.register_forward_hook(lambda m, i, o: seen.append(int(o[1].unique().numel())))
+             for b in model.blocks]
+    model(batch, pools)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def kv_reserve_bytes(num_layers_guess: int, batch: int, context: int) -> int:
+    cfg_layers = max(1, num_layers_guess)
+    per_token_layer = 584 / 4 + 132 / 4 + 584 / 128  # C4 + indexer + C128, averaged over kinds below
+    return int(batch * context * per_token_layer * cfg_layers / 2 + batch * 2 * 256 * 584 * cfg_layers) + (6 << 30)
+
+
+def prefill_flops(cfg, layers: list[int], model, T: int) -> float:
+    pos = torch.arange(T, dtype=torch.float64)
+    total = 0.0
+    for i, block in zip(layers, model.blocks):
+        dense = sum(t.numel() for n, t in list(block.named_buffers()) + list(block.named_parameters())
+                    if t.dim() == 2 and not n.startswith("ffn.") and "hc_" not in n and "ape" not in n)
+        total += 2 * dense * T + 2 * 24 * 4 * cfg.hidden_size * T * 2  # projections + mHC mixes
+        ratio = cfg.compress_ratios[i]
+        entries = torch.clamp(pos + 1, max=cfg.sliding_window)
+        if ratio == 4:
+            entries = entries + torch.clamp((pos + 1) // 4, max=cfg.index_topk)
+            total += float(((pos + 1) // 4).sum()) * cfg.index_n_heads * cfg.index_head_dim * 2
+        elif ratio == 128:
+            entries = entries + (pos + 1) // 128
+        total += float(entries.sum()) * cfg.num_attention_heads * cfg.head_dim * 4
+        experts = cfg.num_experts_per_tok + cfg.n_shared_experts
+        total += T * experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=0, help="layers to build (0: as many as fit)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    ceil = ceilings()
+    bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
+    free, _ = torch.cuda.mem_get_info()
+    reserve = kv_reserve_bytes(16, max(args.batches), max(args.contexts))
+    n = args.layers or layers_that_fit(free, reserve)
+    model = stack(n)
+    cfg = model.cfg
+    layers = list(range(n))
+    print(f"{n} layers ({[cfg.compress_ratios[i] for i in layers]}), "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", flush=True)
+    result = {"ceilings": ceil, "layers": n, "decode": [], "prefill": None}
+
+    for context in args.contexts:
+        for batch in args.batches:
+            pools, seqs = decode_pools(cfg, n, batch, context)
+            fb = decode_batch(seqs)
+            hit = experts_hit(model, fb, pools)
+            graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
+            t = bench(lambda: graph.run(fb), warmup=3, reps=20)
+            need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
+            total = sum(sum(d.values()) for d in need)
+            row = {"batch": batch, "context": context, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n,
+                   "roofline_ms": total / bw * 1e3, "fraction_of_roofline": total / bw / t,
+                   "bytes": total, "weight_bytes": sum(d["weights"] for d in need),
+                   "kv_bytes": sum(d["kv"] for d in need), "experts_hit_mean": sum(hit) / len(hit)}
+            result["decode"].append(row)
+            print(f"decode B={batch:4d} ctx={context:6d}: {t * 1e3:8.2f} ms ({t * 1e3 / n:.3f}/layer)  roofline "
+                  f"{total / bw * 1e3:8.2f} ms  → {total / bw / t:6.1%}   experts hit/layer {sum(hit) / len(hit):.0f}",
+                  flush=True)
+            graph.close()
+            del graph, pools, seqs
+            torch.cuda.empty_cache()
+
+    T = args.prefill_tokens
+    sub = dataclasses.replace(cfg, num_hidden_layers=n, compress_ratios=cfg.compress_ratios[:n])
+    pools = KVPools(sub, "fp8_pack", max_tokens=T, max_seqs=1, device="cuda")
+    flops = prefill_flops(cfg, layers, model, T)
+
+    def run_prefill():
+        seq = SeqKV()
+        pools.reserve(seq, T)
+        model(ForwardBatch.build([(seq, list(range(T)))], device="cuda"), pools)
+        pools.release(seq)
+
+    t = bench(run_prefill, warmup=1, reps=3)
+    result["prefill"] = {"tokens": T, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n, "flops": flops,
+                         "TFLOPs": flops / t / 1e12, "fraction_of_matmul": flops / t / rate}
+    print(f"prefill T={T}: {t * 1e3:.1f} ms ({t * 1e3 / n:.2f}/layer), {flops / t / 1e12:.0f} TFLOP/s "
+          f"= {flops / t / rate:.1%} of bf16 matmul", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s ({ceil['device']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Full-width DeepSeek-V4-Flash layers with random device-format weights, and pools holding
+decode requests at a given context, for the GPU benchmarks (decode_step_bench, kernel_bench,
+pd_gpu_slice). Importable; not a benchmark itself.
+
+Weights are made directly on the GPU in the device format (FP8 projections, FP4 routed experts,
+FP8 shared expert; `model.quantized`), never as floats: a layer is ~3.5 GB that way. Pools are
+filled with one page of valid random entries tiled over every page (the kernels' memory traffic
+does not depend on the values, and it avoids encoding tens of GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from model.batch import ForwardBatch
+from model.config import ModelConfig
+from model.kv_pool import KVPools, SeqKV, STATE_KINDS
+from model.moe import MoE
+from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
+from model.tiny import flash_config, random_weights
+from model.transformer import Block
+
+
+def layer_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Device-format bytes of one block (weights + scales), by building it on the meta device."""
+    block = build_block(cfg, layer, "triton", "meta")
+    return sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
+
+
+def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0) -> Block:
+    with torch.device("meta"):
+        block = Block(dataclasses_replace_no_experts(cfg), layer, cfg.compress_ratios[layer], impl)
+    block.cfg = cfg
+    g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    for name, module in list(block.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
+                if torch.device(device).type == "meta":
+                    with torch.device("meta"):
+                        w = torch.empty(child.out_features, child.in_features, dtype=torch.float8_e4m3fn)
+                        s = torch.empty(-(-child.out_features // 128), -(-child.in_features // 128))
+                    setattr(module, child_name, Fp8Linear(w, s, impl))
+                else:
+                    setattr(module, child_name, Fp8Linear.random(child.out_features, child.in_features, device, impl, g))
+    block.ffn = MoE.random_packed(cfg, layer, "fp4", impl, device=device, seed=seed)
+    shapes = {n: p.shape for n, p in block.named_parameters() if p.is_meta and not n.startswith("ffn.")}
+    values = random_weights(shapes, cfg, seed) if torch.device(device).type != "meta" else {}
+    for name, shape in shapes.items():
+        owner = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+        leaf = name.rsplit(".", 1)[-1]
+        dtype = _param_dtype(name, torch.empty(shape, device="meta"), torch.bfloat16)
+        t = values[name].to(device, dtype) if name in values else torch.empty(shape, dtype=dtype, device="meta")
+        setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
+    return block
+
+
+def dataclasses_replace_no_experts(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without experts, so building a Block on the meta device skips 256 expert modules."""
+    return dataclasses.replace(cfg, n_routed_experts=1, n_shared_experts=0)
+
+
+class LayerStack(nn.Module):
+    """Blocks run on random input streams; forward returns the final streams [T, hc, D] (it stands
+    in for the model in `DecodeGraph`, which only slices the output)."""
+
+    def __init__(self, cfg: ModelConfig, blocks: list[Block], device):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(blocks)
+        g = torch.Generator(device=device).manual_seed(7)
+        self.table = torch.randn(1024, cfg.hc_mult, cfg.hidden_size, device=device, generator=g).bfloat16()
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = True) -> torch.Tensor:
+        x = self.table[batch.input_ids % self.table.shape[0]]
+        for block in self.blocks:
+            x = block(x, batch, pools)
+        return x
+
+
+def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0) -> LayerStack:
+    cfg = flash_config(43)
+    blocks = [build_block(cfg, i, impl, device, seed=i) for i in range(first_layer, first_layer + num_layers)]
+    return LayerStack(cfg, blocks, device)
+
+
+def layers_that_fit(free_bytes: int, reserve_bytes: int, first_layer: int = 0) -> int:
+    """How many consecutive V4-Flash layers from `first_layer` fit in `free_bytes - reserve_bytes`."""
+    cfg = flash_config(43)
+    budget, n = free_bytes - reserve_bytes, 0
+    while first_layer + n < 43:
+        need = layer_bytes(cfg, first_layer + n)
+        if need > budget:
+            break
+        budget -= need
+        n += 1
+    return n
+
+
+def decode_pools(cfg: ModelConfig, num_layers: int, batch: int, context: int, device: str = "cuda",
+                 fmt: str = "fp8_pack") -> tuple[KVPools, list[SeqKV]]:
+    """Pools of the first `num_layers` layers for `batch` requests each holding `context` tokens
+    (random valid entries), sized for one more token; SWA keeps only the live window."""
+    sub = dataclasses.replace(cfg, num_hidden_layers=num_layers, compress_ratios=cfg.compress_ratios[:num_layers])
+    need = KVPools(sub, fmt, max_tokens=context + 1, max_seqs=1, device="meta").resume_page_counts(context + 1)
+    pools = KVPools(sub, fmt, max_tokens=context + 1, max_seqs=batch, device=device,
+                    swa_pages=batch * need["swa"])
+    _tile_random(pools)
+    seqs = []
+    for _ in range(batch):
+        pages = {k: pools.alloc(k, n) for k, n in need.items()}
+        seq = pools.adopt(context + 1, pages)
+        seq.num_tokens = context
+        seqs.append(seq)
+    return pools, seqs
+
+
+def _tile_random(pools: KVPools, seed: int = 0) -> None:
+    g = torch.Generator(device=pools.device).manual_seed(seed)
+    for kind, spec in pools.specs.items():
+        if not spec.layers or spec.num_pages == 0:
+            continue
+        n = len(spec.layers) * spec.entries_per_page
+        if kind in STATE_KINDS:
+            page = torch.randn(n, spec.entry_bytes // 4, device=pools.device, generator=g).view(torch.uint8)
+        else:
+            width = pools.cfg.index_head_dim if kind == "c4_indexer" else pools.cfg.head_dim
+            page = pools._encode(kind, torch.randn(n, width, device=pools.device, generator=g))
+        pools.buffers[kind].copy_(page.reshape(1, -1).expand(spec.num_pages, -1))
+
+
+def decode_batch(seqs: list[SeqKV], device: str = "cuda", seed: int = 0) -> ForwardBatch:
+    g = torch.Generator().manual_seed(seed)
+    return ForwardBatch.build([(s, [int(torch.randint(0, 1024, (1,), generator=g))]) for s in seqs], device=device)
+
+
+def roofline_bytes(cfg: ModelConfig, layer: int, block: Block, batch: int, context: int, experts_hit: int) -> dict:
+    """Fewest bytes a decode step of one layer must move: the weights it uses and the KV it reads."""
+    dense = sum(t.numel() * t.element_size() for n, t in list(block.named_parameters()) + list(block.named_buffers())
+                if not n.startswith("ffn.experts."))
+    per_expert = sum(t.numel() * t.element_size() for t in block.ffn.experts.buffers()) / cfg.n_routed_experts
+    ratio, entry = cfg.compress_ratios[layer], 584
+    kv = cfg.sliding_window * entry
+    if ratio == 4:
+        kv += min(cfg.index_topk, context // 4) * entry + (context // 4) * 132  # picks + indexer scan
+    elif ratio == 128:
+        kv += (context // 128) * entry
+    act = batch * cfg.hc_mult * cfg.hidden_size * 2 * 4  # streams in/out, twice per layer (bf16)
+    return {"weights": dense + experts_hit * per_expert, "kv": batch * kv, "activations": act}
+
+

@@ -1,0 +1,92 @@
+"""CUDA graphs for decode steps: capture one step per batch-size bucket, replay with new inputs.
+
+A decode step launches a few hundred small kernels; replaying them as one graph removes the
+launch gaps that dominate small batches. What makes a step capturable: the kernel path
+(`impl="triton"`) never synchronises with the host and its grids depend on shapes only, and every
+per-step input lives in a static buffer the graph was captured on — token ids, positions and the
+batch's `BatchMeta` (page tables padded to the pools' longest request, `max_end` fixed at the
+bucket's context capacity, so the indexer's top-k width K is fixed too; extra -1 picks change
+nothing).
+
+A bucket of B rows serves any decode batch of n ≤ B requests: rows n..B-1 are padding that
+decodes a private scratch request whose pages are reserved here, so their writes never touch a
+real request's pages and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.batch import BatchMeta, ForwardBatch
+from model.kv_pool import ALL_KINDS, KVPools, SeqKV
+
+
+class DecodeGraph:
+    """One captured decode step for up to `batch_size` requests of up to `max_context` tokens."""
+
+    def __init__(self, model, pools: KVPools, batch_size: int, max_context: int):
+        if pools.device == "cpu" or torch.device(pools.device).type != "cuda":
+            raise ValueError("CUDA graphs need pools on a CUDA device")
+        self.model, self.pools, self.B, self.max_context = model, pools, batch_size, max_context
+        device = torch.device(pools.device)
+        self.scratch = SeqKV()
+        pools.reserve(self.scratch, max_context)
+        self.widths = {k: max(1, n) for k, n in pools.pages_needed(SeqKV(), max_context).items()}
+        self.widths.update({k: 1 for k in ALL_KINDS if k not in self.widths})
+        B = batch_size
+        self.ids = torch.zeros(B, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=device)
+        self.meta = BatchMeta(
+            token_seq=torch.arange(B, dtype=torch.int32, device=device),
+            positions=torch.zeros(B, dtype=torch.int32, device=device),
+            seg_start=torch.zeros(B, dtype=torch.int32, device=device),
+            seg_end=torch.ones(B, dtype=torch.int32, device=device),
+            tables={k: torch.full((B, self.widths[k]), -1, dtype=torch.int32, device=device) for k in ALL_KINDS},
+            max_end=max_context)
+        self.batch = ForwardBatch(self.ids, self.positions, ())
+        self.batch.__dict__["meta"] = self.meta  # the static meta, in place of the per-batch build
+        self._load([], [])
+        for _ in range(2):  # compile every kernel and settle allocations before capture
+            self.model(self.batch, pools, all_logits=True)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.model(self.batch, pools, all_logits=True)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode batch (one token per segment); the caller commits it."""
+        segs = batch.segments
+        if len(segs) > self.B or any(s.length != 1 for s in segs):
+            raise ValueError(f"a decode graph of {self.B} rows runs up to {self.B} one-token segments, "
+                             f"got {[s.length for s in segs]}")
+        if any(s.end > self.max_context for s in segs):
+            raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
+        self._load(segs, batch.input_ids.tolist())
+        self.graph.replay()
+        return self.logits[: len(segs)]
+
+    def _load(self, segs, ids: list[int]) -> None:
+        """Copy a batch into the static buffers (one host→device copy), padding with the scratch."""
+        rows = [(s.seq, s.start) for s in segs] + [(self.scratch, 0)] * (self.B - len(segs))
+        ids = ids + [0] * (self.B - len(segs))
+        parts = [ids, [p for _, p in rows], [p + 1 for _, p in rows]]
+        for k in ALL_KINDS:
+            for seq, _ in rows:
+                pages = seq.pages[k][: self.widths[k]]
+                parts.append(pages + [-1] * (self.widths[k] - len(pages)))
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.ids.device,
+                                                                                       non_blocking=True)
+        B = self.B
+        self.ids.copy_(flat[:B])
+        self.positions.copy_(flat[B:2 * B])
+        self.meta.positions.copy_(flat[B:2 * B])
+        self.meta.seg_start.copy_(flat[B:2 * B])
+        self.meta.seg_end.copy_(flat[2 * B:3 * B])
+        offset = 3 * B
+        for k in ALL_KINDS:
+            n = B * self.widths[k]
+            self.meta.tables[k].copy_(flat[offset:offset + n].view(B, -1))
+            offset += n
+
+    def close(self) -> None:
+        self.pools.release(self.scratch)

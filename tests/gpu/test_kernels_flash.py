@@ -1,0 +1,133 @@
+"""Kernel parity at DeepSeek-V4-Flash shapes on the GPU (head 512 = 448 FP8 nope + 64 bf16 rope,
+64 heads, window 128, indexer 64 × 128 with top-512, hidden 4096), random pools, fp8_pack and bf16.
+The interpreter tests in tests/model/ cover the same kernels at tiny shapes on any machine."""
+
+import copy
+
+import pytest
+import torch
+
+from model import quant
+from model.kernels import compressor, fp8_gemm, indexer, mhc, sparse_attention
+from model.kernels import rope as rope_ops
+from model.kv_pool import KVPools
+from model.rope import Rope
+from model.tiny import flash_config
+from tests.model.kernel_cases import fill_random, random_batch, rel_err, unpack_all
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+CFG = flash_config(4)  # layers 0, 1: window only; 2: ratio 4; 3: ratio 128
+DECODE = [(8191, 1)] * 6 + [(3000, 1), (129, 1)]
+PREFILL = [(4096, 512), (0, 300)]
+
+
+@pytest.fixture(scope="module", params=["fp8_pack", "bf16"])
+def pools(request):
+    p = KVPools(CFG, request.param, max_tokens=8192 + 256, max_seqs=len(DECODE), device=DEV)
+    fill_random(p, seed=1)
+    return p
+
+
+def _picks(batch, k, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pos = batch.positions
+    n = ((pos + 1) // 4).clamp_min(1)
+    r = torch.rand(pos.shape[0], k, device=DEV, generator=g)
+    picks = (r * n[:, None]).long()
+    picks = torch.where(torch.arange(k, device=DEV) < n[:, None], picks, -1)
+    return picks.int()  # duplicates are fine for attention parity
+
+
+@pytest.mark.parametrize("shapes", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("layer,ratio", [(0, 0), (2, 4), (3, 128)])
+def test_sparse_attention(pools, shapes, layer, ratio):
+    pools_ = copy.deepcopy(pools)
+    batch = random_batch(CFG, pools_, shapes, seed=2, device=DEV)
+    T = batch.input_ids.shape[0]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(64, device=DEV, generator=g)
+    picks = _picks(batch, 512, 4) if ratio == 4 else None
+    rope = Rope.for_layer(CFG, ratio > 0)
+    args = (q, batch, pools_, layer, ratio, picks, sink, 128, rope)
+    ref = sparse_attention.attend(*args, impl="torch")
+    out = sparse_attention.attend(*args, impl="triton")
+    assert bool(out.isfinite().all()) and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("layer,ratio,kind", [(2, 4, "c4"), (3, 128, "c128"), (2, 4, "c4_indexer")])
+def test_compressor(pools, layer, ratio, kind):
+    base = copy.deepcopy(pools)
+    batch = random_batch(CFG, base, [(4095, 1), (8063, 1), (1000, 300), (0, 256)], seed=5, device=DEV)
+    h = 128 if kind == "c4_indexer" else 512
+    coff = 2 if ratio == 4 else 1
+    g = torch.Generator(device=DEV).manual_seed(6)
+    proj = torch.randn(batch.input_ids.shape[0], 2 * coff * h, device=DEV, generator=g)
+    ape = 0.5 * torch.randn(ratio, coff * h, device=DEV, generator=g)
+    w = 1 + 0.1 * torch.randn(h, device=DEV, generator=g)
+    rope = Rope.for_layer(CFG, True)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    compressor.compress(proj, batch, a, layer, ratio, kind, f"state_{kind}", ape, w, 1e-6, rope, "torch")
+    compressor.compress(proj, batch, b, layer, ratio, kind, f"state_{kind}", ape, w, 1e-6, rope, "triton")
+    assert torch.equal(a.buffers[f"state_{kind}"], b.buffers[f"state_{kind}"])
+    ref, out = unpack_all(a, kind), unpack_all(b, kind)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_indexer(pools):
+    base = copy.deepcopy(pools)
+    batch = random_batch(CFG, base, DECODE + [(2048, 128)], seed=7, device=DEV)
+    T = batch.input_ids.shape[0]
+    g = torch.Generator(device=DEV).manual_seed(8)
+    q = torch.randn(T, 64, 128, device=DEV, generator=g).bfloat16()
+    w = torch.randn(T, 64, device=DEV, generator=g) / 8
+    ref = indexer.indexer_topk(q, w, batch, base, 2, 512, "torch")
+    out = indexer.indexer_topk(q, w, batch, base, 2, 512, "triton")
+    assert torch.equal(out < 0, ref < 0)
+    # same selection up to near-ties: overlap of the two top-512 sets
+    overlap = [len(set(o[o >= 0].tolist()) & set(r[r >= 0].tolist())) / max(1, int((r >= 0).sum()))
+               for o, r in zip(out.cpu(), ref.cpu())]
+    assert min(overlap) > 0.95
+
+
+def test_store_kv_and_q_rope(pools):
+    base = copy.deepcopy(pools)
+    batch = random_batch(CFG, base, PREFILL + DECODE, seed=9, device=DEV)
+    T = batch.input_ids.shape[0]
+    g = torch.Generator(device=DEV).manual_seed(10)
+    kv = torch.randn(T, 512, device=DEV, generator=g).bfloat16()
+    w = 1 + 0.1 * torch.randn(512, device=DEV, generator=g)
+    rope = Rope.for_layer(CFG, True)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    rope_ops.store_kv(kv, batch, a, 2, w, 1e-6, rope, "torch")
+    rope_ops.store_kv(kv, batch, b, 2, w, 1e-6, rope, "triton")
+    assert (a.buffers["swa"] != b.buffers["swa"]).float().mean() < 1e-6
+    q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
+    assert rel_err(rope_ops.q_rms_rope(q, batch.positions, rope, 1e-6, "triton"),
+                   rope_ops.q_rms_rope(q, batch.positions, rope, 1e-6, "torch")) < 4e-3
+
+
+@pytest.mark.parametrize("M", [1, 64, 256, 4096])
+@pytest.mark.parametrize("N,K,G", [(32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8)])
+def test_fp8_gemm(M, N, K, G):
+    g = torch.Generator(device=DEV).manual_seed(M + N)
+    q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device=DEV, generator=g) / K ** 0.5)
+    s = s.float()
+    x = torch.randn(*((M, G, K) if G > 1 else (M, K)), device=DEV, generator=g).bfloat16()
+    ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G)
+    out = fp8_gemm.fp8_linear(x, q, s, "triton", G)
+    assert rel_err(out, ref) < 6e-3
+
+
+@pytest.mark.parametrize("T", [1, 256, 4096])
+def test_mhc(T):
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, 4, 4096, device=DEV, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * 4096, device=DEV, generator=g) / 128
+    base, scale = 0.5 * torch.randn(24, device=DEV, generator=g), 0.5 + torch.rand(3, device=DEV, generator=g)
+    ref = mhc.hc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6, "torch")
+    out = mhc.hc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6, "triton")
+    assert rel_err(out[0], ref[0]) < 5e-3 and rel_err(out[1], ref[1]) < 1e-4 and rel_err(out[2], ref[2]) < 1e-4
+    o = torch.randn(T, 4096, device=DEV, generator=g).bfloat16()
+    assert rel_err(mhc.hc_post(o, x, out[1], out[2], "triton"), mhc.hc_post(o, x, out[1], out[2], "torch")) < 5e-3
