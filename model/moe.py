@@ -112,6 +112,7 @@ class PackedExperts(nn.Module):
             self.register_buffer(name, torch.empty(shape, **{**u8, "dtype": dtype}))
 
     @classmethod
+    @torch.no_grad()
     def from_float(cls, experts: list[Expert], fmt: str) -> "PackedExperts":
         """Quantise float experts with the checkpoint's codecs (w1 and w3 quantised separately)."""
         w = experts[0].w1.weight
