@@ -62,6 +62,7 @@ def install() -> None:
         out = wide.to(torch_dtypes[d]).view({16: torch.uint16, 8: torch.uint8}[d.primitive_bitwidth]).numpy()
         return interpreter.TensorHandle(out.view(interpreter._get_np_dtype(dst_type)), d)
 
+    # `is None`, not `or`: a TensorHandle is falsy when any element is zero
     def cast_impl(self, src, dst_type):
         out = narrow(src, dst_type)
         return original_cast(self, src, dst_type) if out is None else out

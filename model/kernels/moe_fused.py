@@ -1,0 +1,49 @@
+"""MegaMoE-style fused decode MoE: routed and shared experts of a small batch in two kernel launches.
+
+For T tokens (decode, up to `MoE.fused_max_tokens`): the T·k routed assignments and T shared ones
+(a virtual expert E in FP8) are sorted by expert without a host sync (`moe_grouped.sort_by_expert`),
+then
+
+1. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
+   rows once, dequantising FP4 (or FP8) in registers, and applies the clamped SwiGLU in the
+   epilogue → h [A, I] bf16. Its programs also zero the arrival counters of launch 2.
+2. `_down_kernel`: every (token tile, 64 columns of D) program streams w2 rows, multiplies by the
+   routing weights and publishes per-(token, slot) rows; the program completing a token's k + 1
+   contributions sums them in slot order into `out` (the combine, deterministic).
+
+Why two launches and not one: the down product of an expert needs all I columns of its h rows,
+written by I/BN different programs of stage 1. One launch would need a grid-wide wait (programs
+spinning on flags), which deadlocks unless every program of the grid is resident at once; the
+launch boundary is that barrier for free. Why not three: the combine rides on launch 2 through
+the arrival counters instead of a separate gather-sum kernel. Add the routing (gate GEMM, score,
+top-k in torch) and the sort (a few fixed-size torch ops); all grids are functions of T only and
+nothing reads device values on the host, so a decode step is capturable in a CUDA graph.
+
+Every weight byte of a hit expert is read once per token tile; with at most 16 tokens per tile
+(BT) a decode step reads each hit expert once, which is the bandwidth floor the benchmark
+compares against (benchmarks/moe_bench.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.kernels.moe_grouped import Tiles, fit, run_kernels
+
+if TYPE_CHECKING:
+    from model.moe import PackedExperts
+
+# Decode tiles: 16 tokens (tl.dot's minimum), 64 weight rows, 128 K (64 bytes of FP4 per row and
+# step); the benchmark sweeps alternatives.
+DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4)
+DECODE_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4)
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+              shared: "PackedExperts | None", limit: float, gateup: Tiles = DECODE_GATEUP,
+              down: Tiles = DECODE_DOWN, scaled_dot: bool = False) -> torch.Tensor:
+    """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`."""
+    return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
+                       fit(down, experts.dim, experts.inter), fuse_combine=True, scaled_dot=scaled_dot)

@@ -1,0 +1,373 @@
+"""Routed + shared experts on packed weights: the torch reference and the grouped Triton path.
+
+Semantics (`reference`, impl "torch"; every kernel matches it): for each token t and slot j,
+y[t, j] = expert_{ids[t, j]}(x[t]) with expert(x) = w2 · (silu(min(w1 x, L)) · clamp(w3 x, ±L)),
+weights dequantised exactly (model/quant.py) and the products in fp32; then
+out[t] = Σ_j weights[t, j] · y[t, j] + shared(x[t]), summed over j in slot order, cast to x.dtype.
+
+Triton path. Assignments (t, j) and, with a shared expert, one shared assignment per token (a
+virtual expert E, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no host
+sync). A "token tile" is up to BT sorted rows of one expert; expert e owns ⌈count_e/BT⌉ tiles, laid
+out expert after expert, and each program finds its expert from the counts itself (`_tile`), so
+the grid (`max_tiles` × weight tiles) depends on shapes only and tiles past the end exit at once.
+Matrix products are W · Xᵀ ("swap AB"): weight rows are the dot's M side and the tile's tokens
+its N side (BT >= 16), which suits both a decode tile of a few tokens and a prefill tile of 128.
+
+* `_gateup_kernel`: per (token tile, BN columns of I): gate and up accumulators over K = D with
+  the weights dequantised in registers (kernels/fp4.py), clamped SwiGLU in the epilogue,
+  h [A, I] bf16 in sorted row order.
+* `_down_kernel`: per (token tile, BN columns of D): h · w2ᵀ times the routing weight, written to
+  its (token, slot) row of y [T, k(+1), D]. With FUSE_COMBINE (the decode path, kernels/moe_fused.py)
+  each program then counts arrivals per (token, column tile) and the program that brings the
+  count to k(+1) sums that token's rows in slot order (deterministic) into `out`.
+
+`grouped_moe` (prefill sizes, and the fallback of the fused path) runs the two kernels and sums y
+in torch: 2 kernels + the sort + the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from model.kernels.fp4 import (FP8_BLOCK, check_fp4_block, check_fp8_block, fp4_to_bf16, fp8_rows_to_bf16)
+
+if TYPE_CHECKING:
+    from model.moe import PackedExperts
+
+
+# ---------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """x [n, D], w1/w3 [I, D], w2 [D, I] → [n, D]; clamping as the checkpoint was trained (limit 0: none)."""
+    gate, up = F.linear(x, w1), F.linear(x, w3)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:
+    """x [T, D], ids [T, k] → y [T, k, D]: y[t, j] = expert(ids[t, j], rows)[t]; one call per hit expert."""
+    y = x.new_zeros(*ids.shape, x.shape[-1])
+    for e in ids.unique().tolist():  # host sync: the reference, not a decode path
+        token, slot = torch.where(ids == e)
+        y[token, slot] = expert(e, x[token])
+    return y
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D], in y.dtype."""
+    out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    return out if shared is None else out + shared
+
+
+def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+              shared: "PackedExperts | None", limit: float) -> torch.Tensor:
+    """x [T, D], weights [T, k] float32, ids [T, k] → [T, D] in x.dtype (fp32 inside)."""
+    xf = x.float()
+    y = expert_outputs(xf, ids, lambda e, rows: swiglu(rows, *experts.dequantize(e), limit))
+    s = swiglu(xf, *shared.dequantize(0), limit) if shared is not None else None
+    return combine(y, weights, s).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# host side: sorting and launching
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tile sizes: BT tokens × BN weight rows, BK along K; Triton launch options."""
+
+    BT: int
+    BN: int
+    BK: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
+GROUPED_GATEUP = Tiles(BT=128, BN=64, BK=64, num_warps=8, num_stages=3)
+GROUPED_DOWN = Tiles(BT=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def sort_by_expert(ids: torch.Tensor, n_experts: int, with_shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] → (perm int32 [A]: assignment indices sorted by expert, counts int32 [E(+1)]).
+
+    Assignment a < T·k is (token a // k, slot a % k); with a shared expert, a = T·k + t is token t's
+    shared assignment, expert n_experts. Fixed-size ops only (a stable argsort, a scatter-add)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    if with_shared:
+        flat = torch.cat([flat, flat.new_full((T,), n_experts)])
+    perm = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(n_experts + with_shared, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return perm, counts
+
+
+def max_tiles(assignments: int, groups: int, bt: int) -> int:
+    """Upper bound of Σ_e ⌈count_e / bt⌉ over any routing: at most one partial tile per hit group."""
+    return triton.cdiv(assignments, bt) + min(groups, assignments)
+
+
+def check_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+                 shared: "PackedExperts | None") -> None:
+    if x.dim() != 2 or x.shape[1] != experts.dim:
+        raise ValueError(f"x must be [T, {experts.dim}], got {tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"ids and weights must both be [T={x.shape[0]}, k], got {tuple(ids.shape)} "
+                         f"and {tuple(weights.shape)}")
+    if shared is not None and (shared.fmt != "fp8" or shared.n_experts != 1 or shared.dim != experts.dim
+                               or shared.inter != experts.inter):
+        raise ValueError("the shared expert must be one FP8 expert of the routed experts' shape")
+    devices = {t.device for t in (x, weights, ids, experts.w13)}
+    if len(devices) != 1:
+        raise ValueError(f"MoE inputs and weights must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_tiles(t: Tiles, n: int, k: int, fmt: str, what: str) -> None:
+    for name, v in (("BT", t.BT), ("BN", t.BN)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{what}: {name}={v} must be a power of two >= 16 (tl.dot)")
+    if n % t.BN:
+        raise ValueError(f"{what}: BN={t.BN} must divide the {n} weight rows")
+    if k % t.BK:
+        raise ValueError(f"{what}: BK={t.BK} must divide K={k}")
+    (check_fp4_block if fmt == "fp4" else check_fp8_block)(t.BK)
+
+
+def run_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+                shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles,
+                fuse_combine: bool, scaled_dot: bool = False) -> torch.Tensor:
+    """Both kernels; returns out [T, D] in x.dtype (summed here unless `fuse_combine`)."""
+    check_inputs(x, weights, ids, experts, shared)
+    T, k = ids.shape
+    D, I, E = experts.dim, experts.inter, experts.n_experts
+    check_tiles(gateup, I, D, experts.fmt, "gate/up tiles")
+    check_tiles(down, D, I, experts.fmt, "down tiles")
+    if T == 0:
+        return x.new_zeros(0, D)
+    has_shared = shared is not None
+    kp1 = k + has_shared
+    A = T * kp1
+    perm, counts = sort_by_expert(ids, E, has_shared)
+    x = x.contiguous()
+    weights = weights.float().contiguous()
+    sw = shared if has_shared else experts  # placeholder pointers when there is no shared expert
+    h = torch.empty(A, I, dtype=torch.bfloat16, device=x.device)
+    n_cnt = D // down.BN
+    if fuse_combine:
+        y = torch.empty(T * kp1, D, dtype=torch.float32, device=x.device)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        cnt = torch.empty(T, n_cnt, dtype=torch.int32, device=x.device)  # zeroed by _gateup_kernel
+    else:
+        y = torch.empty(T * kp1, D, dtype=x.dtype, device=x.device)
+        out = cnt = y
+    common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
+                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, D=D, I=I)
+    grid = (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN)
+    _gateup_kernel[grid](
+        x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
+        T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0),
+        ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
+        BT=gateup.BT, BN=gateup.BN, BK=gateup.BK, num_warps=gateup.num_warps, num_stages=gateup.num_stages,
+        **common)
+    grid = (max_tiles(A, E + has_shared, down.BT), D // down.BN)
+    _down_kernel[grid](
+        h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
+        T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0),
+        FUSE_COMBINE=fuse_combine, BT=down.BT, BN=down.BN, BK=down.BK,
+        num_warps=down.num_warps, num_stages=down.num_stages, **common)
+    if fuse_combine:
+        return out
+    return y.view(T, kp1, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+                shared: "PackedExperts | None", limit: float, impl: str,
+                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN, scaled_dot: bool = False) -> torch.Tensor:
+    """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`."""
+    if impl == "torch":
+        return reference(x, weights, ids, experts, shared, limit)
+    return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
+                       fit(down, experts.dim, experts.inter), fuse_combine=False, scaled_dot=scaled_dot)
+
+
+def fit(t: Tiles, n: int, k: int) -> Tiles:
+    """The tile for n weight rows and K = k: BN halved until it divides n (down to 16), BK at most k,
+    so that small test models run the same table (V4-Flash shapes keep it as it is)."""
+    bn = t.BN
+    while n % bn and bn > 16:
+        bn //= 2
+    return replace(t, BN=bn, BK=min(t.BK, k))
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
+    """Token tile `pid` → (expert, its first sorted row, the expert's end row); first >= end past the last."""
+    idx = tl.arange(0, E_PAD)
+    c = tl.load(counts_ptr + idx, mask=idx < n_groups, other=0)
+    tiles = (c + BT - 1) // BT
+    tile_end = tl.cumsum(tiles, 0)
+    e = tl.sum((tile_end <= pid).to(tl.int32), 0)
+    seg_end = tl.cumsum(c, 0)
+    sel = idx == e
+    first = tl.sum(tl.where(sel, seg_end - c + (pid - tile_end + tiles) * BT, 0), 0)
+    end = tl.sum(tl.where(sel, seg_end, 0), 0)
+    return e, first, end
+
+
+@triton.jit
+def _mma_step(acc, w_ptr, s_ptr, rows, srows, k0, xt, x_even, x_odd, w_stride, s_stride,
+              FP4: tl.constexpr, SCALED_DOT: tl.constexpr, BK: tl.constexpr):
+    """acc [BN, BT] += W[rows, k0:k0+BK] · xtᵀ; W FP4 (scales per row and 32 K) or FP8 (scale rows `srows`)."""
+    if FP4:
+        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+        s = tl.load(s_ptr + rows[:, None] * s_stride + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+        if SCALED_DOT:
+            acc = tl.dot_scaled(w, s, "e2m1", tl.trans(xt), None, "bf16", acc)
+        else:
+            w_even, w_odd = fp4_to_bf16(w, s)
+            acc = tl.dot(w_even, tl.trans(x_even), acc)
+            acc = tl.dot(w_odd, tl.trans(x_odd), acc)
+    else:
+        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 + tl.arange(0, BK))[None, :])
+        s = tl.load(s_ptr + srows * s_stride + k0 // 128)
+        acc = tl.dot(fp8_rows_to_bf16(w, s), tl.trans(xt), acc)
+    return acc
+
+
+@triton.jit
+def _w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
+          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SCALED_DOT: tl.constexpr,
+          BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W; X rows `x_rows`
+    (stride K). Only the first when not TWO."""
+    w_stride: tl.constexpr = K // 2 if FP4 else K
+    s_stride: tl.constexpr = K // 32 if FP4 else (K + FP8_BLOCK - 1) // FP8_BLOCK
+    acc_a = tl.zeros([BN, BT], dtype=tl.float32)
+    acc_b = tl.zeros([BN, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
+                     mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
+        x_even, x_odd = xt, xt
+        if FP4:
+            if not SCALED_DOT:
+                x_even, x_odd = tl.split(tl.reshape(xt, [BT, BK // 2, 2]))
+        acc_a = _mma_step(acc_a, w_ptr, s_ptr, rows_a, srows_a, k0, xt, x_even, x_odd, w_stride, s_stride,
+                          FP4, SCALED_DOT, BK)
+        if TWO:
+            acc_b = _mma_step(acc_b, w_ptr, s_ptr, rows_b, srows_b, k0, xt, x_even, x_odd, w_stride, s_stride,
+                              FP4, SCALED_DOT, BK)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr,
+                   T, n_cnt, limit, stride_we, stride_se,
+                   D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                   FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SCALED_DOT: tl.constexpr, ZERO_CNT: tl.constexpr,
+                   CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if ZERO_CNT:  # the fused down kernel's arrival counters, zeroed here to save a memset launch
+        if pid_n == 0:
+            t = pid_t * BT + tl.arange(0, BT)
+            c = tl.arange(0, CNT_PAD)
+            tl.store(cnt_ptr + t[:, None] * n_cnt + c[None, :], tl.zeros([BT, CNT_PAD], tl.int32),
+                     mask=(t < T)[:, None] & (c < n_cnt)[None, :])
+    e, first, end = _tile(pid_t, counts_ptr, E + HAS_SHARED, BT, E_PAD)
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BT)
+    rmask = rows < end
+    a = tl.load(perm_ptr + rows, mask=rmask, other=0)
+    tok = tl.where(a < T * TOPK, a // TOPK, a - T * TOPK)
+    n = pid_n * BN + tl.arange(0, BN)
+    up_blocks: tl.constexpr = (I + FP8_BLOCK - 1) // FP8_BLOCK  # FP8 scale rows of w1 before w3's
+    is_shared = False  # stays a compile-time False without a shared expert: one branch compiled
+    if HAS_SHARED:
+        is_shared = e == E
+    if is_shared:
+        g, u = _w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // FP8_BLOCK, n + I, up_blocks + n // FP8_BLOCK,
+                     D, False, True, False, BN, BT, BK)
+    else:
+        w = w_ptr + e.to(tl.int64) * stride_we
+        s = ws_ptr + e.to(tl.int64) * stride_se
+        if FP4:
+            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SCALED_DOT, BN, BT, BK)
+        else:
+            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n // FP8_BLOCK, n + I, up_blocks + n // FP8_BLOCK,
+                         D, False, True, False, BN, BT, BK)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(tl.bfloat16), mask=rmask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, y_ptr, out_ptr, cnt_ptr,
+                 T, n_cnt, stride_we, stride_se,
+                 D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SCALED_DOT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first, end = _tile(pid_t, counts_ptr, E + HAS_SHARED, BT, E_PAD)
+    if first >= end:
+        return
+    KP1: tl.constexpr = TOPK + HAS_SHARED
+    rows = first + tl.arange(0, BT)
+    rmask = rows < end
+    a = tl.load(perm_ptr + rows, mask=rmask, other=0)
+    routed = a < T * TOPK
+    tok = tl.where(routed, a // TOPK, a - T * TOPK)
+    slot = tok * KP1 + tl.where(routed, a % TOPK, TOPK)
+    wgt = tl.load(wgt_ptr + a, mask=rmask & routed, other=1.0)
+    d = pid_n * BN + tl.arange(0, BN)
+    is_shared = False
+    if HAS_SHARED:
+        is_shared = e == E
+    if is_shared:
+        acc, _ = _w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // FP8_BLOCK, d, d, I, False, False, False,
+                       BN, BT, BK)
+    else:
+        w = w_ptr + e.to(tl.int64) * stride_we
+        s = ws_ptr + e.to(tl.int64) * stride_se
+        if FP4:
+            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SCALED_DOT, BN, BT, BK)
+        else:
+            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d // FP8_BLOCK, d, d, I, False, False, False, BN, BT, BK)
+    y = acc * wgt[None, :]
+    y_ptrs = y_ptr + slot[None, :] * D + d[:, None]
+    if FUSE_COMBINE:
+        # Deterministic combine without a third launch: publish this tile's rows (L2, bypassing
+        # L1), then count arrivals per (token, column tile); the program completing a token's
+        # k(+1) contributions sums them in slot order. The barrier orders every thread's stores
+        # before the release of the counter update; the acquire orders the loads after it.
+        tl.store(y_ptrs, y, mask=rmask[None, :], cache_modifier=".cg")
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tok * n_cnt + pid_n, 1, mask=rmask, sem="acq_rel", scope="gpu")
+        last = rmask & (old == KP1 - 1)
+        tl.debug_barrier()
+        total = tl.zeros([BN, BT], dtype=tl.float32)
+        for j in tl.static_range(KP1):
+            total += tl.load(y_ptr + (tok * KP1 + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
+                             cache_modifier=".cg")
+        tl.store(out_ptr + tok[None, :] * D + d[:, None], total.to(out_ptr.dtype.element_ty), mask=last[None, :])
+    else:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[None, :])

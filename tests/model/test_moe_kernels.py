@@ -1,0 +1,142 @@
+"""Parity of the MoE Triton paths (fused decode, grouped) with the torch reference, in the interpreter.
+
+Every scratch and output tensor the kernels get from `torch.empty` is poisoned (NaN, -1) so an
+unwritten element or an unzeroed arrival counter shows. Two tolerances, relative Frobenius norm:
+
+* against `emulate` — the reference with the kernels' two roundings (x and h to bf16) and fp32
+  everywhere else: 1e-4. Only fp32 summation order differs, which can flip an h element's bf16
+  rounding by one ulp (2^-9 of that element), far below 1e-4 of the whole output;
+* against `moe_grouped.reference` (fp32 throughout): 1e-2. bf16 keeps 8 significant bits, so
+  rounding x and h costs ~2^-9/√3 ≈ 1e-3 rms each; measured ~3e-3 on these shapes.
+
+Shapes are the tiny model's (D 64, I 32, 8 experts, top-2) plus a skewed routing that gives one
+expert three token tiles and leaves others empty; real shapes run in tests/gpu/test_moe_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import moe_fused, moe_grouped
+from model.moe import MoE
+from model.tiny import tiny_config
+
+EMULATED_TOL = 1e-4
+REFERENCE_TOL = 1e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    real = torch.empty
+
+    def empty(*size, **kw):
+        t = real(*size, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def emulate(x, weights, ids, experts, shared, limit):
+    """The kernels' arithmetic in torch: x and h rounded to bf16, dequantised weights, fp32 dots."""
+    xb = x.bfloat16().float()
+
+    def expert(pk, e, rows):
+        w1, w3, w2 = pk.dequantize(e)
+        g, u = rows @ w1.T, rows @ w3.T
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        return (F.silu(g) * u).bfloat16().float() @ w2.T
+
+    y = moe_grouped.expert_outputs(xb, ids, lambda e, rows: expert(experts, e, rows))
+    return moe_grouped.combine(y, weights, expert(shared, 0, xb) if shared is not None else None)
+
+
+def routed(moe: MoE, T: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, moe.cfg.hidden_size, generator=g)
+    weights, ids = moe.gate(x, torch.randint(0, moe.cfg.vocab_size, (T,), generator=g))
+    return x, weights, ids
+
+
+def skewed(moe: MoE, T: int, seed: int):
+    """Slot 0 of every token → expert 1 (T rows: several tiles), slot 1 → experts 2..4; 0, 5..7 idle."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, moe.cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.ones(T, dtype=torch.long), 2 + torch.randint(0, 3, (T,), generator=g)], dim=1)
+    return x, torch.rand(T, 2, generator=g) + 0.1, ids
+
+
+def check(out, x, weights, ids, moe):
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    assert torch.isfinite(out).all(), "unwritten (poisoned) output elements"
+    assert rel(out, emulate(*args)) < EMULATED_TOL
+    assert rel(out, moe_grouped.reference(*args)) < REFERENCE_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("path", ["fused", "grouped"])
+def test_paths_match_reference(poisoned, fmt, path):
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt=fmt, seed=hash((fmt, path)) % 1000)
+    x, weights, ids = routed(moe, T=5, seed=7)
+    run = moe_fused.fused_moe if path == "fused" else moe_grouped.grouped_moe
+    extra = () if path == "fused" else ("triton",)
+    out = run(x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit, *extra)
+    check(out, x, weights, ids, moe)
+
+
+@pytest.mark.parametrize("path", ["fused", "grouped"])
+def test_skewed_routing_multi_tile_experts_and_idle_experts(poisoned, path):
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=31)
+    x, weights, ids = skewed(moe, T=40, seed=8)  # expert 1: 40 rows = 3 tiles of 16
+    tiles = moe_grouped.Tiles(BT=16, BN=16, BK=32)
+    if path == "fused":
+        out = moe_fused.fused_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles)
+    else:
+        out = moe_grouped.grouped_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, "triton", tiles, tiles)
+    check(out, x, weights, ids, moe)
+
+
+def test_single_token_and_scaled_dot_variant(poisoned):
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=41)
+    x, weights, ids = routed(moe, T=1, seed=9)
+    out = moe_fused.fused_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, scaled_dot=True)
+    check(out, x, weights, ids, moe)
+
+
+def test_no_shared_expert_and_no_tokens():
+    moe = MoE.random_packed(tiny_config(n_shared_experts=0), layer=3, fmt="fp4", seed=51)
+    x, weights, ids = routed(moe, T=3, seed=10)
+    out = moe_fused.fused_moe(x, weights, ids, moe.experts, None, 10.0)
+    check(out, x, weights, ids, moe)
+    empty = moe_fused.fused_moe(x[:0], weights[:0], ids[:0], moe.experts, None, 10.0)
+    assert empty.shape == (0, moe.cfg.hidden_size)
+
+
+def test_sort_by_expert_is_stable_and_counts():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    perm, counts = moe_grouped.sort_by_expert(ids, 4, with_shared=True)
+    assert perm.tolist() == [3, 1, 2, 5, 0, 4, 6, 7, 8]  # expert 0, 1, 1, 2, 3, 3, shared ×3
+    assert counts.tolist() == [1, 2, 1, 2, 3]
+    assert moe_grouped.max_tiles(9, 5, 16) >= 5
+
+
+def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
+    """Fused: score-routed main layers up to fused_max_tokens; grouped: hash layers, MTP, larger T."""
+    calls = []
+    monkeypatch.setattr(moe_fused, "fused_moe", lambda *a, **k: calls.append("fused") or moe_grouped.reference(*a))
+    real = moe_grouped.grouped_moe
+    monkeypatch.setattr(moe_grouped, "grouped_moe", lambda *a, **k: calls.append("grouped") or real(*a[:-1], "torch"))
+    cfg = tiny_config()
+    for layer, T, want in ((3, 4, "fused"), (0, 4, "grouped"), (cfg.num_hidden_layers, 4, "grouped"),
+                           (3, 9, "grouped")):
+        moe = MoE.random_packed(cfg, layer=layer, impl="triton", seed=layer)
+        moe.fused_max_tokens = 8
+        x, tok = torch.randn(T, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (T,))
+        calls.clear()
+        moe(x, tok)
+        assert calls == [want], (layer, T)
