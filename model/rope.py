@@ -18,7 +18,8 @@ from model.config import ModelConfig, YarnScaling
 
 def inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
     """[dim/2] float32 inverse frequencies, YaRN-interpolated when `yarn` is given."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # on the CPU explicitly: a model built under `torch.device("meta")` still needs real tables
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if yarn is None:
         return freqs
 
@@ -29,7 +30,7 @@ def inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     return freqs / yarn.factor * (1 - extrapolation) + freqs * extrapolation
 

@@ -29,7 +29,7 @@ class Block(nn.Module):
         self.cfg, self.impl = cfg, impl
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
         self.attn = Attention(cfg, layer, ratio, impl)
-        self.ffn = MoE(cfg, layer)
+        self.ffn = MoE(cfg, layer, impl)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn_fn = nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size))
