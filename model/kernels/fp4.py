@@ -30,6 +30,7 @@ import triton.language as tl
 
 FP4_GROUP = 32  # K elements per UE8M0 scale
 FP8_BLOCK = 128  # rows and K elements per FP8 weight scale
+FP8_BLOCK_C = tl.constexpr(FP8_BLOCK)  # the same, for use inside kernels (globals there must be constexpr)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from model.kernels.fp4 import (FP8_BLOCK, check_fp4_block, check_fp8_block, fp4_to_bf16, fp8_rows_to_bf16)
+from model.kernels.fp4 import (FP8_BLOCK_C, check_fp4_block, check_fp8_block, fp4_to_bf16, fp8_rows_to_bf16)
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -256,7 +256,7 @@ def _w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W; X rows `x_rows`
     (stride K). Only the first when not TWO."""
     w_stride: tl.constexpr = K // 2 if FP4 else K
-    s_stride: tl.constexpr = K // 32 if FP4 else (K + FP8_BLOCK - 1) // FP8_BLOCK
+    s_stride: tl.constexpr = K // 32 if FP4 else (K + FP8_BLOCK_C - 1) // FP8_BLOCK_C
     acc_a = tl.zeros([BN, BT], dtype=tl.float32)
     acc_b = tl.zeros([BN, BT], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -297,12 +297,12 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
     a = tl.load(perm_ptr + rows, mask=rmask, other=0)
     tok = tl.where(a < T * TOPK, a // TOPK, a - T * TOPK)
     n = pid_n * BN + tl.arange(0, BN)
-    up_blocks: tl.constexpr = (I + FP8_BLOCK - 1) // FP8_BLOCK  # FP8 scale rows of w1 before w3's
+    up_blocks: tl.constexpr = (I + FP8_BLOCK_C - 1) // FP8_BLOCK_C  # FP8 scale rows of w1 before w3's
     is_shared = False  # stays a compile-time False without a shared expert: one branch compiled
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        g, u = _w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // FP8_BLOCK, n + I, up_blocks + n // FP8_BLOCK,
+        g, u = _w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // FP8_BLOCK_C, n + I, up_blocks + n // FP8_BLOCK_C,
                      D, False, True, False, BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
@@ -310,7 +310,7 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         if FP4:
             g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SCALED_DOT, BN, BT, BK)
         else:
-            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n // FP8_BLOCK, n + I, up_blocks + n // FP8_BLOCK,
+            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n // FP8_BLOCK_C, n + I, up_blocks + n // FP8_BLOCK_C,
                          D, False, True, False, BN, BT, BK)
     if CLAMP:
         g = tl.minimum(g, limit)
@@ -343,7 +343,7 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        acc, _ = _w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // FP8_BLOCK, d, d, I, False, False, False,
+        acc, _ = _w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // FP8_BLOCK_C, d, d, I, False, False, False,
                        BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
@@ -351,7 +351,7 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         if FP4:
             acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SCALED_DOT, BN, BT, BK)
         else:
-            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d // FP8_BLOCK, d, d, I, False, False, False, BN, BT, BK)
+            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d // FP8_BLOCK_C, d, d, I, False, False, False, BN, BT, BK)
     y = acc * wgt[None, :]
     y_ptrs = y_ptr + slot[None, :] * D + d[:, None]
     if FUSE_COMBINE:

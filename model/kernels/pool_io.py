@@ -27,8 +27,8 @@ import triton.language as tl
 
 from model.kv_pool import KVPools, STATE_KINDS
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-4)  # model.quant.AMAX_FLOOR: keeps all-zero blocks finite
 
 
 def pack_code(pools: KVPools, kind: str) -> int:

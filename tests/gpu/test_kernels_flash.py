@@ -24,19 +24,19 @@ PREFILL = [(4096, 512), (0, 300)]
 
 @pytest.fixture(scope="module", params=["fp8_pack", "bf16"])
 def pools(request):
-    p = KVPools(CFG, request.param, max_tokens=8192 + 256, max_seqs=len(DECODE), device=DEV)
+    p = KVPools(CFG, request.param, max_tokens=8192 + 256, max_seqs=len(DECODE) + len(PREFILL) + 1, device=DEV)
     fill_random(p, seed=1)
     return p
 
 
 def _picks(batch, k, seed):
+    """Distinct random causal entries per query (as the indexer gives), -1 padded."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    pos = batch.positions
-    n = ((pos + 1) // 4).clamp_min(1)
-    r = torch.rand(pos.shape[0], k, device=DEV, generator=g)
-    picks = (r * n[:, None]).long()
-    picks = torch.where(torch.arange(k, device=DEV) < n[:, None], picks, -1)
-    return picks.int()  # duplicates are fine for attention parity
+    n = (batch.positions + 1) // 4
+    scores = torch.rand(n.shape[0], int(n.max()), device=DEV, generator=g)
+    scores = scores.masked_fill(torch.arange(scores.shape[1], device=DEV)[None, :] >= n[:, None], -1.0)
+    values, idx = scores.topk(k, dim=-1)
+    return torch.where(values < 0, -1, idx).int()
 
 
 @pytest.mark.parametrize("shapes", [DECODE, PREFILL], ids=["decode", "prefill"])
