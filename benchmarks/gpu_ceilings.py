@@ -24,6 +24,23 @@ def bench(fn, warmup: int = 3, reps: int = 20) -> float:
     return times[len(times) // 2]
 
 
+def bench_graph(fn, calls: int = 10, reps: int = 10) -> float:
+    """Median seconds per call of `fn()` replayed from a CUDA graph of `calls` back-to-back calls:
+    GPU time without the host's launch overhead (how decode steps run, and what a kernel costs)."""
+    fn()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench(graph.replay, warmup=2, reps=reps) / calls
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Bytes per second of a large D2D copy, counting bytes read plus bytes written."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")

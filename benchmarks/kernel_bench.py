@@ -4,6 +4,8 @@ run (and the torch reference of the same op, timed alike, for scale).
 
     python benchmarks/kernel_bench.py --out $OUT/kernels.json
 
+Kernels are timed as GPU time (replays of a CUDA graph of back-to-back calls: decode runs from
+graphs, so host launch cost is not the kernel's); the torch references eagerly, host included.
 Bytes are the fewest the op must move (each input read once, each output written once: KV entries
 gathered, weights, activations); FLOPs count multiply-adds as 2. A kernel is bandwidth-bound when
 its FLOP/byte is under the ridge point (matmul rate / copy bandwidth) and is judged by its
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_batch, decode_pools  # noqa: E402
-from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
+from benchmarks.gpu_ceilings import bench, bench_graph, ceilings  # noqa: E402
 from model import quant  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.kernels import compressor, fp8_gemm, indexer, mhc, sparse_attention  # noqa: E402
@@ -59,11 +61,13 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     picks = torch.randint(0, n_vis, (B, 512), device="cuda", generator=g).int()
     for ratio, layer, pk, n_comp in ((4, 2, picks, 512), (128, 3, None, C // 128)):
         rope = Rope.for_layer(CFG, True)
-        fns = {impl: (lambda impl=impl, layer=layer, ratio=ratio, pk=pk: sparse_attention.attend(
-            qd, dbatch, dpools, layer, ratio, pk, sink, 128, rope, impl)) for impl in ("triton", "torch")}
         entries = 128 + n_comp
-        out.append((f"sparse_attention decode ratio {ratio} B={B} ctx={C}", fns,
-                    B * entries * ENTRY + B * H * D * (2 + 4), B * H * entries * D * 4))
+        for bh in (None, 16, 32):  # the launch heuristic, then forced head blocks
+            fns = {impl: (lambda impl=impl, layer=layer, ratio=ratio, pk=pk, bh=bh: sparse_attention.attend(
+                qd, dbatch, dpools, layer, ratio, pk, sink, 128, rope, impl, block_h=bh))
+                for impl in (("triton", "torch") if bh is None else ("triton",))}
+            out.append((f"sparse_attention decode ratio {ratio} B={B} ctx={C}" + (f" BH={bh}" if bh else ""), fns,
+                        B * entries * ENTRY + B * H * D * (2 + 4), B * H * entries * D * 4))
     qp = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
     pos = torch.arange(T, device="cuda")
     nv = (pos + 1) // 4
@@ -71,9 +75,11 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     ppicks = torch.where(torch.arange(512, device="cuda")[None, :] < nv[:, None], ppicks, -1).int()
     vis = (torch.clamp(pos + 1, max=128) + torch.clamp((pos + 1) // 4, max=512)).sum().item()
     rope = Rope.for_layer(CFG, True)
-    out.append((f"sparse_attention prefill ratio 4 T={T}",
-                {"triton": lambda: sparse_attention.attend(qp, pbatch, ppools, 2, 4, ppicks, sink, 128, rope, "triton")},
-                vis * ENTRY + T * H * D * (2 + 4), H * vis * D * 4))
+    for bh in (None, 16, 32):
+        out.append((f"sparse_attention prefill ratio 4 T={T}" + (f" BH={bh}" if bh else ""),
+                    {"triton": lambda bh=bh: sparse_attention.attend(qp, pbatch, ppools, 2, 4, ppicks, sink, 128, rope,
+                                                                     "triton", block_h=bh)},
+                    vis * ENTRY + T * H * D * (2 + 4), H * vis * D * 4))
 
     # indexer logits + top-k
     qi = torch.randn(B, 64, 128, device="cuda", generator=g).bfloat16()
@@ -142,7 +148,8 @@ def main() -> None:
     ridge = rate / bw
     rows = []
     for name, fns, nbytes, flops in cases(args.context, args.batch, args.prefill_tokens):
-        times = {impl: bench(fn) for impl, fn in fns.items()}
+        # kernels: GPU time from graph replay; torch references (host syncs, not capturable): eager
+        times = {impl: (bench_graph(fn) if impl == "triton" else bench(fn, reps=5)) for impl, fn in fns.items()}
         t = times["triton"]
         bound = "flops" if flops / max(nbytes, 1) > ridge else "bytes"
         frac = (flops / t / rate) if bound == "flops" else (nbytes / t / bw)

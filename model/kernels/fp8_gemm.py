@@ -36,9 +36,15 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups
     return torch.einsum("mgk,gnk->mgn", x, w.view(groups, rows // groups, k))
 
 
+# Above this many rows (prefill) dequantising the weight once and calling cuBLAS's bf16 GEMM beats
+# this kernel (H100, M=8192, N=32768, K=1024: 1.2 ms against 2.4 ms), with the same arithmetic.
+KERNEL_MAX_M = 256
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1) -> torch.Tensor:
     """See module docstring; `impl` "torch" or "triton"."""
-    if check_impl(impl) == "torch":
+    rows = x.numel() // x.shape[-1] // (groups if groups > 1 else 1)
+    if check_impl(impl) == "torch" or rows > KERNEL_MAX_M:
         return reference(x, weight, scale, groups)
     rows, K = weight.shape
     N = rows // groups

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
-from model.kernels.pool_io import entry_base, load_entries, pack_code
+from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 
 
 def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
@@ -52,15 +52,15 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    bn = 64
+    bn, nb = 64, 4
     qs, ws = q[rows], w[rows]
-    _logits_kernel[(T, triton.cdiv(n_max, bn))](
+    _logits_kernel[(T, triton.cdiv(n_max, bn * nb))](
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
         meta.token_seq[rows], meta.positions[rows],
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
-        C=triton.next_power_of_2(c), BN=bn, num_warps=4)
+        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=4)
     return out
 
 
@@ -87,30 +87,35 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 @triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
                    buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale,
-                   EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr):
+                   EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
+                   NB: tl.constexpr, ALIGN: tl.constexpr):
+    """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
+    (they weigh more than a block of FP8 keys)."""
     t = tl.program_id(0)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
     pos = tl.load(pos_ptr + t)
     n_vis = (pos + 1) // 4
-    if tl.program_id(1) * BN >= n_vis:  # wholly past this query's causal end
-        tl.store(out_ptr + t * stride_ot + j, tl.full((BN,), float("-inf"), tl.float32), mask=j < n_max)
-        return
     seq = tl.load(seq_ptr + t)
     heads = tl.arange(0, NH)
     cols = tl.arange(0, C)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
                 mask=(heads < n_heads)[:, None] & (cols < c)[None, :], other=0.0).to(tl.bfloat16)
     w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32)
-    valid = j < n_vis
-    base = entry_base(table, tstride, seq, j, valid, EPP, page_bytes, layer_off, entry_bytes)
-    if PACK == 3:  # FP8 keys: multiply on the raw e4m3 values (exact in bf16), scale the columns after
-        raw = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
-                      mask=valid[:, None] & (cols < c)[None, :], other=0.0)
-        k = raw.to(tl.bfloat16)
-        key_scale = tl.load((buf + base + c).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-    else:
-        k = load_entries(buf, base, valid, cols, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
-        key_scale = tl.full((BN,), 1.0, tl.float32)
-    s = tl.maximum(tl.dot(q, tl.trans(k)) * key_scale[None, :], 0.0) * scale  # [NH, BN]
-    score = tl.sum(s * w[:, None], axis=0)
-    tl.store(out_ptr + t * stride_ot + j, tl.where(valid, score, float("-inf")), mask=j < n_max)
+    for b in tl.static_range(NB):
+        j0 = (tl.program_id(1) * NB + b) * BN
+        j = j0 + tl.arange(0, BN)
+        if j0 >= n_vis:  # wholly past this query's causal end
+            tl.store(out_ptr + t * stride_ot + j, tl.full((BN,), float("-inf"), tl.float32), mask=j < n_max)
+        else:
+            valid = j < n_vis
+            base = entry_base(table, tstride, seq, j, valid, EPP, page_bytes, layer_off, entry_bytes, ALIGN)
+            if PACK == 3:  # FP8 keys: multiply the raw e4m3 values (exact in bf16), scale the columns after
+                raw = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
+                              mask=valid[:, None] & (cols < c)[None, :], other=0.0)
+                k = raw.to(tl.bfloat16)
+                key_scale = tl.load((buf + base + c).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+            else:
+                k = load_entries(buf, base, valid, cols, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
+                key_scale = tl.full((BN,), 1.0, tl.float32)
+            s = tl.maximum(tl.dot(q, tl.trans(k)) * key_scale[None, :], 0.0) * scale  # [NH, BN]
+            score = tl.sum(s * w[:, None], axis=0)
+            tl.store(out_ptr + t * stride_ot + j, tl.where(valid, score, float("-inf")), mask=j < n_max)

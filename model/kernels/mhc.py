@@ -7,8 +7,11 @@ x [T, hc, D]. Around each sub-block:
 * `hc_post`: new streams = post ⊗ out + combᵀ · x (in the activations' dtype);
 * `hc_head`: the final collapse with pre only.
 
+The mixes GEMM runs on the tensor cores with fn split into bf16 hi + lo parts (the streams are
+bf16 on the GPU, exact there), which keeps fp32-level accuracy at bf16 speed.
+
 Kernels: `_pre_kernel` does everything of `hc_pre` for a block of tokens in one launch (the
-skinny mixes GEMM on the tensor cores in fp32, the RMS factor, sigmoid/softmax, all Sinkhorn
+skinny mixes GEMM on the tensor cores, the RMS factor, sigmoid/softmax, all Sinkhorn
 iterations in registers, then the weighted collapse), where the reference takes ~50 small torch
 ops; `_post_kernel` fuses the mixing of `hc_post`, rounding where the reference rounds.
 """
@@ -99,11 +102,13 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
     post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     if T:
-        bt = 16
+        if hc * hc != 16:
+            raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
+        bt = 16 if T <= 2048 else 32
         _pre_kernel[(triton.cdiv(T, bt),)](
             x, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
             T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, BK=128, NP=16, BD=min(256, triton.next_power_of_2(D)),
-            HEAD=head, num_warps=4)
+            HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=4)
     return collapsed, post, comb
 
 
@@ -112,18 +117,33 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _fn_dot(acc, x, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr):
-    """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero)."""
+def _split(v):
+    """fp32 → bf16 hi + lo with hi + lo ≈ v to ~16 mantissa bits."""
+    hi = v.to(tl.bfloat16)
+    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, X_FP32: tl.constexpr):
+    """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero).
+
+    fn is fp32; it is split into bf16 hi + lo parts and both go through the tensor cores: with x
+    exact in bf16 (the GPU's streams) the sum carries ~16 mantissa bits of fn, where one bf16
+    product would carry 8. fp32 streams are split the same way (three products)."""
     r = tl.arange(0, NP)
     w = tl.load(fn_ptr + (row0 + r)[:, None] * K + offs_k[None, :], mask=(r < n_rows)[:, None] & (offs_k < K)[None, :],
                 other=0.0)
-    return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    hi, lo = _split(w)
+    acc += tl.dot(x_hi, tl.trans(hi)) + tl.dot(x_hi, tl.trans(lo))
+    if X_FP32:
+        acc += tl.dot(x_lo, tl.trans(hi))
+    return acc
 
 
 @triton.jit
 def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps,
                 HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
-                HEAD: tl.constexpr):
+                HEAD: tl.constexpr, X_FP32: tl.constexpr):
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = tok < T
     K = HC * D
@@ -135,12 +155,14 @@ def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-        sq += tl.sum(x * x, axis=1)
-        a_pre = _fn_dot(a_pre, x, fn_ptr, 0, HC, offs_k, K, NP)
+                    mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        x_hi, x_lo = _split(xf)
+        a_pre = _fn_dot(a_pre, x_hi, x_lo, fn_ptr, 0, HC, offs_k, K, NP, X_FP32)
         if not HEAD:
-            a_post = _fn_dot(a_post, x, fn_ptr, HC, HC, offs_k, K, NP)
-            a_comb = _fn_dot(a_comb, x, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP)
+            a_post = _fn_dot(a_post, x_hi, x_lo, fn_ptr, HC, HC, offs_k, K, NP, X_FP32)
+            a_comb = _fn_dot(a_comb, x_hi, x_lo, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP, X_FP32)
     r = tl.rsqrt(sq / K + rms_eps)[:, None]
     cols = tl.arange(0, NP)
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps

@@ -31,6 +31,16 @@ FP8_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)  # model.quant.AMAX_FLOOR: keeps all-zero blocks finite
 
 
+def alignment(pools: KVPools, kind: str) -> int:
+    """Largest power of two (≤ 16) dividing every entry's byte offset in `kind`: the kernels tell
+    the compiler (`tl.multiple_of`) so entry loads become vector loads, not byte gathers."""
+    spec = pools.specs[kind]
+    a = 16
+    while a > 1 and (spec.entry_bytes % a or spec.layer_bytes % a or spec.page_bytes % a):
+        a //= 2
+    return a
+
+
 def pack_code(pools: KVPools, kind: str) -> int:
     """The entry encoding of `kind` in `pools` (table in the module docstring)."""
     fmt = "fp32" if kind in STATE_KINDS else pools.format
@@ -42,11 +52,13 @@ def pack_code(pools: KVPools, kind: str) -> int:
 
 
 @triton.jit
-def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page_bytes, layer_off, entry_bytes):
-    """Byte offsets (int64) of entries `idx` of request row `seq` (0 where not `valid`)."""
+def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page_bytes, layer_off, entry_bytes,
+               ALIGN: tl.constexpr = 1):
+    """Byte offsets (int64) of entries `idx` of request row `seq` (0 where not `valid`), each a
+    multiple of ALIGN (`alignment`)."""
     page = tl.load(table_ptr + seq * table_stride + idx // EPP, mask=valid, other=0)
     base = page.to(tl.int64) * page_bytes + layer_off + (idx % EPP).to(tl.int64) * entry_bytes
-    return tl.where(valid, base, 0)
+    return tl.multiple_of(tl.where(valid, base, 0), ALIGN)
 
 
 @triton.jit
@@ -62,8 +74,13 @@ def load_entries(buf_ptr, base, valid, cols, d, NOPE: tl.constexpr, ROPE: tl.con
     elif PACK == 2:
         nope = (cols < NOPE)[None, :]
         q = tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope, other=0.0).to(tl.float32)
-        e = tl.load(buf_ptr + base[:, None] + (NOPE + 2 * ROPE) + cols[None, :] // 64, mask=mask & nope, other=127)
-        scale = tl.exp2(e.to(tl.float32) - 127.0)
+        # one UE8M0 byte per 64 columns, loaded once per block and broadcast over its columns
+        C: tl.constexpr = cols.shape[0]
+        blk = tl.arange(0, C // 64)
+        e = tl.load(buf_ptr + base[:, None] + (NOPE + 2 * ROPE) + blk[None, :],
+                    mask=valid[:, None] & (blk < NOPE // 64)[None, :], other=127)
+        scale = tl.exp2(e.to(tl.float32) - 127.0)  # [N, C/64]
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (base.shape[0], C // 64, 64)), (base.shape[0], C))
         rope_ptr = buf_ptr + base[:, None] + NOPE + 2 * (cols[None, :] - NOPE)
         r = tl.load(rope_ptr.to(tl.pointer_type(tl.bfloat16)), mask=mask & ~nope, other=0.0).to(tl.float32)
         x = tl.where(nope, q * scale, r)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
-from model.kernels.pool_io import entry_base, load_entries, pack_code
+from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 from model.rope import Rope
 
 LOG2E = 1.4426950408889634
@@ -68,11 +68,12 @@ def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int,
 # ---------------------------------------------------------------------------------------
 
 def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
-           window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None) -> torch.Tensor:
+           window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None,
+           block_n: int | None = None) -> torch.Tensor:
     """q [T, H, d] (roped) → [T, H, d] float32 de-rotated attention output.
 
     picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
-    the launch heuristics (tests and tuning)."""
+    the launch heuristics (tests and tuning), as does `block_n` (entries per step)."""
     if check_impl(impl) == "torch":
         return reference(q, batch, pools, layer, ratio, picks, sink, window, rope)
     T, H, d = q.shape
@@ -84,7 +85,7 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     swa, comp = pools.specs["swa"], pools.specs[kind]
     n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
-    bn = 32 if d >= 256 else 64
+    bn = block_n or (32 if d >= 256 else 64)
     blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     programs = T * triton.cdiv(H, bh)
     if splits is None:
@@ -108,7 +109,8 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
         H, d, d ** -0.5 * LOG2E,
         WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
         C_EPP=comp.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
-        BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits,
+        BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
+        C_ALIGN=alignment(pools, kind),
         num_warps=8 if bh >= 64 else 4, num_stages=2)
     if splits == 1:
         return out
@@ -143,7 +145,8 @@ def _sparse_attn_kernel(
         H, d, scale_log2,
         WINDOW: tl.constexpr, RATIO: tl.constexpr, HAS_PICKS: tl.constexpr, SWA_EPP: tl.constexpr,
         C_EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr,
-        BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+        BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SWA_ALIGN: tl.constexpr,
+        C_ALIGN: tl.constexpr):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
@@ -175,7 +178,7 @@ def _sparse_attn_kernel(
             idx = lo + i * BN + offs
             valid = idx <= pos
             base = entry_base(swa_table, swa_tstride, seq, idx, valid, SWA_EPP, swa_page_bytes, swa_layer_off,
-                              swa_entry_bytes)
+                              swa_entry_bytes, SWA_ALIGN)
             k = load_entries(swa_buf, base, valid, cols, d, NOPE, ROPE, PACK)
         else:
             j = (i - n_win_blocks) * BN + offs
@@ -185,7 +188,8 @@ def _sparse_attn_kernel(
             else:
                 idx = j
                 valid = j < (pos + 1) // RATIO
-            base = entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off, c_entry_bytes)
+            base = entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off, c_entry_bytes,
+                              C_ALIGN)
             k = load_entries(c_buf, base, valid, cols, d, NOPE, ROPE, PACK)
         k = k.to(tl.bfloat16)
         s = tl.dot(q, tl.trans(k)) * scale_log2
