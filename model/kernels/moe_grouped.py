@@ -6,23 +6,21 @@ weights dequantised exactly (model/quant.py) and the products in fp32; then
 out[t] = Σ_j weights[t, j] · y[t, j] + shared(x[t]), summed over j in slot order, cast to x.dtype.
 
 Triton path. Assignments (t, j) and, with a shared expert, one shared assignment per token (a
-virtual expert E, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no host
-sync). A "token tile" is up to BT sorted rows of one expert; expert e owns ⌈count_e/BT⌉ tiles, laid
-out expert after expert, and each program finds its expert from the counts itself (`_tile`), so
-the grid (`max_tiles` × weight tiles) depends on shapes only and tiles past the end exit at once.
-Matrix products are W · Xᵀ ("swap AB"): weight rows are the dot's M side and the tile's tokens
-its N side (BT >= 16), which suits both a decode tile of a few tokens and a prefill tile of 128.
+virtual expert E in FP8, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no
+host sync). A "token tile" is up to BT sorted rows of one expert; expert e owns ⌈count_e/BT⌉ tiles,
+laid out expert after expert, and each program finds its expert from the counts itself (`_tile`),
+so the grid (`max_tiles` × weight tiles) depends on shapes only and tiles past the end exit at once.
+The per-tile products and the in-register dequantisation are kernels/moe_gemm.py's `w_xt`.
 
-* `_gateup_kernel`: per (token tile, BN columns of I): gate and up accumulators over K = D with
-  the weights dequantised in registers (kernels/fp4.py), clamped SwiGLU in the epilogue,
-  h [A, I] bf16 in sorted row order.
+* `_gateup_kernel`: per (token tile, BN columns of I): gate and up accumulators over K = D,
+  clamped SwiGLU in the epilogue → h [A, I] bf16 in sorted row order.
 * `_down_kernel`: per (token tile, BN columns of D): h · w2ᵀ times the routing weight, written to
   its (token, slot) row of y [T, k(+1), D]. With FUSE_COMBINE (the decode path, kernels/moe_fused.py)
   each program then counts arrivals per (token, column tile) and the program that brings the
   count to k(+1) sums that token's rows in slot order (deterministic) into `out`.
 
-`grouped_moe` (prefill sizes, and the fallback of the fused path) runs the two kernels and sums y
-in torch: 2 kernels + the sort + the sum.
+`grouped_moe` (prefill sizes, and the fallback of the fused path) runs the two kernels with
+prefill tiles and sums y in torch: the sort, 2 kernels, the sum.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from model.kernels.fp4 import (FP8_BLOCK, check_fp4_block, check_fp8_block, fp4_to_bf16, fp8_to_bf16, mma_order,
-                                mma_order_pairs)
+from model.kernels.fp4 import FP8_BLOCK, check_fp4_block, check_fp8_block
+from model.kernels.moe_gemm import w_xt
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -65,9 +63,9 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, to
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D], in y.dtype."""
-    out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-    return out if shared is None else out + shared
+    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D]: fp32 sums, y.dtype out."""
+    out = (y.float() * weights.float().unsqueeze(-1)).sum(1)
+    return (out if shared is None else out + shared.float()).to(y.dtype)
 
 
 def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
@@ -264,92 +262,6 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, BK: tl.constexpr):
-    """The scale bytes a K step at k0 needs: FP4 [BN, BK/32] (per row and 32 K), FP8 [BN] (per row's block)."""
-    if FP4:
-        s = tl.load(s_ptr + rows[:, None] * s_stride + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
-    else:
-        s = tl.load(s_ptr + srows * s_stride + k0 // 128)
-    return s
-
-
-@triton.jit
-def _mma_step(acc, w_ptr, s, rows, k0, xt, x_even, x_odd, w_stride,
-              FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
-              BK: tl.constexpr):
-    """One K step of acc += W[rows, k0:k0+BK] · xᵀ with W's scales `s` (`_scales`). SWAP: acc
-    [BN, BT], x in `mma_order` (x_even/x_odd for FP4, xt for FP8); else acc [BT, BN], xt natural."""
-    if FP4:
-        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
-        if SCALED_DOT:
-            if SWAP:
-                acc = tl.dot_scaled(w, s, "e2m1", tl.trans(xt), None, "bf16", acc)
-            else:
-                acc = tl.dot_scaled(xt, None, "bf16", tl.trans(w), s, "e2m1", acc)
-        elif SWAP:
-            w_even, w_odd = fp4_to_bf16(mma_order(w), s, ASM)
-            acc = tl.dot(w_even, tl.trans(x_even), acc)
-            acc = tl.dot(w_odd, tl.trans(x_odd), acc)
-        else:
-            w_even, w_odd = fp4_to_bf16(w, s, ASM)
-            wt = tl.reshape(tl.join(w_even, w_odd), [w.shape[0], BK])
-            acc = tl.dot(xt, tl.trans(wt), acc)
-    else:
-        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 + tl.arange(0, BK))[None, :])
-        if SWAP:
-            acc = tl.dot(fp8_to_bf16(mma_order(w), s, ASM), tl.trans(xt), acc)
-        else:
-            acc = tl.dot(xt, tl.trans(fp8_to_bf16(w, s, ASM)), acc)
-    return acc
-
-
-@triton.jit
-def _w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
-          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W; X rows `x_rows`
-    (stride K). Only the first when not TWO. SWAP puts the weight rows on the MMA's M side (decode:
-    a few tokens); else the tokens (prefill: x tiles feed the tensor cores straight from shared
-    memory, the dequantised weights go through it). Scale bytes are fetched one step ahead: they
-    are too small for the pipeliner's asynchronous copies, and a load used in its own step stalls."""
-    w_stride: tl.constexpr = K // 2 if FP4 else K
-    s_stride: tl.constexpr = K // 32 if FP4 else (K + B8 - 1) // B8
-    if SWAP:
-        acc_a = tl.zeros([BN, BT], dtype=tl.float32)
-        acc_b = tl.zeros([BN, BT], dtype=tl.float32)
-    else:
-        acc_a = tl.zeros([BT, BN], dtype=tl.float32)
-        acc_b = tl.zeros([BT, BN], dtype=tl.float32)
-    sa = _scales(s_ptr, rows_a, srows_a, 0, s_stride, FP4, BK)
-    sb = sa
-    if TWO:
-        sb = _scales(s_ptr, rows_b, srows_b, 0, s_stride, FP4, BK)
-    for k0 in range(0, K, BK):
-        k_next = tl.minimum(k0 + BK, K - BK)
-        sa_next = _scales(s_ptr, rows_a, srows_a, k_next, s_stride, FP4, BK)
-        sb_next = sa_next
-        if TWO:
-            sb_next = _scales(s_ptr, rows_b, srows_b, k_next, s_stride, FP4, BK)
-        xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
-                     mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
-        x_even, x_odd = xt, xt
-        if SWAP:
-            if FP4:
-                if not SCALED_DOT:
-                    x_even, x_odd = mma_order_pairs(xt)
-            else:
-                xt = mma_order(xt)
-        acc_a = _mma_step(acc_a, w_ptr, sa, rows_a, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
-        if TWO:
-            acc_b = _mma_step(acc_b, w_ptr, sb, rows_b, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT,
-                              ASM, BK)
-        sa, sb = sa_next, sb_next
-    if not SWAP:
-        acc_a, acc_b = tl.trans(acc_a), tl.trans(acc_b)
-    return acc_a, acc_b
-
-
-@triton.jit
 def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
@@ -378,15 +290,15 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        g, u = _w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
+        g, u = w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
                      D, False, True, SWAP, False, ASM, BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK)
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK)
         else:
-            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
                          D, False, True, SWAP, False, ASM, BN, BT, BK)
     if CLAMP:
         g = tl.minimum(g, limit)
@@ -420,15 +332,15 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        acc, _ = _w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, False, ASM,
+        acc, _ = w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, False, ASM,
                        BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK)
         else:
-            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
     y = acc * wgt[None, :]
     y_ptrs = y_ptr + slot[None, :] * D + d[:, None]
     if FUSE_COMBINE:
