@@ -32,6 +32,7 @@ from model.kernels import moe_fused, moe_grouped
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK
 
 FORMATS = ("fp4", "fp8")
+MAX_SCALE_BYTE = {"fp4": 128, "fp8": 134}  # UE8M0 bytes the kernels dequantise exactly
 
 
 def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
@@ -124,6 +125,12 @@ class PackedExperts(nn.Module):
             packed.w13[e] = torch.cat([q1, q3])
             packed.w13_scale[e] = torch.cat([s1, s3])
             packed.w2[e], packed.w2_scale[e] = q2, s2
+        # the kernels' bf16 dequantisation is exact up to these scales (kernels/fp4.py)
+        top, limit = int(max(packed.w13_scale.max(), packed.w2_scale.max())), MAX_SCALE_BYTE[fmt]
+        if top > limit:
+            raise ValueError(f"{fmt} expert weights need a scale of 2^{top - 127}; the kernels support up to "
+                             f"2^{limit - 127} (weights beyond ±{quant.FP4_MAX if fmt == 'fp4' else quant.FP8_MAX:g}"
+                             f"·2^{limit - 127})")
         return packed
 
     @classmethod

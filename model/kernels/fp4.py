@@ -1,26 +1,24 @@
 """In-kernel dequantisation of the expert weight codecs of `model/quant.py`, as `@triton.jit` helpers.
 
-* FP4 e2m1, two codes per byte (low nibble = even K index), UE8M0 scale byte per 32 along K.
-  The bf16 value is built from bits, with no lookup table and no float arithmetic: for a code
-  of magnitude m = code & 7 (value 0, 0.5, 1, 1.5, 2, 3, 4, 6) and scale byte s (scale 2^(s-127)),
+FP4 e2m1 (two codes per byte, low nibble = even K, a UE8M0 scale byte per 32 K) to bf16 is a bit
+placement and one multiply. A code s·m2 m1 m0 placed as bf16 bits `s << 15 | m2m1m0 << 6` reads
+as its e2m1 value times 2^-126 — for the subnormal code 0.5 too, since bf16's subnormal step
+lines up with e2m1's — so `value = bits × 2^(scale_byte - 1)`, exact in bf16 for scale bytes
+1..128 (scales up to 2; real weights use ~2^-10..2^-4, `PackedExperts` refuses larger). FP8 e4m3 likewise: bits `s << 15 | e4m3_magnitude << 4` read as the value times 2^-120,
+so `value = bits × 2^(scale_byte - 7)` (exact for scale bytes 1..134, i.e. scales up to 2^7).
 
-      bits = (m << 6) + ((s - 1) << 7)          for m >= 2
-      bits = (s - 1) << 7                       for m == 1   (0.5 · 2^(s-127))
-      bits = 0                                  for m == 0
-      bits |= (code & 8) << 12                  (the sign)
+On a GPU (`ASM`) this runs as PTX on 32-bit words, two bf16 lanes at a time: bytes j, j+1 are
+spread to the two 16-bit halves (`prmt`), one nibble of each is masked and multiplied by
+2^6 + 2^12 (low nibble) or 2^2 + 2^8 (high nibble), which moves its magnitude to bits 6..8 and
+its sign to bit 15 in one `mul.lo` (the two shifted copies do not overlap), a mask keeps those,
+and `mul.rn.bf16x2` applies the scale: ~2.3 instructions per weight, against ~17 for Triton's
+per-element integer code. A decode step is bound by how fast weights become MMA operands. The
+Triton interpreter has no inline PTX, so it runs the same construction in integer tensor ops.
 
-  `m << 6` puts e2m1's two exponent bits into bf16's exponent field and its mantissa bit at the
-  top of bf16's mantissa; adding `(s - 1) << 7` rebiases the exponent (e2m1 bias 1, bf16 bias
-  127) and applies the scale in the same add. Every product code × scale is exact in bf16 for
-  scale bytes 2..253 (scales 2^-125..2^126; real weights use about 2^-10..2^-4). Integer ops only,
-  so the Triton interpreter (which multiplies bf16 as raw bits) computes the same values.
-* FP8 e4m3 with a UE8M0 scale per 128×128 block: the caller gathers one scale per weight row of
-  the current 128-wide K block; `fp8_rows_to_bf16` widens and scales in fp32 (exact) and narrows
-  to bf16 (exact: e4m3 has 3 mantissa bits).
-
-`fp4_to_bf16` returns the even and the odd K elements as two tiles rather than interleaving them:
-the caller multiplies them with the even and odd columns of the activations (two dots of K/2),
-which costs a split of the small activation tile instead of a shuffle of the large weight tile.
+MMA order: a wgmma A operand held in registers gives each thread, per 16-wide K slice, the
+columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4). `mma_order` permutes K so that these are four
+consecutive weight bytes (one 32-bit word: one PTX input, no byte shuffles); the activations are
+permuted the same way (`mma_order_pairs` / `mma_order`), which leaves the dot product unchanged.
 """
 
 from __future__ import annotations
@@ -30,33 +28,85 @@ import triton.language as tl
 
 FP4_GROUP = 32  # K elements per UE8M0 scale
 FP8_BLOCK = 128  # rows and K elements per FP8 weight scale
-FP8_BLOCK_C = tl.constexpr(FP8_BLOCK)  # the same, for use inside kernels (globals there must be constexpr)
+
+
+# ---------------------------------------------------------------------------------------
+# K order
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def mma_order(t):
+    """[R, C] (C % 16 == 0): column 16i + 4q + 2h + r → 16i + 8h + 2q + r."""
+    R: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(t, [R, C // 16, 4, 2, 2]), [0, 1, 3, 2, 4]), [R, C])
 
 
 @triton.jit
-def _e2m1_scaled_bits(code, bias):
-    """code: e2m1 codes (uint16, 0..15); bias: (s - 1) << 7 broadcastable → bf16 bits (uint16)."""
-    mag = code & 7
-    bits = (mag << 6) + bias
-    bits = tl.where(mag == 1, bits - 64, bits)
-    bits = tl.where(mag == 0, 0, bits)
-    return bits | ((code & 8) << 12)
+def mma_order_pairs(x):
+    """[T, 2C] activations of C FP4 bytes → (even, odd) [T, C], columns in `mma_order` of the bytes."""
+    T: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1] // 2
+    x = tl.reshape(tl.permute(tl.reshape(x, [T, C // 16, 4, 2, 2, 2]), [0, 1, 3, 2, 4, 5]), [T, C, 2])
+    return tl.split(x)
+
+
+# ---------------------------------------------------------------------------------------
+# FP4
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _e2m1_bits(code):
+    """e2m1 codes (int, 0..15) → bf16 bits of value · 2^-126."""
+    return ((code & 7) << 6) | ((code & 8) << 12)
 
 
 @triton.jit
-def fp4_to_bf16(packed, scale):
+def fp4_to_bf16(packed, scale, ASM: tl.constexpr):
     """packed uint8 [R, C] (K elements 2j, 2j+1 in byte j), scale uint8 [R, C // 16]
-    → (even, odd): bf16 [R, C] holding K elements 2j and 2j+1 times their row's scale."""
+    → (even, odd): bf16 [R, C], the low and high nibble of each byte times its group's scale."""
     R: tl.constexpr = packed.shape[0]
     C: tl.constexpr = packed.shape[1]
-    p = tl.reshape(packed.to(tl.uint16), [R, C // 16, 16])  # 16 bytes = one 32-element scale group
-    bias = ((scale.to(tl.uint16) - 1) << 7)[:, :, None]
-    lo = _e2m1_scaled_bits(p & 15, bias)
-    hi = _e2m1_scaled_bits(p >> 4, bias)
+    if ASM:
+        f = ((scale.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [R, C // 16, 16]), [R, C])
+        even, odd = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 u0, u1, a;
+            prmt.b32 u0, $4, 0, 0x4140;
+            prmt.b32 u1, $4, 0, 0x4342;
+            and.b32 a, u0, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
+            and.b32 a, u1, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
+            and.b32 a, u0, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
+            and.b32 a, u1, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $6;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r,r,r", args=[packed, f], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+        return even, odd
+    # interpreter: the same construction with integer ops, the multiply as an exponent add
+    # (the interpreter's bf16 arithmetic works on raw bits); bf16 subnormal code 1 handled apart
+    p = tl.reshape(packed.to(tl.int32), [R, C // 16, 16])
+    bias = ((scale.to(tl.int32) - 1) << 7)[:, :, None]
+    lo = _scaled_bits(p & 15, bias)
+    hi = _scaled_bits(p >> 4, bias)
     even = tl.reshape(lo, [R, C]).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     odd = tl.reshape(hi, [R, C]).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return even, odd
 
+
+@triton.jit
+def _scaled_bits(code, bias):
+    mag = code & 7
+    bits = tl.where(mag == 1, bias, (mag << 6) + bias)  # 0.5·2^(s-127): exponent s-1, mantissa 0
+    bits = tl.where(mag == 0, 0, bits)
+    return bits | ((code & 8) << 12)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8
+# ---------------------------------------------------------------------------------------
 
 @triton.jit
 def ue8m0_to_f32(byte):
@@ -65,13 +115,36 @@ def ue8m0_to_f32(byte):
 
 
 @triton.jit
-def fp8_rows_to_bf16(q, row_scale):
+def fp8_to_bf16(q, row_scale, ASM: tl.constexpr):
     """q e4m3 [R, C], row_scale uint8 [R] (UE8M0 of each row's current 128×128 block) → bf16 [R, C]."""
+    R: tl.constexpr = q.shape[0]
+    C: tl.constexpr = q.shape[1]
+    if ASM:
+        f = ((row_scale.to(tl.uint16) + 120) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-7)
+        f = tl.broadcast_to(f[:, None], [R, C])
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 u0, u1, a, b;
+            prmt.b32 u0, $2, 0, 0x4140;
+            prmt.b32 u1, $2, 0, 0x4342;
+            shl.b32 a, u0, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u0, 8; and.b32 b, b, 0x80008000;
+            or.b32 a, a, b; mul.rn.bf16x2 $0, a, $3;
+            shl.b32 a, u1, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u1, 8; and.b32 b, b, 0x80008000;
+            or.b32 a, a, b; mul.rn.bf16x2 $1, a, $4;
+            }
+            """,
+            constraints="=r,=r,r,r,r", args=[q.to(tl.uint8, bitcast=True), f], dtype=tl.bfloat16,
+            is_pure=True, pack=4)
     return (q.to(tl.float32) * ue8m0_to_f32(row_scale)[:, None]).to(tl.bfloat16)
 
 
+# ---------------------------------------------------------------------------------------
+# host-side checks
+# ---------------------------------------------------------------------------------------
+
 def check_fp4_block(block_k: int) -> None:
-    """Host-side check of a K tile for FP4 weights: whole scale groups, and K/2 >= 16 for tl.dot."""
+    """A K tile for FP4 weights: whole 32-element scale groups, and K/2 >= 16 for tl.dot."""
     if block_k % FP4_GROUP or block_k < FP4_GROUP:
         raise ValueError(f"BLOCK_K={block_k} must be a multiple of {FP4_GROUP} (one UE8M0 scale per 32 K) for FP4")
 

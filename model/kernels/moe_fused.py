@@ -35,10 +35,11 @@ from model.kernels.moe_grouped import Tiles, fit, run_kernels
 if TYPE_CHECKING:
     from model.moe import PackedExperts
 
-# Decode tiles: 16 tokens (tl.dot's minimum), 64 weight rows, 128 K (64 bytes of FP4 per row and
-# step); the benchmark sweeps alternatives.
-DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4)
-DECODE_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4)
+# Decode tiles: 16 tokens (tl.dot's minimum) against 64 or 128 weight rows (one or two wgmma M
+# tiles of a 4-warp warpgroup), 128 K (one FP8 scale block; 64 bytes of FP4 per row and step).
+# 3 stages keep a gate/up program under 64 KB of shared memory, three programs per SM.
+DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True)
+DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=True)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",

@@ -6,36 +6,35 @@ weights dequantised exactly (model/quant.py) and the products in fp32; then
 out[t] = Σ_j weights[t, j] · y[t, j] + shared(x[t]), summed over j in slot order, cast to x.dtype.
 
 Triton path. Assignments (t, j) and, with a shared expert, one shared assignment per token (a
-virtual expert E, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no host
-sync). A "token tile" is up to BT sorted rows of one expert; expert e owns ⌈count_e/BT⌉ tiles, laid
-out expert after expert, and each program finds its expert from the counts itself (`_tile`), so
-the grid (`max_tiles` × weight tiles) depends on shapes only and tiles past the end exit at once.
-Matrix products are W · Xᵀ ("swap AB"): weight rows are the dot's M side and the tile's tokens
-its N side (BT >= 16), which suits both a decode tile of a few tokens and a prefill tile of 128.
+virtual expert E in FP8, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no
+host sync). A "token tile" is up to BT sorted rows of one expert; expert e owns ⌈count_e/BT⌉ tiles,
+laid out expert after expert, and each program finds its expert from the counts itself (`_tile`),
+so the grid (`max_tiles` × weight tiles) depends on shapes only and tiles past the end exit at once.
+The per-tile products and the in-register dequantisation are kernels/moe_gemm.py's `w_xt`.
 
-* `_gateup_kernel`: per (token tile, BN columns of I): gate and up accumulators over K = D with
-  the weights dequantised in registers (kernels/fp4.py), clamped SwiGLU in the epilogue,
-  h [A, I] bf16 in sorted row order.
+* `_gateup_kernel`: per (token tile, BN columns of I): gate and up accumulators over K = D,
+  clamped SwiGLU in the epilogue → h [A, I] bf16 in sorted row order.
 * `_down_kernel`: per (token tile, BN columns of D): h · w2ᵀ times the routing weight, written to
   its (token, slot) row of y [T, k(+1), D]. With FUSE_COMBINE (the decode path, kernels/moe_fused.py)
   each program then counts arrivals per (token, column tile) and the program that brings the
   count to k(+1) sums that token's rows in slot order (deterministic) into `out`.
 
-`grouped_moe` (prefill sizes, and the fallback of the fused path) runs the two kernels and sums y
-in torch: 2 kernels + the sort + the sum.
+`grouped_moe` (prefill sizes, and the fallback of the fused path) runs the two kernels with
+prefill tiles and sums y in torch: the sort, 2 kernels, the sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from model.kernels.fp4 import (FP8_BLOCK_C, check_fp4_block, check_fp8_block, fp4_to_bf16, fp8_rows_to_bf16)
+from model.kernels.fp4 import FP8_BLOCK, check_fp4_block, check_fp8_block
+from model.kernels.moe_gemm import w_xt
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -64,9 +63,9 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, to
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D], in y.dtype."""
-    out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-    return out if shared is None else out + shared
+    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D]: fp32 sums, y.dtype out."""
+    out = (y.float() * weights.float().unsqueeze(-1)).sum(1)
+    return (out if shared is None else out + shared.float()).to(y.dtype)
 
 
 def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
@@ -84,13 +83,15 @@ def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel's tile sizes: BT tokens × BN weight rows, BK along K; Triton launch options."""
+    """One kernel's tile sizes: BT tokens × BN weight rows, BK along K; Triton launch options.
+    `swap_ab`: weight rows on the MMA's M side (decode), else tokens (prefill)."""
 
     BT: int
     BN: int
     BK: int
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
@@ -144,17 +145,35 @@ def check_tiles(t: Tiles, n: int, k: int, fmt: str, what: str) -> None:
     (check_fp4_block if fmt == "fp4" else check_fp8_block)(t.BK)
 
 
-def run_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
-                shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles,
-                fuse_combine: bool, scaled_dot: bool = False) -> torch.Tensor:
-    """Both kernels; returns out [T, D] in x.dtype (summed here unless `fuse_combine`)."""
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: `kernel[grid](*args, **meta)` (meta: constexprs and launch options)."""
+
+    kernel: Any
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.meta)
+
+
+def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+                 shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
+                 scaled_dot: bool = False, asm: bool | None = None
+                 ) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
+    """Sort the assignments and allocate the outputs; → (the two launches, what returns out [T, D]
+    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots).
+    `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it)."""
     check_inputs(x, weights, ids, experts, shared)
     T, k = ids.shape
     D, I, E = experts.dim, experts.inter, experts.n_experts
-    check_tiles(gateup, I, D, experts.fmt, "gate/up tiles")
-    check_tiles(down, D, I, experts.fmt, "down tiles")
+    for t, n, kk, what in ((gateup, I, D, "gate/up tiles"), (down, D, I, "down tiles")):
+        check_tiles(t, n, kk, experts.fmt, what)
+        if shared is not None:  # the shared expert (FP8) runs in the same programs
+            check_fp8_block(t.BK)
     if T == 0:
-        return x.new_zeros(0, D)
+        return [], lambda: x.new_zeros(0, D)
     has_shared = shared is not None
     kp1 = k + has_shared
     A = T * kp1
@@ -172,23 +191,33 @@ def run_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         y = torch.empty(T * kp1, D, dtype=x.dtype, device=x.device)
         out = cnt = y
     common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
-                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, D=D, I=I)
-    grid = (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN)
-    _gateup_kernel[grid](
-        x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
-        T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0),
-        ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
-        BT=gateup.BT, BN=gateup.BN, BK=gateup.BK, num_warps=gateup.num_warps, num_stages=gateup.num_stages,
-        **common)
-    grid = (max_tiles(A, E + has_shared, down.BT), D // down.BN)
-    _down_kernel[grid](
-        h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
-        T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0),
-        FUSE_COMBINE=fuse_combine, BT=down.BT, BN=down.BN, BK=down.BK,
-        num_warps=down.num_warps, num_stages=down.num_stages, **common)
+                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I)
+    launches = [
+        Launch(_gateup_kernel, (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN),
+               (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
+                T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
+               dict(ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
+                    **_tile_meta(gateup), **common)),
+        Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN),
+               (h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
+                T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
+               dict(FUSE_COMBINE=fuse_combine, **_tile_meta(down), **common)),
+    ]
     if fuse_combine:
-        return out
-    return y.view(T, kp1, D).sum(1, dtype=torch.float32).to(x.dtype)
+        return launches, lambda: out
+    return launches, lambda: y.view(T, kp1, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _tile_meta(t: Tiles) -> dict:
+    return dict(SWAP=t.swap_ab, BT=t.BT, BN=t.BN, BK=t.BK, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def run_kernels(*args, **kwargs) -> torch.Tensor:
+    """`plan_kernels`, launched: out [T, D] in x.dtype."""
+    launches, result = plan_kernels(*args, **kwargs)
+    for launch in launches:
+        launch()
+    return result()
 
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
@@ -214,6 +243,9 @@ def fit(t: Tiles, n: int, k: int) -> Tiles:
 # kernels
 # ---------------------------------------------------------------------------------------
 
+# kernels may only read constexpr globals
+B8 = tl.constexpr(FP8_BLOCK)
+
 @triton.jit
 def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
     """Token tile `pid` → (expert, its first sorted row, the expert's end row); first >= end past the last."""
@@ -230,55 +262,11 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(acc, w_ptr, s_ptr, rows, srows, k0, xt, x_even, x_odd, w_stride, s_stride,
-              FP4: tl.constexpr, SCALED_DOT: tl.constexpr, BK: tl.constexpr):
-    """acc [BN, BT] += W[rows, k0:k0+BK] · xtᵀ; W FP4 (scales per row and 32 K) or FP8 (scale rows `srows`)."""
-    if FP4:
-        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
-        s = tl.load(s_ptr + rows[:, None] * s_stride + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
-        if SCALED_DOT:
-            acc = tl.dot_scaled(w, s, "e2m1", tl.trans(xt), None, "bf16", acc)
-        else:
-            w_even, w_odd = fp4_to_bf16(w, s)
-            acc = tl.dot(w_even, tl.trans(x_even), acc)
-            acc = tl.dot(w_odd, tl.trans(x_odd), acc)
-    else:
-        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 + tl.arange(0, BK))[None, :])
-        s = tl.load(s_ptr + srows * s_stride + k0 // 128)
-        acc = tl.dot(fp8_rows_to_bf16(w, s), tl.trans(xt), acc)
-    return acc
-
-
-@triton.jit
-def _w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
-          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SCALED_DOT: tl.constexpr,
-          BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W; X rows `x_rows`
-    (stride K). Only the first when not TWO."""
-    w_stride: tl.constexpr = K // 2 if FP4 else K
-    s_stride: tl.constexpr = K // 32 if FP4 else (K + FP8_BLOCK_C - 1) // FP8_BLOCK_C
-    acc_a = tl.zeros([BN, BT], dtype=tl.float32)
-    acc_b = tl.zeros([BN, BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
-                     mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
-        x_even, x_odd = xt, xt
-        if FP4:
-            if not SCALED_DOT:
-                x_even, x_odd = tl.split(tl.reshape(xt, [BT, BK // 2, 2]))
-        acc_a = _mma_step(acc_a, w_ptr, s_ptr, rows_a, srows_a, k0, xt, x_even, x_odd, w_stride, s_stride,
-                          FP4, SCALED_DOT, BK)
-        if TWO:
-            acc_b = _mma_step(acc_b, w_ptr, s_ptr, rows_b, srows_b, k0, xt, x_even, x_odd, w_stride, s_stride,
-                              FP4, SCALED_DOT, BK)
-    return acc_a, acc_b
-
-
-@triton.jit
 def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                   FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SCALED_DOT: tl.constexpr, ZERO_CNT: tl.constexpr,
+                   FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
+                   ZERO_CNT: tl.constexpr,
                    CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -297,21 +285,21 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
     a = tl.load(perm_ptr + rows, mask=rmask, other=0)
     tok = tl.where(a < T * TOPK, a // TOPK, a - T * TOPK)
     n = pid_n * BN + tl.arange(0, BN)
-    up_blocks: tl.constexpr = (I + FP8_BLOCK_C - 1) // FP8_BLOCK_C  # FP8 scale rows of w1 before w3's
+    up_blocks: tl.constexpr = (I + B8 - 1) // B8  # FP8 scale rows of w1 before w3's
     is_shared = False  # stays a compile-time False without a shared expert: one branch compiled
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        g, u = _w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // FP8_BLOCK_C, n + I, up_blocks + n // FP8_BLOCK_C,
-                     D, False, True, False, BN, BT, BK)
+        g, u = w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
+                     D, False, True, SWAP, False, ASM, BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SCALED_DOT, BN, BT, BK)
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK)
         else:
-            g, u = _w_xt(x_ptr, tok, rmask, w, s, n, n // FP8_BLOCK_C, n + I, up_blocks + n // FP8_BLOCK_C,
-                         D, False, True, False, BN, BT, BK)
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
+                         D, False, True, SWAP, False, ASM, BN, BT, BK)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -323,7 +311,8 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
 def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, y_ptr, out_ptr, cnt_ptr,
                  T, n_cnt, stride_we, stride_se,
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SCALED_DOT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
+                 FUSE_COMBINE: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -343,15 +332,15 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        acc, _ = _w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // FP8_BLOCK_C, d, d, I, False, False, False,
+        acc, _ = w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, False, ASM,
                        BN, BT, BK)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SCALED_DOT, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK)
         else:
-            acc, _ = _w_xt(h_ptr, rows, rmask, w, s, d, d // FP8_BLOCK_C, d, d, I, False, False, False, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
     y = acc * wgt[None, :]
     y_ptrs = y_ptr + slot[None, :] * D + d[:, None]
     if FUSE_COMBINE:

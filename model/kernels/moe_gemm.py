@@ -1,0 +1,108 @@
+"""One expert tile's matrix product W · Xᵀ with the weights dequantised in registers (FP4 or FP8).
+
+`w_xt` runs the K loop for one expert and up to two weight-row sets (gate and up rows share the
+activation tile), for the kernels of kernels/moe_grouped.py. Two orientations:
+
+* SWAP (decode): weight rows are the MMA's M side (64 per warpgroup) and the BT >= 16 tokens its
+  N side, so a tile of a few tokens still runs wgmma with the weights as the register operand;
+  the activations are permuted into `fp4.mma_order` so each thread's fragment is one 32-bit word.
+* not SWAP (prefill): tokens are the M side; activation tiles go from global to shared memory to
+  the tensor cores untouched, and the dequantised weight tile is written to shared memory as the
+  B operand, its cost shared by BT (128) tokens.
+
+Scale bytes are fetched one K step ahead (`_scales`): they are too small for the pipeliner's
+asynchronous copies, and a global load consumed in its own step stalls the warp.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from model.kernels.fp4 import FP8_BLOCK, fp4_to_bf16, fp8_to_bf16, mma_order, mma_order_pairs
+
+B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
+
+
+@triton.jit
+def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, BK: tl.constexpr):
+    """The scale bytes a K step at k0 needs: FP4 [BN, BK/32] (per row and 32 K), FP8 [BN] (per row's block)."""
+    if FP4:
+        s = tl.load(s_ptr + rows[:, None] * s_stride + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+    else:
+        s = tl.load(s_ptr + srows * s_stride + k0 // 128)
+    return s
+
+
+@triton.jit
+def _mma_step(acc, w_ptr, s, rows, k0, xt, x_even, x_odd, w_stride,
+              FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
+              BK: tl.constexpr):
+    """One K step of acc += W[rows, k0:k0+BK] · xᵀ with W's scales `s` (`_scales`). SWAP: acc
+    [BN, BT], x in `mma_order` (x_even/x_odd for FP4, xt for FP8); else acc [BT, BN], xt natural."""
+    if FP4:
+        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+        if SCALED_DOT:
+            if SWAP:
+                acc = tl.dot_scaled(w, s, "e2m1", tl.trans(xt), None, "bf16", acc)
+            else:
+                acc = tl.dot_scaled(xt, None, "bf16", tl.trans(w), s, "e2m1", acc)
+        elif SWAP:
+            w_even, w_odd = fp4_to_bf16(mma_order(w), s, ASM)
+            acc = tl.dot(w_even, tl.trans(x_even), acc)
+            acc = tl.dot(w_odd, tl.trans(x_odd), acc)
+        else:
+            w_even, w_odd = fp4_to_bf16(w, s, ASM)
+            wt = tl.reshape(tl.join(w_even, w_odd), [w.shape[0], BK])
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    else:
+        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 + tl.arange(0, BK))[None, :])
+        if SWAP:
+            acc = tl.dot(fp8_to_bf16(mma_order(w), s, ASM), tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(fp8_to_bf16(w, s, ASM)), acc)
+    return acc
+
+
+@triton.jit
+def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
+          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
+          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
+    `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask).
+    Only the first product when not TWO."""
+    w_stride: tl.constexpr = K // 2 if FP4 else K
+    s_stride: tl.constexpr = K // 32 if FP4 else (K + B8 - 1) // B8
+    if SWAP:
+        acc_a = tl.zeros([BN, BT], dtype=tl.float32)
+        acc_b = tl.zeros([BN, BT], dtype=tl.float32)
+    else:
+        acc_a = tl.zeros([BT, BN], dtype=tl.float32)
+        acc_b = tl.zeros([BT, BN], dtype=tl.float32)
+    sa = _scales(s_ptr, rows_a, srows_a, 0, s_stride, FP4, BK)
+    sb = sa
+    if TWO:
+        sb = _scales(s_ptr, rows_b, srows_b, 0, s_stride, FP4, BK)
+    for k0 in range(0, K, BK):
+        k_next = tl.minimum(k0 + BK, K - BK)
+        sa_next = _scales(s_ptr, rows_a, srows_a, k_next, s_stride, FP4, BK)
+        sb_next = sa_next
+        if TWO:
+            sb_next = _scales(s_ptr, rows_b, srows_b, k_next, s_stride, FP4, BK)
+        xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
+                     mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
+        x_even, x_odd = xt, xt
+        if SWAP:
+            if FP4:
+                if not SCALED_DOT:
+                    x_even, x_odd = mma_order_pairs(xt)
+            else:
+                xt = mma_order(xt)
+        acc_a = _mma_step(acc_a, w_ptr, sa, rows_a, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+        if TWO:
+            acc_b = _mma_step(acc_b, w_ptr, sb, rows_b, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT,
+                              ASM, BK)
+        sa, sb = sa_next, sb_next
+    if not SWAP:
+        acc_a, acc_b = tl.trans(acc_a), tl.trans(acc_b)
+    return acc_a, acc_b

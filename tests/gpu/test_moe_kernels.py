@@ -1,0 +1,117 @@
+"""MoE Triton paths on the GPU at V4-Flash shapes (hidden 4096, 256 experts top-6, intermediate 2048,
+FP4 routed experts, FP8 shared expert), against the torch reference on the same packed weights.
+
+Tolerances (relative Frobenius norm), as in tests/model/test_moe_kernels.py: 1e-4 against `emulate`
+(the reference with the kernels' bf16 roundings of x and h) — on real shapes this checks the
+inline-PTX dequantisation bit for bit, since a wrong code or scale moves whole rows — and 1e-2
+against the fp32 reference. Scratch and outputs are poisoned (NaN) before every run. Also: the
+fused path is deterministic across runs and batch-invariant (a token's output does not depend on
+the other tokens of the batch: the combine sums slots in a fixed order), and a whole MoE layer
+(gate, sort, kernels) replays correctly from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.moe_bench import build_layer, routed_inputs
+from model.kernels import moe_fused, moe_grouped
+from tests.model.test_moe_kernels import EMULATED_TOL, REFERENCE_TOL, emulate, poisoned, rel  # noqa: F401
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def flash_fp4():
+    moe = build_layer("fp4", seed=1)
+    yield moe
+    del moe
+    torch.cuda.empty_cache()
+
+
+def check(out, x, weights, ids, moe):
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    assert torch.isfinite(out).all(), "unwritten (poisoned) output elements"
+    emu_err, ref_err = rel(out, emulate(*args)), rel(out, moe_grouped.reference(*args))
+    assert emu_err < EMULATED_TOL and ref_err < REFERENCE_TOL, (emu_err, ref_err)
+
+
+def run(moe, path, x, weights, ids, **kw):
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    if path == "fused":
+        return moe_fused.fused_moe(*args, **kw)
+    return moe_grouped.grouped_moe(*args, "triton", **kw)
+
+
+@pytest.mark.parametrize("T", [1, 64, 256])
+@pytest.mark.parametrize("path", ["fused", "grouped"])
+def test_decode_sizes(poisoned, flash_fp4, path, T):
+    x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 11)
+    check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)
+
+
+def test_prefill_8k(poisoned, flash_fp4):
+    x, _, weights, ids = routed_inputs(flash_fp4, 8192, seed=5)
+    check(run(flash_fp4, "grouped", x, weights, ids), x, weights, ids, flash_fp4)
+
+
+def test_scaled_dot_variant(poisoned, flash_fp4):
+    """Triton's own tl.dot_scaled FP4 path (an alternative the benchmark may prefer)."""
+    x, _, weights, ids = routed_inputs(flash_fp4, 64, seed=6)
+    check(run(flash_fp4, "fused", x, weights, ids, scaled_dot=True), x, weights, ids, flash_fp4)
+    x, _, weights, ids = routed_inputs(flash_fp4, 1024, seed=7)
+    check(run(flash_fp4, "grouped", x, weights, ids, scaled_dot=True), x, weights, ids, flash_fp4)
+
+
+def test_fused_is_deterministic_and_batch_invariant(flash_fp4):
+    x, _, weights, ids = routed_inputs(flash_fp4, 64, seed=8)
+    first = run(flash_fp4, "fused", x, weights, ids)
+    for _ in range(20):  # a race in the arrival-counted combine would show as a changing result
+        assert torch.equal(run(flash_fp4, "fused", x, weights, ids), first)
+    for t in (0, 17, 63):
+        alone = run(flash_fp4, "fused", x[t:t + 1], weights[t:t + 1], ids[t:t + 1])
+        assert torch.equal(alone[0], first[t]), t
+
+
+def test_layer_replays_from_cuda_graph(flash_fp4):
+    """Gate, sort and both kernels captured once; replays on new inputs equal eager runs."""
+    x, tok, _, _ = routed_inputs(flash_fp4, 64, seed=9)
+    static_x, static_tok = x.clone(), tok.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_fp4(static_x, static_tok)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_fp4(static_x, static_tok)
+    for seed in (10, 12):
+        x, tok, _, _ = routed_inputs(flash_fp4, 64, seed=seed)
+        static_x.copy_(x)
+        static_tok.copy_(tok)
+        graph.replay()
+        assert torch.equal(static_out, flash_fp4(x, tok))
+
+
+@pytest.mark.parametrize("path, T", [("fused", 64), ("grouped", 2048)])
+def test_fp8_routed_experts(poisoned, path, T):
+    moe = build_layer("fp8", seed=2)
+    x, _, weights, ids = routed_inputs(moe, T, seed=T)
+    check(run(moe, path, x, weights, ids), x, weights, ids, moe)
+
+
+def test_model_layers_impl_triton_match_torch():
+    """The tiny model's MoE layers, packed, on the GPU: impl "triton" (fused and grouped by layer
+    kind) against impl "torch" on the same weights (small shapes: the mma.sync fallback)."""
+    from model.moe import MoE
+    from model.tiny import tiny_config
+
+    cfg = tiny_config()
+    for layer in range(cfg.num_hidden_layers + 1):  # hash layers, score layers, the MTP block
+        moe = MoE.random_packed(cfg, layer, impl="triton", device="cuda", seed=layer)
+        x = torch.randn(9, cfg.hidden_size, device="cuda").bfloat16()
+        tok = torch.randint(0, cfg.vocab_size, (9,), device="cuda")
+        got = moe(x, tok)
+        moe.impl = "torch"
+        assert rel(got, moe(x, tok)) < REFERENCE_TOL, layer
