@@ -43,6 +43,21 @@ def experts_hit(model, batch, pools) -> list[int]:
     return seen
 
 
+def profile(fn, label: str, out_dir: Path, rows: int = 18) -> None:
+    """CUDA time per kernel of one eager call (torch.profiler), printed and saved: where a step goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+    print(f"--- profile: {label}\n{table}", flush=True)
+    (out_dir / f"profile_{label.replace(' ', '_').replace('=', '')}.txt").write_text(table)
+
+
 def kv_reserve_bytes(num_layers_guess: int, batch: int, context: int) -> int:
     cfg_layers = max(1, num_layers_guess)
     per_token_layer = 584 / 4 + 132 / 4 + 584 / 128  # C4 + indexer + C128, averaged over kinds below
@@ -96,6 +111,8 @@ def main() -> None:
             hit = experts_hit(model, fb, pools)
             graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
             t = bench(lambda: graph.run(fb), warmup=3, reps=20)
+            if context == args.contexts[0] and batch in (1, 64):
+                profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
             need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
             total = sum(sum(d.values()) for d in need)
             row = {"batch": batch, "context": context, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n,
@@ -122,6 +139,7 @@ def main() -> None:
         pools.release(seq)
 
     t = bench(run_prefill, warmup=1, reps=3)
+    profile(run_prefill, f"prefill T={T}", Path(args.out).parent)
     result["prefill"] = {"tokens": T, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n, "flops": flops,
                          "TFLOPs": flops / t / 1e12, "fraction_of_matmul": flops / t / rate}
     print(f"prefill T={T}: {t * 1e3:.1f} ms ({t * 1e3 / n:.2f}/layer), {flops / t / 1e12:.0f} TFLOP/s "
