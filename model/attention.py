@@ -28,7 +28,7 @@ from torch import nn
 
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import compressor, indexer, sparse_attention
+from model.kernels import compressor, indexer, rmsnorm, sparse_attention
 from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.quantized import Fp8Linear
@@ -36,14 +36,13 @@ from model.rope import Rope
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, impl: str = "torch"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.impl = eps, impl
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (self.weight.float() * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rmsnorm.rms_norm(x, self.weight, self.eps, self.impl)
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:

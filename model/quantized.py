@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from model import quant
-from model.kernels import check_impl, fp8_gemm
+from model.kernels import check_impl, fp8_gemm, set_impl
 
 FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "e_proj", "h_proj")
 
@@ -65,14 +65,6 @@ class Fp8Linear(nn.Module):
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
         return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, groups=x.shape[1])
-
-
-def set_impl(model: nn.Module, impl: str) -> None:
-    """Point every module that dispatches to kernels at `impl` ("torch" or "triton")."""
-    check_impl(impl)
-    for module in model.modules():
-        if hasattr(module, "impl"):
-            module.impl = impl
 
 
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",

@@ -18,7 +18,7 @@ from torch import nn
 from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import mhc
+from model.kernels import mhc, set_impl
 from model.kv_pool import KVPools
 from model.moe import MoE
 
@@ -89,6 +89,7 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
+        set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = False,

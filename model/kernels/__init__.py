@@ -19,3 +19,11 @@ def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"kernel impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def set_impl(model, impl: str) -> None:
+    """Point every module of `model` that dispatches to kernels (has an `impl`) at `impl`."""
+    check_impl(impl)
+    for module in model.modules():
+        if hasattr(module, "impl"):
+            module.impl = impl

@@ -10,8 +10,9 @@ Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N r
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
 
 Scales are applied per output column of each 128-wide K step (acc += dot(x, qᵀ) · s[n]), so tiles
-never need to align with the 128-row scale blocks. Small M (decode) splits K over programs and
-reduces with fp32 atomics so that a few output tiles still fill the GPU.
+never need to align with the 128-row scale blocks. Small M (decode) splits K over programs (fp32
+partials summed in a fixed order: deterministic) so that a few output tiles still fill the GPU;
+prefill-size M dequantises once and uses cuBLAS (`KERNEL_MAX_M`).
 """
 
 from __future__ import annotations
@@ -60,17 +61,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     cfg = _config(M, N, K, groups)
     out_dtype = x.dtype
     split = cfg["SPLIT_K"]
-    y = torch.zeros if split > 1 else torch.empty
-    out = y((M, groups, N), device=x.device, dtype=torch.float32 if split > 1 else out_dtype)
+    # split K: each split writes its own fp32 partial, summed after in a fixed order (deterministic,
+    # unlike atomics)
+    out = torch.empty((split, M, groups, N) if split > 1 else (M, groups, N), device=x.device,
+                      dtype=torch.float32 if split > 1 else out_dtype)
     if M:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), groups, split)
         _fp8_gemm_kernel[grid](
             x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out,
             M, N, K,
-            x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(-3), out.stride(-2),
+            out.stride(0) if split > 1 else 0,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, SPLIT_K=split,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    out = out.to(out_dtype)
+    out = (out.sum(0) if split > 1 else out).to(out_dtype)
     return out.view(*lead, N) if lead is not None else out
 
 
@@ -93,7 +97,7 @@ def _config(M: int, N: int, K: int, groups: int) -> dict:
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg,
+                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_ysplit,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -118,9 +122,5 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
         s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    y_ptrs = y_ptr + split * stride_ysplit + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

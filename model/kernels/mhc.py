@@ -10,10 +10,13 @@ x [T, hc, D]. Around each sub-block:
 The mixes GEMM runs on the tensor cores with fn split into bf16 hi + lo parts (the streams are
 bf16 on the GPU, exact there), which keeps fp32-level accuracy at bf16 speed.
 
-Kernels: `_pre_kernel` does everything of `hc_pre` for a block of tokens in one launch (the
-skinny mixes GEMM on the tensor cores, the RMS factor, sigmoid/softmax, all Sinkhorn
-iterations in registers, then the weighted collapse), where the reference takes ~50 small torch
-ops; `_post_kernel` fuses the mixing of `hc_post`, rounding where the reference rounds.
+Kernels: `hc_pre` is two launches where the reference takes ~50 small torch ops. `_mix_kernel`
+does the skinny mixes GEMM on the tensor cores with Σx² for the RMS factor, its K split over
+programs when there are few tokens (decode: one block of tokens would otherwise run the whole
+16K-long dot alone); the partial sums are added in a fixed order, so results are deterministic.
+`_pre_kernel` takes the mixes to pre/post, runs every Sinkhorn iteration in registers and writes
+the weighted collapse. `_post_kernel` fuses the mixing of `hc_post`, rounding where the
+reference rounds.
 """
 
 from __future__ import annotations
@@ -104,11 +107,19 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
     if T:
         if hc * hc != 16:
             raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
-        bt = 16 if T <= 2048 else 32
-        _pre_kernel[(triton.cdiv(T, bt),)](
-            x, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
-            T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, BK=128, NP=16, BD=min(256, triton.next_power_of_2(D)),
-            HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=4)
+        bt, bk = (16 if T <= 2048 else 32), 128
+        blocks, k_steps = triton.cdiv(T, bt), triton.cdiv(hc * D, bk)
+        split = 1  # decode: spread K over programs until ~2 waves of the GPU
+        while blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
+            split *= 2
+        partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=x.device)  # mixes | Σx²
+        _mix_kernel[(blocks, split)](x, fn.float().contiguous(), partial, T, D, HC=hc, BT=bt, BK=bk, NP=16, SPLIT=split,
+                                     HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=4)
+        mixes = partial.sum(0) if split > 1 else partial[0]  # fixed order: deterministic
+        _pre_kernel[(blocks,)](
+            x, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
+            T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, NP=16, BD=min(256, triton.next_power_of_2(D)),
+            HEAD=head, num_warps=4)
     return collapsed, post, comb
 
 
@@ -141,18 +152,19 @@ def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, 
 
 
 @triton.jit
-def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps,
-                HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
-                HEAD: tl.constexpr, X_FP32: tl.constexpr):
+def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                NP: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr, X_FP32: tl.constexpr):
+    """Partial mixes x · fnᵀ (three row groups of fn, each padded to NP) and Σ x² over this
+    program's share of K (steps split, split + SPLIT, ...) → out[split, t] = [pre | post | comb | Σx²]."""
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    split = tl.program_id(1)
     tmask = tok < T
     K = HC * D
-    # 1. mixes = x · fnᵀ (three row groups of fn, padded to NP) and Σ x² for the RMS factor
     a_pre = tl.zeros((BT, NP), tl.float32)
     a_post = tl.zeros((BT, NP), tl.float32)
     a_comb = tl.zeros((BT, NP), tl.float32)
     sq = tl.zeros((BT,), tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(split * BK, K, SPLIT * BK):
         offs_k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :],
                     mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0)
@@ -163,6 +175,28 @@ def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
         if not HEAD:
             a_post = _fn_dot(a_post, x_hi, x_lo, fn_ptr, HC, HC, offs_k, K, NP, X_FP32)
             a_comb = _fn_dot(a_comb, x_hi, x_lo, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP, X_FP32)
+    cols = tl.arange(0, NP)
+    row = out_ptr + (split * T + tok)[:, None].to(tl.int64) * (3 * NP + 1)
+    m = tmask[:, None]
+    tl.store(row + cols[None, :], a_pre, mask=m)
+    tl.store(row + NP + cols[None, :], a_post, mask=m)
+    tl.store(row + 2 * NP + cols[None, :], a_comb, mask=m)
+    tl.store(row + 3 * NP + cols[None, :] * 0, sq[:, None], mask=m & (cols == 0)[None, :])
+
+
+@triton.jit
+def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps,
+                HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr):
+    """From the mixes: pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ."""
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = tok < T
+    K = HC * D
+    cols = tl.arange(0, NP)
+    row = mix_ptr + tok[:, None].to(tl.int64) * (3 * NP + 1)
+    a_pre = tl.load(row + cols[None, :], mask=tmask[:, None], other=0.0)
+    a_post = tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
+    a_comb = tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
+    sq = tl.load(mix_ptr + tok.to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
     r = tl.rsqrt(sq / K + rms_eps)[:, None]
     cols = tl.arange(0, NP)
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
@@ -171,7 +205,7 @@ def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
         post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
                                                                               other=0.0))
         tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
-        # 2. comb: softmax over each row i of the hc×hc matrix, then Sinkhorn-Knopp
+        # comb: softmax over each row i of the hc×hc matrix, then Sinkhorn-Knopp
         logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
         c = tl.reshape(logit, (BT, HC, NP // HC))  # NP == HC·HC: [t, i, j]
         c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
@@ -181,7 +215,7 @@ def _pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
             c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
             c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], tl.reshape(c, (BT, NP)), mask=tmask[:, None])
-    # 3. collapsed = Σᵢ preᵢ · xᵢ
+    # collapsed = Σᵢ preᵢ · xᵢ
     streams = tl.arange(0, HC)
     pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
     for d0 in range(0, D, BD):

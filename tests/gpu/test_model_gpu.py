@@ -12,7 +12,8 @@ from model.batch import ForwardBatch
 from model.checkpoint import load_checkpoint
 from model.cuda_graph import DecodeGraph
 from model.kv_pool import KVPools, SeqKV
-from model.quantized import quantize_model, set_impl
+from model.kernels import set_impl
+from model.quantized import quantize_model
 from tests.model.kernel_cases import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -55,3 +55,4 @@ def test_hc_head_matches_reference():
     ref = mhc.hc_head(x, fn, base, scale, 1e-6, 1e-6, impl="torch")
     got = mhc.hc_head(x, fn, base, scale, 1e-6, 1e-6, impl="triton")
     assert rel_err(got, ref) < 5e-3
+

@@ -11,7 +11,7 @@ import torch
 
 from model.batch import ForwardBatch
 from model.kv_pool import KVPools, SeqKV
-from model.quantized import set_impl
+from model.kernels import set_impl
 from model.tiny import random_weights, tiny_config
 from model.checkpoint import expected_shapes
 from model.transformer import Transformer
