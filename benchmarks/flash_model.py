@@ -101,19 +101,23 @@ def layers_that_fit(free_bytes: int, reserve_bytes: int, first_layer: int = 0) -
 
 
 def decode_pools(cfg: ModelConfig, num_layers: int, batch: int, context: int, device: str = "cuda",
-                 fmt: str = "fp8_pack") -> tuple[KVPools, list[SeqKV]]:
+                 fmt: str = "fp8_pack", steps: int = 1) -> tuple[KVPools, list[SeqKV]]:
     """Pools of the first `num_layers` layers for `batch` requests each holding `context` tokens
-    (random valid entries), sized for one more token, plus room for one more such request (a
+    (random valid entries), sized for `steps` more tokens, plus room for one more such request (a
     CUDA graph's scratch row); SWA keeps only the live window."""
     sub = dataclasses.replace(cfg, num_hidden_layers=num_layers, compress_ratios=cfg.compress_ratios[:num_layers])
-    need = KVPools(sub, fmt, max_tokens=context + 1, max_seqs=1, device="meta").resume_page_counts(context + 1)
-    pools = KVPools(sub, fmt, max_tokens=context + 1, max_seqs=batch + 1, device=device,
-                    swa_pages=batch * need["swa"] + -(-(context + 1) // 256))  # the scratch is not trimmed
+    total = context + steps
+    probe = KVPools(sub, fmt, max_tokens=total, max_seqs=1, device="meta")
+    if probe.first_live_swa_page(total) != probe.first_live_swa_page(context + 1):
+        raise ValueError(f"context {context} + {steps} steps crosses an SWA page the window still needs")
+    need = probe.resume_page_counts(total)
+    pools = KVPools(sub, fmt, max_tokens=total, max_seqs=batch + 1, device=device,
+                    swa_pages=batch * need["swa"] + -(-(total + 1) // 256))  # the scratch is not trimmed
     _tile_random(pools)
     seqs = []
     for _ in range(batch):
         pages = {k: pools.alloc(k, n) for k, n in need.items()}
-        seq = pools.adopt(context + 1, pages)
+        seq = pools.adopt(total, pages)
         seq.num_tokens = context
         seqs.append(seq)
     return pools, seqs

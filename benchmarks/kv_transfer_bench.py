@@ -19,6 +19,8 @@ choice, CUDA IPC peer copies on one host), "ucx" (an agent built with cuda_ipc=F
 through NIXL/UCX), or "both" (two sender agents in this process, timed alternately against the
 same copy baseline). The path a write actually took is reported per row. Reported per size:
     kvtransfer write: send() of every pool (runs coalesced) until all writes landed, wall clock
+    gpu:              the same writes' GPU time (CUDA events around the copy kernel; IPC path),
+                      the like-for-like comparison with the copy's GPU time
     torch copy:       one device-to-device copy_ of the same number of bytes, CUDA events
                       (CPU: a memcpy of the same bytes in one process, as a reference)
 and for the first size, the whole hand-off as the receiver sees it: reserve -> target to the
@@ -179,6 +181,7 @@ def instrument(agent: Agent) -> dict:
 def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
                  per_layer: bool, acc: dict) -> dict:
     """Reserve on the receiver, write everything, finish, wait for the ack. Seconds per phase."""
+    gpu0 = sender.agent.ipc_stats().get("gpu_write_s", 0.0)
     conn.send(("reserve", (rid, counts)))
     target = decode_target(conn.recv())
     acc.update(notify=0.0, write=0.0)
@@ -213,7 +216,8 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
     handoff_s, kind = conn.recv()
     if kind != "ready" or released != "acked":
         raise RuntimeError(f"{rid}: receiver {kind}, sender {released}")
-    return {"write_s": t1 - t0, "send_call_s": t_sent - t0, "begin_notify_s": notify_s,
+    gpu_s = sender.agent.ipc_stats().get("gpu_write_s", 0.0) - gpu0
+    return {"write_s": t1 - t0, "gpu_write_s": gpu_s, "send_call_s": t_sent - t0, "begin_notify_s": notify_s,
             "post_s": post_s, "finish_call_s": t_fin - t1,
             "finish_to_ack_s": t2 - t1, "handoff_s": handoff_s,
             "descriptors": descriptors, "nbytes": nbytes}
@@ -258,7 +262,7 @@ def main() -> None:
     for path in (("ipc", "ucx") if args.path == "both" else (args.path,)):
         name = "bench-send" if path == "ipc" else "bench-send-ucx"
         agent = Agent(name, make_pools(layout, src_dev), progress_thread=progress,
-                      cuda_ipc=path == "ipc")
+                      cuda_ipc=path == "ipc", time_ipc_writes=path == "ipc")
         sender = Sender(agent, layout)
         sender.handshake("bench-recv", recv_md, layout)
         conn.send(("peer", (name, agent.metadata())))
@@ -312,6 +316,9 @@ def main() -> None:
                 "write_s_min": min(r["write_s"] for r in rs),
                 "torch_copy_s_median": copy_s, "torch_copy_GBps": nbytes / copy_s / 1e9,
                 "write_vs_copy": copy_s / write_s,
+                "gpu_write_s_median": statistics.median(r["gpu_write_s"] for r in rs),
+                "gpu_write_vs_copy": (copy_s / statistics.median(r["gpu_write_s"] for r in rs)
+                                      if rs[0]["gpu_write_s"] else None),
                 "handoff_s_median": statistics.median(handoffs),
                 "handoff_s_p90": handoffs[min(len(rs) - 1, int(0.9 * len(rs)))],
                 "send_call_s_median": statistics.median(r["send_call_s"] for r in rs),
@@ -328,7 +335,8 @@ def main() -> None:
     proc.join(10)
 
     hdr = (f"{'tokens':>7} {'mode':>11} {'path':>8} {'MB':>8} {'descs':>6} {'write ms':>9} "
-           f"{'GB/s':>7} {'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'hand-off ms':>11}")
+           f"{'GB/s':>7} {'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'gpu ms':>7} {'gpu ratio':>9} "
+           f"{'hand-off ms':>11}")
     print(f"kvtransfer {src_dev} -> {dst_dev}  (median of {args.repeats}, {args.warmup} warm-up;"
           f" path = the transport writes took, ucx-only = forced by --path ucx)")
     print(hdr)
@@ -337,7 +345,8 @@ def main() -> None:
         print(f"{r['tokens']:>7} {r['mode']:>11} {r['label']:>8} {r['bytes'] / 1e6:>8.1f} "
               f"{r['descriptors']:>6} {r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
               f"{r['torch_copy_s_median'] * 1e3:>8.3f} {r['torch_copy_GBps']:>7.1f} "
-              f"{r['write_vs_copy']:>6.2f} {r['handoff_s_median'] * 1e3:>11.2f}")
+              f"{r['write_vs_copy']:>6.2f} {r['gpu_write_s_median'] * 1e3:>7.3f} "
+              f"{(r['gpu_write_vs_copy'] or float('nan')):>9.2f} {r['handoff_s_median'] * 1e3:>11.2f}")
     print("phases (ms): send() call (of it: Begin notify, posting the write) | writes landed | "
           "finish() (sender checksums) | finish -> ack (notify, receiver verify, ack)")
     for r in results["sizes"]:

@@ -79,10 +79,11 @@ class Agent:
         host-memory WRITE stalls while the receiving process does not progress.
     cuda_ipc: with CUDA pools, offer this agent's pools to same-host peers through CUDA IPC
         handles and write to such peers by peer copies; False: every byte goes through UCX.
+    time_ipc_writes: record the GPU time of CUDA IPC writes (`ipc_stats()["gpu_write_s"]`).
     """
 
     def __init__(self, name: str, pools: Mapping[str, torch.Tensor], *, num_threads: int = 0,
-                 progress_thread: bool = True, cuda_ipc: bool = True):
+                 progress_thread: bool = True, cuda_ipc: bool = True, time_ipc_writes: bool = False):
         from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
 
         if not name or "#" in name:
@@ -104,7 +105,7 @@ class Agent:
                                 nixl_agent_config(enable_prog_thread=progress_thread,
                                                   backends=["UCX"], num_threads=num_threads))
         self._regs = [self._nixl.register_memory(t) for t in self.pools.values() if t.numel()]
-        self._ipc = (CudaIpcPath(device, self.pools)
+        self._ipc = (CudaIpcPath(device, self.pools, timing=time_ipc_writes)
                      if cuda_ipc and device.type == "cuda" and self.pools else None)
         self.host = self._ipc.host if self._ipc is not None else host_id()
         self.writes_by_path = {"cuda_ipc": 0, "ucx": 0}
@@ -176,12 +177,12 @@ class Agent:
         return "cuda_ipc" if ok else "ucx"
 
     def ipc_stats(self) -> dict:
-        """Counters of the CUDA IPC path (maps, unmaps, map_failures, writes) and the mode of
-        each mapped peer; empty when the path is off."""
+        """Counters of the CUDA IPC path (maps, unmaps, map_failures, writes, gpu_write_s: GPU
+        seconds of timed writes) and the mode of each mapped peer; empty when the path is off."""
         if self._ipc is None:
             return {}
-        return dict(self._ipc.stats, modes={n: self._ipc.peer_mode(n) for n in self._peers
-                                            if self._ipc.peer_mode(n)})
+        return dict(self._ipc.stats, gpu_write_s=self._ipc.gpu_seconds(),
+                    modes={n: self._ipc.peer_mode(n) for n in self._peers if self._ipc.peer_mode(n)})
 
     # --- writes
 

@@ -1,10 +1,11 @@
 """Same-host data path: CUDA IPC peer copies instead of a UCX rendezvous.
 
 When both workers' pools are CUDA tensors on one host, the writing agent maps the peer's pool
-buffers into its own process once per peer incarnation (epoch) and moves every coalesced span
-with one device-to-device copy on a dedicated stream of its own device; the handle of a write is
-a CUDA event recorded after the copies, and the write is DONE when the event has fired (the copy
-engine has finished, so the bytes are in the peer's memory). Notifications, checksums, leases and
+buffers into its own process once per peer incarnation (epoch) and moves all the coalesced spans
+of a write with one copy kernel (`span_copy`: the SMs store straight into the peer's memory over
+NVLink) on a dedicated stream of its own device; the handle of a write is a CUDA event recorded
+after the kernel, and the write is DONE when the event has fired (every byte is in the peer's
+memory). Peers mapped in their own GPU's context take one `copy_` per span instead. Notifications, checksums, leases and
 epochs stay on NIXL exactly as for UCX writes; only the bytes take this path.
 
 - Export: metadata() carries, per CUDA pool, base64(pickle(torch's reduce_tensor(pool))), which
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .regions import Span
+from .span_copy import copy_spans
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +116,6 @@ def live_imports() -> int:
                if isinstance(k, tuple) and not ref.expired())
 
 
-def copy_spans(local: Mapping[str, torch.Tensor], remote: Mapping[str, torch.Tensor],
-               spans: Sequence[tuple[str, Span]]) -> None:
-    """remote[kind][dst:dst+n] <- local[kind][src:src+n] per span (flat uint8 tensors), one copy
-    per coalesced run, on the current stream."""
-    for kind, s in spans:
-        remote[kind][s.dst_offset:s.dst_offset + s.nbytes].copy_(
-            local[kind][s.src_offset:s.src_offset + s.nbytes], non_blocking=True)
-
-
 @dataclass
 class PeerMapping:
     """One peer incarnation's pools mapped here. mode: 'local' (opened in this process's device
@@ -138,7 +131,7 @@ class PeerMapping:
 class CudaIpcPath:
     """The IPC data path of one Agent whose pools live on CUDA device `device`."""
 
-    def __init__(self, device: torch.device, pools: Mapping[str, torch.Tensor]):
+    def __init__(self, device: torch.device, pools: Mapping[str, torch.Tensor], timing: bool = False):
         self.device = torch.device("cuda", device.index if device.index is not None
                                    else torch.cuda.current_device())
         self.host = host_id()
@@ -149,6 +142,11 @@ class CudaIpcPath:
         self._failed: dict[str, str] = {}          # peer name -> epoch whose mapping failed
         self._export: dict[str, str] | None = None
         self.stats = {"maps": 0, "unmaps": 0, "map_failures": 0, "writes": 0}
+        # timing: each write also records a start event; the GPU seconds of the copies are then
+        # added up in `gpu_seconds()` (benchmarks; events with timing cost a little)
+        self.timing = timing
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._gpu_s = 0.0
 
     def export(self) -> dict[str, str]:
         if self._export is None:      # once: every reduce_tensor call takes a ref-counter slot
@@ -215,11 +213,26 @@ class CudaIpcPath:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            copy_spans(self.local, m.tensors, spans)
-            ev = torch.cuda.Event()
+            start = None
+            if self.timing:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            copy_spans(self.local, m.tensors, spans, impl="triton" if m.mode == "local" else "torch")
+            ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(stream)
+        if start is not None:
+            self._timed.append((start, ev))
         self.stats["writes"] += 1
         return ev
+
+    def gpu_seconds(self) -> float:
+        """GPU time of the timed writes so far (from the first copy's start to the last's end
+        of each write); waits for writes still in flight."""
+        for start, end in self._timed:
+            end.synchronize()
+            self._gpu_s += start.elapsed_time(end) / 1e3
+        self._timed.clear()
+        return self._gpu_s
 
     def drop(self, name: str) -> None:
         """Forget a peer's mapping (after copies into it finished); closes the CUDA mapping once

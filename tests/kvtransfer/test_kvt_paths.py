@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvtransfer import Agent, Sender, TransferError
-from kvtransfer.cuda_ipc import copy_spans, decode_handle, host_id
+from kvtransfer.cuda_ipc import decode_handle, host_id
+from kvtransfer.span_copy import copy_spans
 from kvtransfer.regions import Span, coalesce
 from kvt_harness import PageAllocator, make_layout
 
@@ -49,8 +50,9 @@ def test_decode_handle_accepts_only_cuda_tensor_handles():
             decode_handle(bad)
 
 
-@pytest.mark.parametrize("byte_range,runs", [(None, 2), ((100, 50), 4)])
-def test_copy_spans_moves_exactly_the_coalesced_runs(byte_range, runs):
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("byte_range,runs", [(None, 2), ((100, 50), 4), ((101, 37), 4)])
+def test_copy_spans_moves_exactly_the_coalesced_runs(byte_range, runs, impl):
     src = {k: t.view(-1) for k, t in _pools(1).items()}
     dst = {k: t.clone().view(-1) for k, t in _pools(2).items()}
     before = {k: t.clone() for k, t in dst.items()}
@@ -59,7 +61,7 @@ def test_copy_spans_moves_exactly_the_coalesced_runs(byte_range, runs):
     src_ids, dst_ids = [5, 6, 7, 0], [1, 2, 3, 6]
     spans = [("c4", s) for s in coalesce(src_ids, dst_ids, pb, byte_range)]
     assert len(spans) == runs
-    copy_spans(src, dst, spans)
+    copy_spans(src, dst, spans, impl=impl, chunk_bytes=1000)  # chunks split the runs too
     page = lambda d, i: d["c4"].view(-1, pb)[i]     # noqa: E731
     for s_id, d_id in zip(src_ids, dst_ids):
         assert torch.equal(page(dst, d_id)[lo:lo + n], page(src, s_id)[lo:lo + n])
