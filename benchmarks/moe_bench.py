@@ -52,8 +52,10 @@ SWEEP = {
     "grouped": [
         (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN),
         (replace(moe_grouped.GROUPED_GATEUP, BN=128), moe_grouped.GROUPED_DOWN),
-        (replace(moe_grouped.GROUPED_GATEUP, BT=64, num_warps=4), replace(moe_grouped.GROUPED_DOWN, BT=64, num_warps=4)),
-        (replace(moe_grouped.GROUPED_GATEUP, BK=128, num_stages=2), replace(moe_grouped.GROUPED_DOWN, BK=128, num_stages=2)),
+        (replace(moe_grouped.GROUPED_GATEUP, BT=64, num_warps=4),
+         replace(moe_grouped.GROUPED_DOWN, BT=64, num_warps=4)),
+        (replace(moe_grouped.GROUPED_GATEUP, BK=128, num_stages=2),
+         replace(moe_grouped.GROUPED_DOWN, BK=128, num_stages=2)),
         (replace(moe_grouped.GROUPED_GATEUP, num_stages=4), replace(moe_grouped.GROUPED_DOWN, num_stages=4)),
     ],
 }
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report["error"], file=sys.stderr)
         return 1
     rows, seed = [], args.seed + 1
-    cases = [("fused", T) for T in DECODE_TOKENS] + [("grouped", T) for T in DECODE_TOKENS] + [("grouped", PREFILL_TOKENS)]
+    cases = [("fused", T) for T in DECODE_TOKENS] + [("grouped", T) for T in (*DECODE_TOKENS, PREFILL_TOKENS)]
     for path, T in cases:
         seed += 1
         try:

@@ -47,7 +47,8 @@ class ExpertParallelMoE(nn.Module):
         E = moe.cfg.n_routed_experts
         if E % world:
             raise ValueError(f"{E} routed experts cannot be split evenly over an expert-parallel group of {world}")
-        self.cfg, self.layer, self.impl, self.group, self.fp8_dispatch = moe.cfg, moe.layer, moe.impl, group, fp8_dispatch
+        self.cfg, self.layer, self.impl = moe.cfg, moe.layer, moe.impl
+        self.group, self.fp8_dispatch = group, fp8_dispatch
         self.world, self.n_local = world, E // world
         self.first = rank * self.n_local
         self.gate, self.shared_experts = moe.gate, moe.shared_experts

@@ -4,7 +4,8 @@ FP4 e2m1 (two codes per byte, low nibble = even K, a UE8M0 scale byte per 32 K) 
 placement and one multiply. A code s·m2 m1 m0 placed as bf16 bits `s << 15 | m2m1m0 << 6` reads
 as its e2m1 value times 2^-126 — for the subnormal code 0.5 too, since bf16's subnormal step
 lines up with e2m1's — so `value = bits × 2^(scale_byte - 1)`, exact in bf16 for scale bytes
-1..128 (scales up to 2; real weights use ~2^-10..2^-4, `PackedExperts` refuses larger). FP8 e4m3 likewise: bits `s << 15 | e4m3_magnitude << 4` read as the value times 2^-120,
+1..128 (scales up to 2; real weights use ~2^-10..2^-4, `PackedExperts` refuses larger).
+FP8 e4m3 likewise: bits `s << 15 | e4m3_magnitude << 4` read as the value times 2^-120,
 so `value = bits × 2^(scale_byte - 7)` (exact for scale bytes 1..134, i.e. scales up to 2^7).
 
 On a GPU (`ASM`) this runs as PTX on 32-bit words, two bf16 lanes at a time: bytes j, j+1 are

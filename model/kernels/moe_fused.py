@@ -1,27 +1,28 @@
-"""MegaMoE-style fused decode MoE: routed and shared experts of a small batch in two kernel launches.
+"""MegaMoE-style fused decode MoE: routed and shared experts of a small batch in three launches.
 
-For T tokens (decode, up to `MoE.fused_max_tokens`): the T·k routed assignments and T shared ones
-(a virtual expert E in FP8) are sorted by expert without a host sync (`moe_grouped.sort_by_expert`),
-then
+For T tokens (decode, up to `MoE.fused_max_tokens`), after the routing (gate GEMM, score, top-k:
+torch, no host sync), the T·k routed assignments and T shared ones (a virtual expert E in FP8)
+go through
 
-1. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
+1. `_count_sort_kernel` (one program): per-expert counts and the assignments grouped by expert.
+2. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
    rows once, dequantising FP4 (or FP8) in registers, and applies the clamped SwiGLU in the
-   epilogue → h [A, I] bf16. Its programs also zero the arrival counters of launch 2.
-2. `_down_kernel`: every (token tile, 64 columns of D) program streams w2 rows, multiplies by the
+   epilogue → h [A, I] bf16. Its programs also zero the arrival counters of launch 3.
+3. `_down_kernel`: every (token tile, 128 columns of D) program streams w2 rows, multiplies by the
    routing weights and publishes per-(token, slot) rows; the program completing a token's k + 1
-   contributions sums them in slot order into `out` (the combine, deterministic).
+   contributions sums them in slot order into `out` (the combine; deterministic).
 
-Why two launches and not one: the down product of an expert needs all I columns of its h rows,
-written by I/BN different programs of stage 1. One launch would need a grid-wide wait (programs
-spinning on flags), which deadlocks unless every program of the grid is resident at once; the
-launch boundary is that barrier for free. Why not three: the combine rides on launch 2 through
-the arrival counters instead of a separate gather-sum kernel. Add the routing (gate GEMM, score,
-top-k in torch) and the sort (a few fixed-size torch ops); all grids are functions of T only and
+Why not fewer: the down product of an expert needs all I columns of its h rows, written by I/BN
+different programs of launch 2, and those need the sort's counts to know their expert. Merging
+across either boundary needs a grid-wide wait (programs spinning on flags), which deadlocks
+unless every program of the grid is resident at once; a launch boundary is that barrier for
+free. The combine rides on launch 3 through the arrival counters instead of a fourth kernel, and
+the counters are zeroed by launch 2 instead of a memset. All grids are functions of T only and
 nothing reads device values on the host, so a decode step is capturable in a CUDA graph.
 
-Every weight byte of a hit expert is read once per token tile; with at most 16 tokens per tile
-(BT) a decode step reads each hit expert once, which is the bandwidth floor the benchmark
-compares against (benchmarks/moe_bench.py).
+Every weight byte of a hit expert is read once per token tile; with up to 16 tokens per tile (BT)
+a decode step reads each hit expert about once — the bandwidth floor benchmarks/moe_bench.py
+compares against.
 """
 
 from __future__ import annotations

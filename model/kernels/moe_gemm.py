@@ -35,32 +35,46 @@ def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _mma_step(acc, w_ptr, s, rows, k0, xt, x_even, x_odd, w_stride,
-              FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
-              BK: tl.constexpr):
-    """One K step of acc += W[rows, k0:k0+BK] · xᵀ with W's scales `s` (`_scales`). SWAP: acc
-    [BN, BT], x in `mma_order` (x_even/x_odd for FP4, xt for FP8); else acc [BT, BN], xt natural."""
+def _operands(w_ptr, s, rows, k0, w_stride, FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
+              ASM: tl.constexpr, BK: tl.constexpr):
+    """W[rows, k0:k0+BK] as MMA operand(s), scales `s` from `_scales`: FP4 SWAP → (even, odd) K in
+    `mma_order`; FP4 → (bf16 tile, same); FP8 → (bf16 tile, same) (SWAP: `mma_order`);
+    SCALED_DOT → (packed bytes, s) for tl.dot_scaled."""
     if FP4:
         w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
         if SCALED_DOT:
-            if SWAP:
-                acc = tl.dot_scaled(w, s, "e2m1", tl.trans(xt), None, "bf16", acc)
-            else:
-                acc = tl.dot_scaled(xt, None, "bf16", tl.trans(w), s, "e2m1", acc)
+            a, b = w, s
         elif SWAP:
-            w_even, w_odd = fp4_to_bf16(mma_order(w), s, ASM)
-            acc = tl.dot(w_even, tl.trans(x_even), acc)
-            acc = tl.dot(w_odd, tl.trans(x_odd), acc)
+            a, b = fp4_to_bf16(mma_order(w), s, ASM)
         else:
-            w_even, w_odd = fp4_to_bf16(w, s, ASM)
-            wt = tl.reshape(tl.join(w_even, w_odd), [w.shape[0], BK])
-            acc = tl.dot(xt, tl.trans(wt), acc)
+            even, odd = fp4_to_bf16(w, s, ASM)
+            a = tl.reshape(tl.join(even, odd), [w.shape[0], BK])
+            b = a
     else:
         w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 + tl.arange(0, BK))[None, :])
         if SWAP:
-            acc = tl.dot(fp8_to_bf16(mma_order(w), s, ASM), tl.trans(xt), acc)
+            w = mma_order(w)
+        a = fp8_to_bf16(w, s, ASM)
+        b = a
+    return a, b
+
+
+@triton.jit
+def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr):
+    """acc += W · xᵀ for W's `_operands` (a, b). SWAP: acc [BN, BT], x in `mma_order` (x_even/x_odd
+    for FP4, xt for FP8); else acc [BT, BN], xt natural."""
+    if FP4 and SCALED_DOT:
+        if SWAP:
+            acc = tl.dot_scaled(a, b, "e2m1", tl.trans(xt), None, "bf16", acc)
         else:
-            acc = tl.dot(xt, tl.trans(fp8_to_bf16(w, s, ASM)), acc)
+            acc = tl.dot_scaled(xt, None, "bf16", tl.trans(a), b, "e2m1", acc)
+    elif FP4 and SWAP:
+        acc = tl.dot(a, tl.trans(x_even), acc)
+        acc = tl.dot(b, tl.trans(x_odd), acc)
+    elif SWAP:
+        acc = tl.dot(a, tl.trans(xt), acc)
+    else:
+        acc = tl.dot(xt, tl.trans(a), acc)
     return acc
 
 
@@ -98,10 +112,15 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
                     x_even, x_odd = mma_order_pairs(xt)
             else:
                 xt = mma_order(xt)
-        acc_a = _mma_step(acc_a, w_ptr, sa, rows_a, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+        # both weight sets dequantised before either product: the tensor cores then get the two
+        # back to back, one wait per step instead of two
+        a1, a2 = _operands(w_ptr, sa, rows_a, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+        b1, b2 = a1, a2
         if TWO:
-            acc_b = _mma_step(acc_b, w_ptr, sb, rows_b, k0, xt, x_even, x_odd, w_stride, FP4, SWAP, SCALED_DOT,
-                              ASM, BK)
+            b1, b2 = _operands(w_ptr, sb, rows_b, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+        acc_a = _accumulate(acc_a, a1, a2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)
+        if TWO:
+            acc_b = _accumulate(acc_b, b1, b2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)
         sa, sb = sa_next, sb_next
     if not SWAP:
         acc_a, acc_b = tl.trans(acc_a), tl.trans(acc_b)

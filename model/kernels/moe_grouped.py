@@ -162,7 +162,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                  shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
                  scaled_dot: bool = False, asm: bool | None = None
                  ) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
-    """Sort the assignments and allocate the outputs; → (the two launches, what returns out [T, D]
+    """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
+    sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
     in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots).
     `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it)."""
     check_inputs(x, weights, ids, experts, shared)
@@ -177,7 +178,18 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     has_shared = shared is not None
     kp1 = k + has_shared
     A = T * kp1
-    perm, counts = sort_by_expert(ids, E, has_shared)
+    launches = []
+    if fuse_combine:  # decode: one counting-sort program instead of the torch sort's several launches
+        ids = ids.contiguous()
+        perm = torch.empty(A, dtype=torch.int32, device=x.device)
+        e_pad = triton.next_power_of_2(E + has_shared + 1)  # + a bin for padding
+        counts = torch.empty(e_pad, dtype=torch.int32, device=x.device)
+        cursor = torch.empty(e_pad, dtype=torch.int32, device=x.device)
+        launches.append(Launch(_count_sort_kernel, (1,), (ids, perm, counts, cursor, T * k, A),
+                               dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E,
+                                    num_warps=4 if A <= 2048 else 8, num_stages=1)))
+    else:
+        perm, counts = sort_by_expert(ids, E, has_shared)
     x = x.contiguous()
     weights = weights.float().contiguous()
     sw = shared if has_shared else experts  # placeholder pointers when there is no shared expert
@@ -192,7 +204,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         out = cnt = y
     common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
                   HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I)
-    launches = [
+    launches += [
         Launch(_gateup_kernel, (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN),
                (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
                 T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
@@ -243,8 +255,26 @@ def fit(t: Tiles, n: int, k: int) -> Tiles:
 # kernels
 # ---------------------------------------------------------------------------------------
 
-# kernels may only read constexpr globals
-B8 = tl.constexpr(FP8_BLOCK)
+B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
+
+
+@triton.jit
+def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A,
+                       A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr):
+    """One program: per-expert counts (shared assignments a >= TK are expert E) and `perm`, the
+    assignments grouped by expert. Within an expert the order is whatever the atomics give: a
+    tile's rows are computed independently, so it changes no result."""
+    a = tl.arange(0, A_PAD)
+    e = tl.load(ids_ptr + a, mask=a < TK, other=E).to(tl.int32)
+    e = tl.where(a < A, e, E_PAD - 1)  # padding lanes count in a spare bin
+    counts = tl.histogram(e, E_PAD)
+    idx = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + idx, counts)
+    tl.store(cursor_ptr + idx, tl.cumsum(counts, 0) - counts)
+    tl.debug_barrier()  # cursors stored before any lane takes a position
+    pos = tl.atomic_add(cursor_ptr + e, 1, mask=a < A)
+    tl.store(perm_ptr + pos, a, mask=a < A)
+
 
 @triton.jit
 def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
@@ -265,9 +295,8 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                   FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
-                   ZERO_CNT: tl.constexpr,
-                   CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
+                   FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
+                   ASM: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -311,8 +340,8 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
 def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, y_ptr, out_ptr, cnt_ptr,
                  T, n_cnt, stride_we, stride_se,
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, ASM: tl.constexpr,
-                 FUSE_COMBINE: tl.constexpr,
+                 FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
+                 ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)

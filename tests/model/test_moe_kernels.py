@@ -10,7 +10,7 @@ unwritten element or an unzeroed arrival counter shows. Two tolerances, relative
   rounding x and h costs ~2^-9/√3 ≈ 1e-3 rms each; measured ~3e-3 on these shapes.
 
 Shapes are the tiny model's (D 64, I 32, 8 experts, top-2) plus a skewed routing that gives one
-expert three token tiles and leaves others empty; real shapes run in tests/gpu/test_moe_kernels.py.
+expert three token tiles and leaves others empty; real shapes run in tests/gpu/test_moe_kernels_cuda.py.
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ def flash_plan(path: str, fmt: str, T: int, scaled_dot: bool = False):
 def check_hopper_build(path: str, fmt: str, T: int, scaled_dot: bool) -> None:
     for launch in flash_plan(path, fmt, T, scaled_dot):
         ptx, usage = hopper_compile(launch)
-        assert "wgmma" in ptx, f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
+        if launch.kernel.__name__ != "_count_sort_kernel":
+            assert "wgmma" in ptx, f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
         assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
 
 
