@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_pools, layers_that_fit, stack  # noqa: E402
 from cluster.kv_link import layout_of, pool_buffers  # noqa: E402
-from kvtransfer import Agent, Receiver, Sender, decode_target  # noqa: E402
+from kvtransfer import Agent, LayoutDescriptor, Receiver, Sender, decode_target  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
@@ -54,7 +54,7 @@ def decode_main(conn, n: int, concurrencies: list[int], steps: int) -> None:
     pools = KVPools(cfg, "fp8_pack", max_tokens=ISL + steps + 8, max_seqs=2, device=dev)
     agent = Agent("slice-decode", pool_buffers(pools), progress_thread=True)
     receiver = Receiver(agent, pools, layout_of(pools))
-    conn.send(agent.metadata())
+    conn.send((agent.metadata(), layout_of(pools).to_bytes()))
     agent.add_peer(*conn.recv())
     out = {"handoff_s": [], "decode": []}
     counts = pools.resume_page_counts(ISL)
@@ -120,8 +120,8 @@ def main() -> None:
     pools = KVPools(cfg, "fp8_pack", max_tokens=ISL, max_seqs=1, device="cuda:0")
     agent = Agent("slice-prefill", pool_buffers(pools), progress_thread=True)
     sender = Sender(agent, layout_of(pools))
-    peer_md = conn.recv()
-    sender.handshake("slice-decode", peer_md, layout_of(pools))
+    peer_md, peer_layout = conn.recv()
+    sender.handshake("slice-decode", peer_md, LayoutDescriptor.from_bytes(peer_layout))
     conn.send(("slice-prefill", agent.metadata()))
     print(f"{n} layers per GPU ({[cfg.compress_ratios[i] for i in range(n)]}); "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", flush=True)

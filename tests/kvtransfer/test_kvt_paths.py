@@ -53,8 +53,10 @@ def test_decode_handle_accepts_only_cuda_tensor_handles():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("byte_range,runs", [(None, 2), ((100, 50), 4), ((101, 37), 4)])
 def test_copy_spans_moves_exactly_the_coalesced_runs(byte_range, runs, impl):
-    src = {k: t.view(-1) for k, t in _pools(1).items()}
-    dst = {k: t.clone().view(-1) for k, t in _pools(2).items()}
+    # the kernel runs on the GPU when there is one, else in Triton's interpreter on CPU tensors
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    src = {k: t.view(-1).to(device) for k, t in _pools(1).items()}
+    dst = {k: t.clone().view(-1).to(device) for k, t in _pools(2).items()}
     before = {k: t.clone() for k, t in dst.items()}
     pb = LAYOUT.pool("c4").page_bytes
     lo, n = byte_range or (0, pb)
