@@ -1,11 +1,12 @@
 """Same-host data path: CUDA IPC peer copies instead of a UCX rendezvous.
 
 When both workers' pools are CUDA tensors on one host, the writing agent maps the peer's pool
-buffers into its own process once per peer incarnation (epoch) and moves all the coalesced spans
-of a write with one copy kernel (`span_copy`: the SMs store straight into the peer's memory over
-NVLink) on a dedicated stream of its own device; the handle of a write is a CUDA event recorded
-after the kernel, and the write is DONE when the event has fired (every byte is in the peer's
-memory). Peers mapped in their own GPU's context take one `copy_` per span instead. Notifications, checksums, leases and
+buffers into its own process once per peer incarnation (epoch) and moves the coalesced spans of
+a write on a dedicated stream of its own device (`span_copy`: the copy engine for a few large
+spans, one kernel whose SMs store into the peer's memory for many small ones); the handle of a
+write is a CUDA event recorded after the copies, and the write is DONE when the event has fired
+(every byte is in the peer's memory). Peers mapped in their own GPU's context always take the
+copy engine. Notifications, checksums, leases and
 epochs stay on NIXL exactly as for UCX writes; only the bytes take this path.
 
 - Export: metadata() carries, per CUDA pool, base64(pickle(torch's reduce_tensor(pool))), which
@@ -217,7 +218,7 @@ class CudaIpcPath:
             if self.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            copy_spans(self.local, m.tensors, spans, impl="triton" if m.mode == "local" else "torch")
+            copy_spans(self.local, m.tensors, spans, impl="auto" if m.mode == "local" else "torch")
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(stream)
         if start is not None:

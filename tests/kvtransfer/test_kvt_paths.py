@@ -50,11 +50,11 @@ def test_decode_handle_accepts_only_cuda_tensor_handles():
             decode_handle(bad)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "auto"])
 @pytest.mark.parametrize("byte_range,runs", [(None, 2), ((100, 50), 4), ((101, 37), 4)])
 def test_copy_spans_moves_exactly_the_coalesced_runs(byte_range, runs, impl):
     # the kernel runs on the GPU when there is one, else in Triton's interpreter on CPU tensors
-    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if impl != "torch" and torch.cuda.is_available() else "cpu"
     src = {k: t.view(-1).to(device) for k, t in _pools(1).items()}
     dst = {k: t.clone().view(-1).to(device) for k, t in _pools(2).items()}
     before = {k: t.clone() for k, t in dst.items()}
@@ -118,3 +118,31 @@ def test_cpu_pools_use_ucx_and_a_queued_write_never_reaches_a_restarted_peer():
         for ag in (a, b1, b2):
             if ag is not None:
                 ag.close()
+
+
+def test_auto_copy_takes_the_kernel_only_for_many_small_spans(monkeypatch):
+    from kvtransfer import span_copy
+
+    taken = []
+    monkeypatch.setattr(span_copy, "_copy_kernel", _Recorder(taken, span_copy._copy_kernel))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = {"c4": torch.arange(64 * 1024, dtype=torch.int32, device=dev).view(torch.uint8)}
+    dst = {"c4": torch.zeros_like(src["c4"])}
+    few = [("c4", Span(0, 0, 128 * 1024))]
+    many = [("c4", Span(i * 4096, i * 4096, 4096)) for i in range(span_copy.KERNEL_MIN_SPANS)]
+    span_copy.copy_spans(src, dst, few, impl="auto")
+    assert taken == [] and torch.equal(dst["c4"][:128 * 1024], src["c4"][:128 * 1024])
+    dst["c4"].zero_()
+    span_copy.copy_spans(src, dst, many, impl="auto")
+    assert len(taken) == 1 and torch.equal(dst["c4"][:4096 * len(many)], src["c4"][:4096 * len(many)])
+
+
+class _Recorder:
+    """Wraps the Triton kernel: records launches, then runs it."""
+
+    def __init__(self, log, kernel):
+        self.log, self.kernel = log, kernel
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
