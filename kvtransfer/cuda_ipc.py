@@ -139,7 +139,6 @@ class CudaIpcPath:
         self.uuid = device_uuid(self.device)
         self.local = {k: t.view(-1) for k, t in pools.items()}
         self.stream = torch.cuda.Stream(device=self.device)
-        self.side_stream = torch.cuda.Stream(device=self.device)  # a second copy engine's lane
         self._maps: dict[str, PeerMapping] = {}
         self._failed: dict[str, str] = {}          # peer name -> epoch whose mapping failed
         self._export: dict[str, str] | None = None
@@ -219,8 +218,7 @@ class CudaIpcPath:
             if self.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            copy_spans(self.local, m.tensors, spans, impl="auto" if m.mode == "local" else "torch",
-                       side_stream=self.side_stream)
+            copy_spans(self.local, m.tensors, spans, impl="auto" if m.mode == "local" else "torch")
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(stream)
         if start is not None:

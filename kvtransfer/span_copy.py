@@ -32,13 +32,9 @@ KERNEL_MAX_MEAN_BYTES = 1 << 20  # ... when they average less than this
 
 
 def copy_spans(local: Mapping[str, torch.Tensor], remote: Mapping[str, torch.Tensor],
-               spans: Sequence[tuple[str, Span]], impl: str = "auto", chunk_bytes: int = CHUNK_BYTES,
-               side_stream: torch.cuda.Stream | None = None) -> None:
+               spans: Sequence[tuple[str, Span]], impl: str = "auto", chunk_bytes: int = CHUNK_BYTES) -> None:
     """remote[kind][dst:dst+n] <- local[kind][src:src+n] for each (kind, span), on the current
-    stream. local / remote: flat uint8 tensors on one CUDA device (remote may be peer-mapped).
-    side_stream: copy-engine spans are split by bytes between the current stream and this one
-    (two engines, and one span's setup hides behind the other's transfer); the current stream
-    waits for it before returning, so its work after this call sees every byte."""
+    stream. local / remote: flat uint8 tensors on one CUDA device (remote may be peer-mapped)."""
     if not spans:
         return
     if impl == "auto":
@@ -46,21 +42,9 @@ def copy_spans(local: Mapping[str, torch.Tensor], remote: Mapping[str, torch.Ten
                       and sum(s.nbytes for _, s in spans) / len(spans) < KERNEL_MAX_MEAN_BYTES)
         impl = "triton" if many_small else "torch"
     if impl == "torch":
-        if side_stream is None or len(spans) < 2:
-            _engine_copies(local, remote, spans)
-            return
-        main = torch.cuda.current_stream(side_stream.device)
-        side_stream.wait_stream(main)
-        lanes: list[list] = [[], []]
-        loads = [0, 0]
-        for kind, s in sorted(spans, key=lambda ks: -ks[1].nbytes):  # greedy balance by bytes
-            i = loads.index(min(loads))
-            lanes[i].append((kind, s))
-            loads[i] += s.nbytes
-        _engine_copies(local, remote, lanes[0])
-        with torch.cuda.stream(side_stream):
-            _engine_copies(local, remote, lanes[1])
-        main.wait_stream(side_stream)
+        for kind, s in spans:
+            remote[kind][s.dst_offset:s.dst_offset + s.nbytes].copy_(
+                local[kind][s.src_offset:s.src_offset + s.nbytes], non_blocking=True)
         return
     rows, align = [], 16
     for kind, s in spans:
@@ -93,10 +77,3 @@ def _copy_kernel(base_ptr, table_ptr, ALIGN_WORDS: tl.constexpr, BLOCK: tl.const
         mask = idx < n
         v = tl.load(base_ptr + src + idx, mask=mask)
         tl.store(base_ptr + dst + idx, v, mask=mask)
-
-
-def _engine_copies(local, remote, spans) -> None:
-    """One copy_ per span on the current stream (the copy engine)."""
-    for kind, s in spans:
-        remote[kind][s.dst_offset:s.dst_offset + s.nbytes].copy_(
-            local[kind][s.src_offset:s.src_offset + s.nbytes], non_blocking=True)
