@@ -101,7 +101,6 @@ class PackedExperts(nn.Module):
             raise ValueError(f"FP4 experts need hidden ({dim}) and intermediate ({inter}) sizes divisible by 32")
         self.fmt, self.n_experts, self.dim, self.inter = fmt, n_experts, dim, inter
         E, D, I = n_experts, dim, inter
-        u8 = dict(dtype=torch.uint8, device=device)
         if fmt == "fp4":
             shapes = [(E, 2 * I, D // 2), (E, 2 * I, D // FP4_GROUP), (E, D, I // 2), (E, D, I // FP4_GROUP)]
             dtypes = [torch.uint8] * 4
@@ -110,7 +109,7 @@ class PackedExperts(nn.Module):
             shapes = [(E, 2 * I, D), (E, 2 * ib, db), (E, D, I), (E, db, ib)]
             dtypes = [torch.float8_e4m3fn, torch.uint8] * 2
         for name, shape, dtype in zip(("w13", "w13_scale", "w2", "w2_scale"), shapes, dtypes):
-            self.register_buffer(name, torch.empty(shape, **{**u8, "dtype": dtype}))
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
 
     @classmethod
     @torch.no_grad()
