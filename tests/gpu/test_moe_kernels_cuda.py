@@ -17,7 +17,8 @@ import torch
 
 from benchmarks.moe_bench import build_layer, routed_inputs
 from model.kernels import moe_fused, moe_grouped
-from tests.model.test_moe_kernels import EMULATED_TOL, REFERENCE_TOL, emulate, poisoned, rel  # noqa: F401
+from tests.model.test_moe_kernels import (EMULATED_TOL, EMULATED_TOL_BF16, REFERENCE_TOL, emulate,  # noqa: F401
+                                         poisoned, rel)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,8 +34,9 @@ def flash_fp4():
 def check(out, x, weights, ids, moe):
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     assert torch.isfinite(out).all(), "unwritten (poisoned) output elements"
-    emu_err, ref_err = rel(out, emulate(*args)), rel(out, moe_grouped.reference(*args))
-    assert emu_err < EMULATED_TOL and ref_err < REFERENCE_TOL, (emu_err, ref_err)
+    tol = EMULATED_TOL_BF16 if out.dtype == torch.bfloat16 else EMULATED_TOL
+    emu_err, ref_err = rel(out, emulate(*args).to(out.dtype)), rel(out, moe_grouped.reference(*args))
+    assert emu_err < tol and ref_err < REFERENCE_TOL, (emu_err, ref_err)
 
 
 def run(moe, path, x, weights, ids, **kw):

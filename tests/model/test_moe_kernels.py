@@ -27,6 +27,10 @@ from model.tiny import tiny_config
 
 EMULATED_TOL = 1e-4
 REFERENCE_TOL = 1e-2
+# bf16 outputs (the GPU model's): the emulation is rounded to bf16 too; fp32 summation order then
+# flips the last bit of the few outputs that sit near a rounding boundary (2^-8 each)
+EMULATED_TOL_BF16 = 2e-3
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU-only machines
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,8 +64,8 @@ def emulate(x, weights, ids, experts, shared, limit):
 
 def routed(moe: MoE, T: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, moe.cfg.hidden_size, generator=g)
-    weights, ids = moe.gate(x, torch.randint(0, moe.cfg.vocab_size, (T,), generator=g))
+    x = torch.randn(T, moe.cfg.hidden_size, generator=g).to(DEVICE)
+    weights, ids = moe.gate(x, torch.randint(0, moe.cfg.vocab_size, (T,), generator=g).to(DEVICE))
     return x, weights, ids
 
 
@@ -70,20 +74,21 @@ def skewed(moe: MoE, T: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, moe.cfg.hidden_size, generator=g)
     ids = torch.stack([torch.ones(T, dtype=torch.long), 2 + torch.randint(0, 3, (T,), generator=g)], dim=1)
-    return x, torch.rand(T, 2, generator=g) + 0.1, ids
+    return x.to(DEVICE), (torch.rand(T, 2, generator=g) + 0.1).to(DEVICE), ids.to(DEVICE)
 
 
 def check(out, x, weights, ids, moe):
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     assert torch.isfinite(out).all(), "unwritten (poisoned) output elements"
-    assert rel(out, emulate(*args)) < EMULATED_TOL
+    tol = EMULATED_TOL_BF16 if out.dtype == torch.bfloat16 else EMULATED_TOL
+    assert rel(out, emulate(*args).to(out.dtype)) < tol
     assert rel(out, moe_grouped.reference(*args)) < REFERENCE_TOL
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 @pytest.mark.parametrize("path", ["fused", "grouped"])
 def test_paths_match_reference(poisoned, fmt, path):
-    moe = MoE.random_packed(tiny_config(), layer=3, fmt=fmt, seed=hash((fmt, path)) % 1000)
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt=fmt, seed=hash((fmt, path)) % 1000, device=DEVICE)
     x, weights, ids = routed(moe, T=5, seed=7)
     run = moe_fused.fused_moe if path == "fused" else moe_grouped.grouped_moe
     extra = () if path == "fused" else ("triton",)
@@ -93,7 +98,7 @@ def test_paths_match_reference(poisoned, fmt, path):
 
 @pytest.mark.parametrize("path", ["fused", "grouped"])
 def test_skewed_routing_multi_tile_experts_and_idle_experts(poisoned, path):
-    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=31)
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=31, device=DEVICE)
     x, weights, ids = skewed(moe, T=40, seed=8)  # expert 1: 40 rows = 3 tiles of 16
     tiles = moe_grouped.Tiles(BT=16, BN=16, BK=32)
     if path == "fused":
@@ -103,15 +108,17 @@ def test_skewed_routing_multi_tile_experts_and_idle_experts(poisoned, path):
     check(out, x, weights, ids, moe)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="Triton 3.6's interpreter cannot run tl.dot_scaled (compiled on the GPU only)")
 def test_single_token_and_scaled_dot_variant(poisoned):
-    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=41)
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=41, device=DEVICE)
     x, weights, ids = routed(moe, T=1, seed=9)
     out = moe_fused.fused_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, scaled_dot=True)
     check(out, x, weights, ids, moe)
 
 
 def test_no_shared_expert_and_no_tokens():
-    moe = MoE.random_packed(tiny_config(n_shared_experts=0), layer=3, fmt="fp4", seed=51)
+    moe = MoE.random_packed(tiny_config(n_shared_experts=0), layer=3, fmt="fp4", seed=51, device=DEVICE)
     x, weights, ids = routed(moe, T=3, seed=10)
     out = moe_fused.fused_moe(x, weights, ids, moe.experts, None, 10.0)
     check(out, x, weights, ids, moe)
