@@ -28,8 +28,10 @@ from model.tiny import tiny_config
 EMULATED_TOL = 1e-4
 REFERENCE_TOL = 1e-2
 # bf16 outputs (the GPU model's): the emulation is rounded to bf16 too; fp32 summation order then
-# flips the last bit of the few outputs that sit near a rounding boundary (2^-8 each)
-EMULATED_TOL_BF16 = 2e-3
+# flips the last bit of outputs near a rounding boundary (2^-8 each), and the grouped path also
+# rounds each slot's row to bf16 before the fp32 sum over the k + 1 slots (measured on H100:
+# fused ~1.7e-3, grouped ~2.7e-3)
+EMULATED_TOL_BF16 = 4e-3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU-only machines
 
 
