@@ -136,7 +136,7 @@ v4serve.io/instance: {{ .Release.Name }}
 {{ include "v4serve.fullname" . }}-redis
 {{- end }}
 
-{{/* REDIS_URL for the process that owns the pools; the workers receive it from there */}}
+{{/* REDIS_URL for the v4serve processes (pools owner, routers); the workers receive it from the owner */}}
 {{- define "v4serve.redisEnv" -}}
 {{- if eq .Values.redis.mode "internal" -}}
 - name: REDIS_PASSWORD
