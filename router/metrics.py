@@ -6,8 +6,8 @@ queue depths, KV transfer bytes/time/failures) through the small API below, on t
 Prefix-cache hit tokens are counted from `Usage.cached_tokens` of finished requests.
 
 `watch_pools` adds gauges computed when scraped from what the backend holds: the workers' latest
-load reports (queued prefill tokens per pool, the prefill autoscaling signal, e.g. for KEDA; the
-workers this router routes to) and its prefix index. Every router replica reads the same reports
+load reports (the autoscaling signals for scalers outside v4serve such as KEDA: queued prefill
+tokens and KV pages in use per pool; the workers this router routes to) and its prefix index. Every router replica reads the same reports
 and the same KV-event stream from the registry, so all replicas export the same values.
 """
 
@@ -94,8 +94,8 @@ class RouterMetrics:
 
 class _PoolCollector:
     """Gauges over the workers' latest load reports and the prefix index. Draining workers are left
-    out of the queued tokens, as the autoscaling policy leaves them out: they are leaving, so their
-    queue asks for no new capacity."""
+    out of the scaling signals (queued tokens, pages), as the autoscaling policy leaves them out
+    (cluster/autoscaler.py: signals): they are leaving, so their load asks for no new capacity."""
 
     def __init__(self, namespace: str, loads: Callable[[], Iterable], index_pages: Callable[[], Mapping[str, int]]):
         self.namespace, self.loads, self.index_pages = namespace, loads, index_pages
@@ -107,15 +107,24 @@ class _PoolCollector:
                                    labels=["pool"])
         workers = GaugeMetricFamily(f"{ns}_worker_info", "Workers this router sees in the registry (1 each; state ready or draining).",
                                     labels=["worker", "pool", "state"])
-        queued = dict.fromkeys(POOLS, 0)
+        in_use = GaugeMetricFamily(f"{ns}_kv_pages_in_use", "KV pages in use per pool (the page-pressure signal).",
+                                   labels=["pool"])
+        per_worker = GaugeMetricFamily(f"{ns}_kv_pages_per_worker", "KV pages of one worker of the pool (mean).",
+                                       labels=["pool"])
+        queued, used, sized = dict.fromkeys(POOLS, 0), dict.fromkeys(POOLS, 0), {p: [] for p in POOLS}
         for load in self.loads():
             workers.add_metric([load.worker_id, load.role, "draining" if load.draining else "ready"], 1)
             if not load.draining and load.role in queued:
                 queued[load.role] += load.queued_prefill_tokens
-        for pool, value in queued.items():
-            tokens.add_metric([pool], value)
+                if load.total_pages > 0:
+                    used[load.role] += load.total_pages - load.free_pages
+                    sized[load.role].append(load.total_pages)
+        for pool in POOLS:
+            tokens.add_metric([pool], queued[pool])
+            in_use.add_metric([pool], used[pool])
+            per_worker.add_metric([pool], sum(sized[pool]) / len(sized[pool]) if sized[pool] else 0)
         index = GaugeMetricFamily(f"{ns}_prefix_index_pages",
                                   "KV pages the router's prefix index holds per prefill worker.", labels=["worker"])
         for worker, pages in sorted(self.index_pages().items()):
             index.add_metric([worker], pages)
-        yield from (tokens, workers, index)
+        yield from (tokens, in_use, per_worker, workers, index)

@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from cluster.autoscaler import AutoscalerConfig, signals
 from cluster.messages import WorkerLoad
 from cluster.registry import Registry
 from model.checkpoint import load_checkpoint
@@ -235,19 +236,37 @@ def test_router_without_ray_or_redis_is_refused(tiny_official_ckpt, env):
 
 
 # --- the pool gauges, from load reports -------------------------------------------------------
-@pytest.mark.parametrize("loads, queued", [
-    ([], {"prefill": 0, "decode": 0}),
+@pytest.mark.parametrize("loads, queued, pages", [
+    ([], {"prefill": 0, "decode": 0}, {"decode": (0, 0)}),
     ([WorkerLoad("prefill-0", "prefill", queued_prefill_tokens=300),
       WorkerLoad("prefill-1", "prefill", queued_prefill_tokens=1200),
-      WorkerLoad("decode-0", "decode", queued_prefill_tokens=40)], {"prefill": 1500, "decode": 40}),
+      WorkerLoad("decode-0", "decode", queued_prefill_tokens=40, free_pages=10, total_pages=100),
+      WorkerLoad("decode-1", "decode", free_pages=200, total_pages=300)],
+     {"prefill": 1500, "decode": 40}, {"decode": (190, 200)}),
     ([WorkerLoad("prefill-0", "prefill", queued_prefill_tokens=300),
-      WorkerLoad("prefill-1", "prefill", queued_prefill_tokens=5000, draining=True)], {"prefill": 300, "decode": 0}),
-])
-def test_pool_gauges(loads, queued):
+      WorkerLoad("prefill-1", "prefill", queued_prefill_tokens=5000, draining=True),
+      WorkerLoad("decode-0", "decode", free_pages=0, total_pages=64, draining=True),
+      WorkerLoad("decode-1", "decode", free_pages=60, total_pages=64)],
+     {"prefill": 300, "decode": 0}, {"decode": (4, 64)}),
+], ids=["none", "sums", "draining left out"])
+def test_pool_gauges(loads, queued, pages):
+    """The scaling signals as cluster/autoscaler.py computes them: draining workers left out;
+    pages in use over one worker's pages is the decode page-pressure demand in workers."""
     metrics = RouterMetrics()
     metrics.watch_pools(lambda: loads, lambda: {"prefill-0": 7})
     for pool, value in queued.items():
         assert metrics.sample("v4serve_queued_prefill_tokens", {"pool": pool}) == value
+    for pool, (in_use, per_worker) in pages.items():
+        assert metrics.sample("v4serve_kv_pages_in_use", {"pool": pool}) == in_use
+        assert metrics.sample("v4serve_kv_pages_per_worker", {"pool": pool}) == per_worker
+    # ...the very amounts the Ray policy scales on, so a KEDA scaler with the same targets agrees
+    policy = AutoscalerConfig().decode
+    live = [l for l in loads if not l.draining]
+    for sig in signals("prefill", AutoscalerConfig().prefill, [l for l in live if l.role == "prefill"]):
+        assert sig.amount == queued["prefill"]
+    for sig in signals("decode", policy, [l for l in live if l.role == "decode"]):
+        if sig.name == "pages_in_use":
+            assert (sig.amount, sig.per_worker) == (pages["decode"][0], policy.page_target * pages["decode"][1])
     for load in loads:
         state = "draining" if load.draining else "ready"
         assert metrics.sample("v4serve_worker_info", {"worker": load.worker_id, "pool": load.role, "state": state}) == 1

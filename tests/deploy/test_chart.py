@@ -454,6 +454,14 @@ def test_keda(chart):
         assert trigger["metadata"]["query"] == (f'max({metric}{{namespace="{NAMESPACE}",service="{FULL}-router",'
                                                 f'pool="{role}"}}) or vector(0)')
         assert trigger["metadata"]["threshold"] == threshold and trigger["metricType"] == "AverageValue"
+        if role == "decode":  # and page pressure, in workers' worth of pages, as the Ray policy
+            pages = so["triggers"][1]
+            sel = f'{{namespace="{NAMESPACE}",service="{FULL}-router",pool="decode"}}'
+            assert pages["metadata"]["query"] == (f"(max(v4serve_kv_pages_in_use{sel}) / "
+                                                  f"(max(v4serve_kv_pages_per_worker{sel}) > 0)) or vector(0)")
+            assert pages["metadata"]["threshold"] == "0.85"
+        else:
+            assert len(so["triggers"]) == 1
         assert so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"][0]["value"] == 1
     assert "--autoscale=follow" in pools_args(docs)
     assert one(render(chart, CONFIGS["keda with auth ref"]), "ScaledObject", f"{FULL}-decode")["spec"]["triggers"][0][
