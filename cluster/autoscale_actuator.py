@@ -245,21 +245,33 @@ def _index(worker_id: str) -> int:
 
 
 # --- preStop: drain the workers of this node --------------------------------------------------
-def node_workers(node_id: str, roles: tuple[str, ...] = POOLS) -> list:
-    """Handles of the live v4serve worker actors (named `<role>-<n>`) on Ray node `node_id`."""
-    on_node = {info["ActorID"] for info in ray._private.state.state.actor_table(None).values()
-               if info["State"] == "ALIVE" and info["Address"]["NodeID"] == node_id}
-    out = []
+def node_workers(node_id: str, roles: tuple[str, ...] = POOLS, timeout_s: float = 60.0) -> list:
+    """Handles of the live v4serve worker actors (named `<role>-<n>`, any namespace) on Ray node
+    `node_id`. Each actor is asked where it runs (`__ray_call__`, which every actor has): that
+    needs neither Ray's private tables nor the dashboard the state API (ray.util.state) talks to."""
+    handles = []
     for named in ray.util.list_named_actors(all_namespaces=True):
         if named["name"].split("-", 1)[0] not in roles:
             continue
         try:
-            handle = ray.get_actor(named["name"], namespace=named["namespace"])
+            handles.append(ray.get_actor(named["name"], namespace=named["namespace"]))
         except ValueError:  # gone meanwhile
             continue
-        if handle._actor_id.hex() in on_node:
-            out.append(handle)
+    refs = [h.__ray_call__.remote(_node_of) for h in handles]
+    out = []
+    for handle, ref in zip(handles, refs):
+        try:
+            if ray.get(ref, timeout=timeout_s) == node_id:
+                out.append(handle)
+        except ray.exceptions.RayActorError:  # died meanwhile: nothing to drain
+            continue
+        except ray.exceptions.GetTimeoutError:
+            log.warning("worker %s did not say where it runs within %ss; not draining it", handle, timeout_s)
     return out
+
+
+def _node_of(_actor) -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 def drain_node(node_id: str, roles: tuple[str, ...] = POOLS, settle_s: float = 2.0,

@@ -1,4 +1,5 @@
-"""`v4serve` command line: make-tiny, generate (and, as the cluster grows, up / drain).
+"""`v4serve` command line: make-tiny, generate, up (own the pools and serve them), router (serve
+pools owned elsewhere).
 
 Arguments are parsed and validated here, turned into frozen option objects once, and passed
 explicitly; bad input prints one line `error: ...` on stderr and exits with status 2.
@@ -10,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -65,29 +67,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk-size", type=_positive, default=None)
     gen.add_argument("--logits-out", type=Path, default=None, help="save float32 [new_tokens, vocab] .npy")
 
-    up = sub.add_parser("up", help="start a whole disaggregated cluster and serve until SIGINT/SIGTERM")
-    up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (created once, cached)")
+    serving = argparse.ArgumentParser(add_help=False)  # what `up` and `router` share
+    serving.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (created once, cached)")
+    serving.add_argument("--cluster", type=_cluster_name, default="default",
+                         help="name of the pools: their registry key prefix and Ray namespace")
+    serving.add_argument("--host", default="127.0.0.1")
+    serving.add_argument("--http-port", type=_port, default=8000)
+    serving.add_argument("--grpc-port", type=_port, default=50051)
+    serving.add_argument("--max-model-len", type=_positive, default=4096, help="longest prompt + completion")
+    serving.add_argument("--remote-prefill-threshold", type=int, default=0,
+                         help="uncached prompt tokens from which a prefill worker is used")
+    serving.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    serving.add_argument("--api-key-file", type=Path, default=None,
+                         help="file with one API key per line (keeps keys out of the command line)")
+    serving.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: HTTPS and gRPC over TLS")
+    serving.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+
+    up = sub.add_parser("up", parents=[serving],
+                        help="start the pools (and Ray, Redis unless RAY_ADDRESS, REDIS_URL name them) and "
+                             "serve them until SIGINT/SIGTERM")
     up.add_argument("--prefill", type=_nonnegative, default=1, help="prefill workers (0: decode workers prefill)")
     up.add_argument("--decode", type=_positive, default=1)
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--http-port", type=_port, default=8000)
-    up.add_argument("--grpc-port", type=_port, default=50051)
     up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
-    up.add_argument("--max-model-len", type=_positive, default=4096, help="longest prompt + completion")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
-    up.add_argument("--remote-prefill-threshold", type=int, default=0,
-                    help="uncached prompt tokens from which a prefill worker is used")
-    up.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
-    up.add_argument("--api-key-file", type=Path, default=None,
-                    help="file with one API key per line (keeps keys out of the command line)")
-    up.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: HTTPS and gRPC over TLS")
-    up.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
     up.add_argument("--start-timeout", type=_positive, default=120, help="seconds to wait for the workers")
     up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
                          "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
     up.add_argument("--autoscale-config", type=Path, default=None, help="JSON AutoscalerConfig for --autoscale policy")
+
+    sub.add_parser("router", parents=[serving],
+                   help="serve the pools a `v4serve up` owns (joins RAY_ADDRESS and REDIS_URL) until "
+                        "SIGINT/SIGTERM; any number may run")
     return parser
 
 
@@ -111,6 +123,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _cluster_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", text):
+        raise argparse.ArgumentTypeError(f"cluster name must be 1-63 of A-Z a-z 0-9 _ . - (starting with a letter "
+                                         f"or digit), got {text!r}")
+    return text
+
+
 def _tiny_model_dir(cache_dir: Path) -> Path:
     """The tiny model, written once (exactly what `make-tiny --seed 0` writes) and reused."""
     path = cache_dir / "tiny-model"
@@ -121,17 +140,16 @@ def _tiny_model_dir(cache_dir: Path) -> Path:
     return path
 
 
-def cmd_up(args: argparse.Namespace) -> None:
-    from cluster import up
-    from cluster.launcher import ClusterOptions
-    from cluster.options import WorkerOptions
-    from cluster.settings import from_env
-    from router.config import PlacementConfig, RouterConfig
-
-    env = from_env()
+def _model_dir(args: argparse.Namespace, env) -> Path:
     model_dir = _tiny_model_dir(env.cache_dir) if args.model == "tiny" else Path(args.model)
     if not (model_dir / "config.json").exists():
         raise CliError(f"--model {model_dir}: no config.json there")
+    return model_dir
+
+
+def _router_config(args: argparse.Namespace):
+    from router.config import PlacementConfig, RouterConfig
+
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CliError("--tls-cert and --tls-key must be given together")
     keys = list(args.api_key)
@@ -140,6 +158,21 @@ def cmd_up(args: argparse.Namespace) -> None:
             keys += [k.strip() for k in args.api_key_file.read_text().splitlines() if k.strip()]
         except OSError as e:
             raise CliError(f"--api-key-file: {e}") from None
+    return RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
+                        tls_cert=str(args.tls_cert) if args.tls_cert else None,
+                        tls_key=str(args.tls_key) if args.tls_key else None, default_temperature=0.0,
+                        placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold))
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from cluster import up
+    from cluster.launcher import ClusterOptions
+    from cluster.options import WorkerOptions
+    from cluster.settings import from_env
+
+    env = from_env()
+    model_dir = _model_dir(args, env)
+    router = _router_config(args)
     autoscale_config = None
     if args.autoscale == "policy":  # the defaults when no --autoscale-config is given
         from cluster.autoscaler import AutoscalerConfig
@@ -149,19 +182,26 @@ def cmd_up(args: argparse.Namespace) -> None:
             autoscale_config = AutoscalerConfig.from_dict(raw)
         except (OSError, ValueError, TypeError) as e:
             raise CliError(f"--autoscale-config: {e}") from None
-    worker = WorkerOptions(str(model_dir), "", kv_dtype=args.kv_dtype, max_tokens=args.max_model_len,
-                           max_seqs=args.max_seqs)
+    worker = WorkerOptions(str(model_dir), "", cluster=args.cluster, kv_dtype=args.kv_dtype,
+                           max_tokens=args.max_model_len, max_seqs=args.max_seqs)
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
                        slots=None if autoscale_config is None else (
                            max(args.prefill, autoscale_config.prefill.max_replicas),
                            max(args.decode, autoscale_config.decode.max_replicas))),
-        RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
-                     tls_cert=str(args.tls_cert) if args.tls_cert else None,
-                     tls_key=str(args.tls_key) if args.tls_key else None, default_temperature=0.0,
-                     placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold)),
-        autoscale=args.autoscale, autoscale_config=autoscale_config, start_timeout_s=float(args.start_timeout))
+        router, autoscale=args.autoscale, autoscale_config=autoscale_config,
+        start_timeout_s=float(args.start_timeout))
     asyncio.run(up.run(options, env, ready_line=lambda line: print(line, flush=True)))
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    from cluster import up
+    from cluster.settings import from_env
+
+    env = from_env()
+    options = up.RouterOptions(str(_model_dir(args, env)), _router_config(args), cluster=args.cluster,
+                               max_tokens=args.max_model_len)
+    asyncio.run(up.run_router(options, env, ready_line=lambda line: print(line, flush=True)))
 
 
 def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
@@ -212,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                       "finish_reason": out.finish_reason}))
 
 
-COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up}
+COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up, "router": cmd_router}
 
 
 def main(argv: list[str] | None = None) -> int:

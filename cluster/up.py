@@ -1,26 +1,40 @@
-"""`v4serve up`: the whole cluster on this machine (or joined to Ray / Redis given by env).
+"""`v4serve up` and `v4serve router`: serve the pools, owning them or joining them.
 
-Starts the registry server, Ray, the prefill and decode pools and the router; prints one line
-containing `ready` and the addresses once it can serve; serves until SIGINT/SIGTERM; then stops
-the router, the actors, Ray and the registry server, leaving no processes behind.
+    v4serve up       starts the registry server and Ray unless REDIS_URL / RAY_ADDRESS name them,
+                     creates the prefill and decode pools (named actors in the Ray namespace of
+                     the cluster name, cluster/launcher.py), runs their autoscaler if asked, and
+                     serves; on SIGINT/SIGTERM stops the router, the actors, Ray and the registry
+                     server it started, leaving no processes behind
+    v4serve router   joins the Ray cluster at RAY_ADDRESS and the registry at REDIS_URL and serves
+                     the pools a `v4serve up` owns there; on SIGINT/SIGTERM stops only itself
+
+Any number of routers serve one set of pools and place requests alike: each reads the workers'
+loads and the whole KV-event stream (the prefix index) from the registry. So routers can be
+replicated and restarted freely, while the one process that owns the pools stays.
+
+Both print one line containing `ready` and the addresses once they can serve. `up` listens only
+once its workers registered; a router listens at once (its /health answers 503 until a decode
+worker is registered, which is what a readiness probe wants) and prints the line when one is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import ray
 
 from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_resources
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
-from cluster.launcher import ClusterOptions, LocalCluster
+from cluster.launcher import ClusterOptions, LocalCluster, join_ray
 from cluster.registry import Registry
 from cluster.settings import Environment
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from router.app import serve
 from router.cluster_backend import ClusterBackend
-from router.config import PlacementConfig, RouterConfig
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
 
@@ -33,30 +47,33 @@ class UpOptions:
     start_timeout_s: float = 120.0
 
 
+@dataclass(frozen=True)
+class RouterOptions:
+    """A router of pools owned elsewhere: the settings it must share with their `v4serve up`."""
+
+    model_dir: str  # the same checkpoint (tokenizer, config)
+    router: RouterConfig
+    cluster: str = "default"  # registry prefix and Ray namespace of the pools
+    max_tokens: int = 4096  # the workers' longest request (their --max-model-len)
+    page_size: int = 256  # the workers' KV page size (prefix hashes are computed per page)
+
+
 async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
-    model_dir = options.cluster.worker.model_dir
-    cfg = read_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    worker = options.cluster.worker
     cluster = LocalCluster(options.cluster, env)
     backend = handle = actuator = None
     try:
         # On the main thread, and before our handlers: Ray installs signal handlers of its own.
         cluster.start()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        metrics = RouterMetrics()
-        placement = PlacementConfig(**{**options.router.placement.__dict__, "page_size": options.cluster.worker.page_size})
-        backend = ClusterBackend(Registry(cluster.registry_url, options.cluster.worker.cluster), tokenizer,
-                                 options.router.model_name or "v4serve", min(cfg.max_position_embeddings,
-                                                                              options.cluster.worker.max_tokens),
-                                 placement, metrics)
-        await backend.start()
+        stop = _stop_on_signals()
+        backend = await _backend(cluster.registry_url, worker.model_dir, worker.cluster, worker.max_tokens,
+                                 worker.page_size, options.router)
         await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
         actuator = _actuator(options, cluster)
-        handle = await serve(options.router, backend, metrics)
+        handle = await serve(options.router, backend, backend.metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
-                   f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url}")
+                   f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url} "
+                   f"ray={ray.get_runtime_context().gcs_address} cluster={worker.cluster}")
         await stop.wait()
     finally:
         if actuator is not None:
@@ -66,6 +83,60 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
         if backend is not None:
             await backend.stop()
         await asyncio.to_thread(cluster.stop)
+
+
+async def run_router(options: RouterOptions, env: Environment, ready_line=print) -> None:
+    """Serve the pools of `options.cluster` that another process owns (env names Ray and Redis)."""
+    if not (env.ray_address and env.redis_url):
+        raise ValueError("v4serve router serves pools that `v4serve up` owns: set RAY_ADDRESS (their Ray "
+                         "cluster) and REDIS_URL (their registry)")
+    backend = handle = None
+    try:
+        join_ray(env.ray_address, options.cluster)  # main thread, before our signal handlers
+        stop = _stop_on_signals()
+        backend = await _backend(env.redis_url, options.model_dir, options.cluster, options.max_tokens,
+                                 options.page_size, options.router)
+        handle = await serve(options.router, backend, backend.metrics)
+        waiting = asyncio.create_task(backend.wait_for_workers(0, 1, timeout_s=float("inf")))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():
+            health = backend.health()
+            ready_line(f"v4serve router ready http={handle.http_url} grpc={handle.grpc_target} "
+                       f"prefill={health['prefill']} decode={health['decode']} registry={env.redis_url} "
+                       f"cluster={options.cluster}")
+        else:
+            waiting.cancel()
+        await stopping
+    finally:
+        if handle is not None:
+            await handle.stop()
+        if backend is not None:
+            await backend.stop()
+        ray.shutdown()  # disconnects; the pools belong to their owner
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _backend(registry_url: str, model_dir: str, cluster: str, max_tokens: int, page_size: int,
+                   router: RouterConfig) -> ClusterBackend:
+    """The router's view of the pools (registry loads, prefix index), started; its metrics are
+    the router's, with the pool gauges the autoscalers read."""
+    cfg = read_config(model_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    metrics = RouterMetrics()
+    backend = ClusterBackend(Registry(registry_url, cluster), tokenizer, router.model_name or "v4serve",
+                             min(cfg.max_position_embeddings, max_tokens),
+                             replace(router.placement, page_size=page_size), metrics)
+    metrics.watch_pools(lambda: backend.loads.values(),
+                        lambda: {w: backend.index.pages(w) for w in backend.index.workers()})
+    await backend.start()
+    return backend
 
 
 def _actuator(options: UpOptions, cluster: LocalCluster) -> RayActuator | None:

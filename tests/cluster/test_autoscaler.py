@@ -384,10 +384,13 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
 
     async def run():
         registry = Registry(cluster.registry_url)
+        metrics = RouterMetrics()
         backend = ClusterBackend(registry, load_tokenizer(tiny_official_ckpt, cfg.vocab_size, cfg.bos_token_id,
                                                           cfg.eos_token_id), "v4serve", 256,
-                                 PlacementConfig(remote_prefill_threshold=0), RouterMetrics(), refresh_s=0.1)
+                                 PlacementConfig(remote_prefill_threshold=0), metrics, refresh_s=0.1)
+        metrics.watch_pools(lambda: backend.loads.values(), lambda: {})
         await backend.start()
+        await backend.wait_for_workers(1, 1)  # the first heartbeats may not be in the registry yet
         scaler = Autoscaler(AutoscalerConfig(prefill=RAY_PREFILL, decode=RAY_DECODE, interval_s=0.25),
                             {"prefill": 1, "decode": 1})
 
@@ -400,6 +403,7 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
         actuator = RayActuator(cluster, registry, desired, ActuatorOptions(interval_s=0.25, settle_s=2.0)).start()
         t0 = time.monotonic()
         active = []  # (t, counts) sampled through the run
+        queued = []  # the router's prefill-token gauge (KEDA's prefill signal), sampled alike
 
         async def one(start, req):
             await asyncio.sleep(max(0.0, t0 + start - time.monotonic()))
@@ -416,6 +420,7 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
         async def watch(until):
             while not until.done():
                 active.append((time.monotonic(), actuator.counts()))
+                queued.append(metrics.sample("v4serve_queued_prefill_tokens", {"pool": "prefill"}))
                 await asyncio.sleep(0.1)
 
         traffic = asyncio.gather(*(one(s, r) for s, r in reqs))
@@ -429,10 +434,10 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
         await watcher
         await actuator.stop()
         await backend.stop()
-        return results, active, actuator.events, t0
+        return results, active, actuator.events, queued
 
     try:
-        results, active, events, t0 = asyncio.run(run())
+        results, active, events, queued = asyncio.run(run())
         accounting = [ray.get(a.page_accounting.remote(drop_cache=True)) for a in cluster.prefill]
         accounting += [ray.get(a.page_accounting.remote()) for a in cluster.decode]
         # the preStop path (drain-node): finds this node's prefill worker by name and drains it
@@ -454,6 +459,8 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
         assert RAY_PREFILL.min_replicas <= c["prefill"] <= RAY_PREFILL.max_replicas
         assert RAY_DECODE.min_replicas <= c["decode"] <= RAY_DECODE.max_replicas
     assert active[-1][1] == {"prefill": 1, "decode": 1}, (active[-1], decisions)
+    # the gauge a KEDA prefill scaler reads rose with the queues the policy scaled prefill on
+    assert max(queued) > RAY_PREFILL.target * (1 + RAY_PREFILL.hysteresis), max(queued)
     # ...at the policy's pace: ups at least up_cooldown apart, downs down_cooldown after any change
     for pool, policy in (("prefill", RAY_PREFILL), ("decode", RAY_DECODE)):
         changes = [(t, d[pool]) for t, d in decisions]

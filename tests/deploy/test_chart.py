@@ -5,7 +5,9 @@ errors) for the oldest and newest Kubernetes the chart supports, the RayCluster 
 ServiceMonitor objects against their CRD schemas (tests/deploy/crds/, hand-written minimal
 subsets) with their pod templates validated as core/v1 PodTemplates; lint is clean; bad values
 are refused by values.schema.json (or, for cross-field rules, by the templates) at install time;
-and the router's command is what `v4serve up` accepts."""
+the pools owner's and the routers' commands are what `v4serve up` and `v4serve router` accept,
+with the settings they must share equal; any number of routers renders, behind one Service that
+never sends clients to the pools owner."""
 
 from __future__ import annotations
 
@@ -31,9 +33,6 @@ CRD_SCHEMAS = {
 }
 RELEASE, NAMESPACE = "prod", "serving"
 FULL = f"{RELEASE}-v4serve"
-
-# `v4serve up` flags the chart renders for features the CLI does not have yet (docs/deploy.md)
-PENDING_FLAGS = ("--tls-cert", "--tls-key", "--autoscale", "--autoscale-config")
 
 CONFIGS = {
     "default": {},
@@ -65,6 +64,13 @@ CONFIGS = {
                              "auth": {"enabled": False}, "ray": {"auth": {"enabled": False}}},
     "load balancer": {"router": {"service": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8"]}},
                       "networkPolicy": {"routerFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}},
+    "one router": {"router": {"replicas": 1}, "podDisruptionBudgets": {"router": {"maxUnavailable": 0}}},
+    "many routers": {"router": {"replicas": 6, "extraArgs": ["--remote-prefill-threshold=1024"],
+                                "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                                    {"weight": 100, "podAffinityTerm": {
+                                        "topologyKey": "kubernetes.io/hostname",
+                                        "labelSelector": {"matchLabels": {"v4serve.io/component": "router"}}}}]}}},
+                     "pools": {"nodeSelector": {"pool": "cpu"}, "podAnnotations": {"team": "serving"}}},
 }
 
 
@@ -114,11 +120,20 @@ def crd_validator(api_version, kind):
     return jsonschema.Draft202012Validator(schema)
 
 
-def router_args(docs) -> list[str]:
-    container = one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["containers"][0]
+def v4serve_args(docs, component: str) -> list[str]:
+    """The `v4serve` arguments of the pools owner ("pools") or the routers ("router")."""
+    container = one(docs, "Deployment", f"{FULL}-{component}")["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["/usr/bin/tini", "--", "/bin/sh", "-ec"]
     assert 'exec v4serve "$@"' in container["args"][0] and container["args"][1] == "v4serve"
     return container["args"][2:]
+
+
+def router_args(docs) -> list[str]:
+    return v4serve_args(docs, "router")
+
+
+def pools_args(docs) -> list[str]:
+    return v4serve_args(docs, "pools")
 
 
 # --- every configuration: valid objects, clean lint -------------------------------------------
@@ -160,23 +175,22 @@ def test_every_container_requests_resources(chart, name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_router_command_is_what_v4serve_up_accepts(chart, name):
-    """The rendered `v4serve up` arguments parse with the real CLI parser (flags for features the
-    CLI lacks yet are set aside here, and checked on their own below)."""
+def test_commands_are_what_v4serve_accepts(chart, name):
+    """The rendered `v4serve up` (pools owner) and `v4serve router` arguments parse with the real
+    CLI parser (argparse exits on an unknown flag), and what the two must share is equal: the
+    checkpoint, the pools' name (registry prefix, Ray namespace), context length, keys, TLS."""
     from cluster.cli import build_parser
 
-    args = router_args(render(chart, CONFIGS[name]))
-    known = [a for a in args if a.split("=", 1)[0] not in PENDING_FLAGS]
-    parsed = build_parser().parse_args(known)
-    assert parsed.command == "up" and parsed.host == "0.0.0.0"
-    assert parsed.http_port == 8000 and parsed.grpc_port == 50051
-
-
-@pytest.mark.parametrize("name", ["tls", "ray autoscaling", "keda"])
-def test_router_flags_for_tls_and_autoscaling_parse(chart, name):
-    from cluster.cli import build_parser
-
-    build_parser().parse_args(router_args(render(chart, CONFIGS[name])))  # argparse exits on unknown flags
+    docs = render(chart, CONFIGS[name])
+    up = build_parser().parse_args(pools_args(docs))
+    router = build_parser().parse_args(router_args(docs))
+    assert (up.command, router.command) == ("up", "router")
+    shared = ("model", "cluster", "host", "http_port", "grpc_port", "max_model_len", "api_key", "tls_cert", "tls_key")
+    assert {k: getattr(up, k) for k in shared} == {k: getattr(router, k) for k in shared}
+    assert router.host == "0.0.0.0" and router.http_port == 8000 and router.grpc_port == 50051
+    assert router.cluster == FULL
+    if "--remote-prefill-threshold=1024" not in router_args(docs):  # router.extraArgs may override it
+        assert up.remote_prefill_threshold == router.remote_prefill_threshold
 
 
 # --- what the default install contains ----------------------------------------------------------
@@ -184,12 +198,13 @@ def test_default_objects(chart):
     docs = render(chart, {})
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     assert kinds == sorted([
-        ("Deployment", f"{FULL}-router"), ("Service", f"{FULL}-router"),
+        ("Deployment", f"{FULL}-router"), ("Service", f"{FULL}-router"), ("Deployment", f"{FULL}-pools"),
         ("RayCluster", FULL),
         ("StatefulSet", f"{FULL}-redis"), ("Service", f"{FULL}-redis"), ("Service", f"{FULL}-redis-headless"),
         ("Secret", f"{FULL}-api-keys"), ("Secret", f"{FULL}-ray-token"), ("Secret", f"{FULL}-redis"),
         ("NetworkPolicy", f"{FULL}-router"), ("NetworkPolicy", f"{FULL}-ray"), ("NetworkPolicy", f"{FULL}-redis"),
-        ("PodDisruptionBudget", f"{FULL}-router"), ("PodDisruptionBudget", f"{FULL}-ray-head"),
+        ("PodDisruptionBudget", f"{FULL}-router"), ("PodDisruptionBudget", f"{FULL}-pools"),
+        ("PodDisruptionBudget", f"{FULL}-ray-head"),
         ("PodDisruptionBudget", f"{FULL}-prefill"), ("PodDisruptionBudget", f"{FULL}-decode"),
         ("PodDisruptionBudget", f"{FULL}-redis"),
         ("ServiceAccount", FULL),
@@ -240,8 +255,8 @@ def test_rdma_and_host_network(chart):
 
 def test_hostpath_weights(chart):
     docs = render(chart, CONFIGS["hostPath weights"])
-    args = router_args(docs)
-    assert "--model=/models/DeepSeek-V4-Flash" in args
+    assert "--model=/models/DeepSeek-V4-Flash" in router_args(docs)
+    assert "--model=/models/DeepSeek-V4-Flash" in pools_args(docs)
     for doc in docs:
         for _, template in pod_templates(doc):
             for v in template["spec"].get("volumes", []):
@@ -249,52 +264,101 @@ def test_hostpath_weights(chart):
                     assert v == {"name": "models", "hostPath": {"path": "/mnt/nvme/models", "type": "Directory"}}
 
 
+def pod_spec(docs, component: str) -> dict:
+    return one(docs, "Deployment", f"{FULL}-{component}")["spec"]["template"]["spec"]
+
+
 def test_router_deployment(chart):
     docs = render(chart, {})
     dep = one(docs, "Deployment", f"{FULL}-router")
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert dep["spec"]["replicas"] == 2  # a router can go (node drain, update) while the other serves
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = dep["spec"]["template"]
     c = pod["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    # ready once a decode worker is registered; alive while it answers, workers or not
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/metrics", "port": "http", "scheme": "HTTP"}
     assert {p["containerPort"] for p in c["ports"]} == {8000, 50051}
     env = {e["name"]: e for e in c["env"]}
     assert env["REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@prod-v4serve-redis.serving.svc")
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-redis", "key": "redis-password"}
     assert env["RAY_AUTH_MODE"]["value"] == "token"
     assert env["RAY_HEAD_ADDRESS"]["value"] == f"{FULL}-head-svc.{NAMESPACE}.svc.cluster.local:6379"
-    assert pod["metadata"]["labels"]["v4serve.io/ray-member"] == "true"
+    assert env["RAY_ADDRESS"]["value"] == "auto"
+    assert pod["metadata"]["labels"]["v4serve.io/ray-member"] == "true"  # workers stream tokens back to it
     args = router_args(docs)
-    assert "--api-key=$(V4SERVE_API_KEY_0)" in args  # the key itself never appears in the spec
+    assert args[0] == "router" and "--api-key=$(V4SERVE_API_KEY_0)" in args  # never the key itself
+    assert not [a for a in args if a.split("=")[0] in ("--prefill", "--decode", "--autoscale")]
     svc = one(docs, "Service", f"{FULL}-router")
     assert {(p["name"], p["port"]) for p in svc["spec"]["ports"]} == {("http", 8000), ("grpc", 50051)}
     assert svc["spec"]["selector"] == {"v4serve.io/instance": RELEASE, "v4serve.io/component": "router"}
+
+
+def test_pools_deployment(chart):
+    docs = render(chart, {})
+    dep = one(docs, "Deployment", f"{FULL}-pools")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    pod = dep["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    assert set(c) >= {"startupProbe", "livenessProbe"} and "readinessProbe" not in c
+    for probe in ("startupProbe", "livenessProbe"):  # up to 30 min for the workers to load and register
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
+    assert pod["metadata"]["labels"]["v4serve.io/ray-member"] == "true"
+    assert {e["name"] for e in c["env"]} == {e["name"] for e in pod_spec(docs, "router")["containers"][0]["env"]}
+    args = pools_args(docs)
+    assert args[0] == "up" and {"--prefill=1", "--decode=1", "--kv-dtype=fp8_pack", "--max-seqs=64"} <= set(args)
+    # the Service's selector never matches the pools owner: clients only reach routers
+    svc = one(docs, "Service", f"{FULL}-router")["spec"]["selector"]
+    assert not svc.items() <= pod["metadata"]["labels"].items()
+
+
+def test_router_replicas(chart):
+    docs = render(chart, CONFIGS["many routers"])
+    dep = one(docs, "Deployment", f"{FULL}-router")
+    assert dep["spec"]["replicas"] == 6
+    assert one(docs, "Deployment", f"{FULL}-pools")["spec"]["replicas"] == 1  # whatever the routers
+    assert router_args(docs)[-1] == "--remote-prefill-threshold=1024"  # extraArgs last: they win
+    assert pod_spec(docs, "router")["affinity"]["podAntiAffinity"]
+    assert "affinity" not in pod_spec(docs, "pools") and pod_spec(docs, "pools")["nodeSelector"] == {"pool": "cpu"}
+    assert one(docs, "Deployment", f"{FULL}-pools")["spec"]["template"]["metadata"]["annotations"] == {"team": "serving"}
+    pdb = one(docs, "PodDisruptionBudget", f"{FULL}-router")["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"]["v4serve.io/component"] == "router"
+    assert one(docs, "PodDisruptionBudget", f"{FULL}-pools")["spec"]["maxUnavailable"] == 0
+    # one router: its PDB may forbid evictions
+    docs = render(chart, CONFIGS["one router"])
+    assert one(docs, "Deployment", f"{FULL}-router")["spec"]["replicas"] == 1
+    assert one(docs, "PodDisruptionBudget", f"{FULL}-router")["spec"]["maxUnavailable"] == 0
 
 
 def test_api_keys(chart):
     docs = render(chart, CONFIGS["auth keys"])
     secret = one(docs, "Secret", f"{FULL}-api-keys")
     assert sorted(secret["data"]) == ["api-key-0", "api-key-1"]
-    args = router_args(docs)
-    assert [a for a in args if a.startswith("--api-key")] == ["--api-key=$(V4SERVE_API_KEY_0)",
-                                                             "--api-key=$(V4SERVE_API_KEY_1)"]
-    assert "sk-aaaa" not in json.dumps(one(docs, "Deployment", f"{FULL}-router"))
+    for component in ("router", "pools"):  # the pools owner's own HTTP/gRPC is no open back door
+        args = v4serve_args(docs, component)
+        assert [a for a in args if a.startswith("--api-key")] == ["--api-key=$(V4SERVE_API_KEY_0)",
+                                                                 "--api-key=$(V4SERVE_API_KEY_1)"]
+        assert "sk-aaaa" not in json.dumps(one(docs, "Deployment", f"{FULL}-{component}"))
     docs = render(chart, CONFIGS["auth existing secret"])
     assert not find(docs, "Secret", f"{FULL}-api-keys")
-    env = one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["containers"][0]["env"]
-    refs = [e["valueFrom"]["secretKeyRef"] for e in env if e["name"].startswith("V4SERVE_API_KEY_")]
-    assert refs == [{"name": "client-keys", "key": k} for k in ("team-a", "team-b", "c")]
+    for component in ("router", "pools"):
+        env = pod_spec(docs, component)["containers"][0]["env"]
+        refs = [e["valueFrom"]["secretKeyRef"] for e in env if e["name"].startswith("V4SERVE_API_KEY_")]
+        assert refs == [{"name": "client-keys", "key": k} for k in ("team-a", "team-b", "c")]
     docs = render(chart, {})  # no keys given: one is generated
     assert len(one(docs, "Secret", f"{FULL}-api-keys")["data"]["api-key"]) >= 48
 
 
 def test_tls(chart):
     docs = render(chart, CONFIGS["tls"])
-    c = one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["containers"][0]
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    assert {"name": "tls", "mountPath": "/etc/v4serve/tls", "readOnly": True} in c["volumeMounts"]
-    args = router_args(docs)
-    assert "--tls-cert=/etc/v4serve/tls/tls.crt" in args and "--tls-key=/etc/v4serve/tls/tls.key" in args
+    for component, probe in (("router", "readinessProbe"), ("pools", "startupProbe")):
+        c = pod_spec(docs, component)["containers"][0]
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+        assert {"name": "tls", "mountPath": "/etc/v4serve/tls", "readOnly": True} in c["volumeMounts"]
+        args = v4serve_args(docs, component)
+        assert "--tls-cert=/etc/v4serve/tls/tls.crt" in args and "--tls-key=/etc/v4serve/tls/tls.key" in args
     sm = one(docs, "ServiceMonitor", f"{FULL}-router")
     assert sm["spec"]["endpoints"][0]["scheme"] == "https"
 
@@ -303,12 +367,14 @@ def test_external_redis(chart):
     docs = render(chart, CONFIGS["external redis url"])
     assert not find(docs, "StatefulSet") and not find(docs, "NetworkPolicy", f"{FULL}-redis")
     assert not find(docs, "PodDisruptionBudget", f"{FULL}-redis")
-    env = {e["name"]: e for e in one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-redis-url", "key": "redis-url"}
-    assert "REDIS_PASSWORD" not in env
+    for component in ("router", "pools"):
+        env = {e["name"]: e for e in pod_spec(docs, component)["containers"][0]["env"]}
+        assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-redis-url", "key": "redis-url"}
+        assert "REDIS_PASSWORD" not in env
     docs = render(chart, CONFIGS["external redis secret"])
-    env = {e["name"]: e for e in one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "url"}
+    for component in ("router", "pools"):
+        env = {e["name"]: e for e in pod_spec(docs, component)["containers"][0]["env"]}
+        assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "url"}
     assert not find(docs, "Secret", f"{FULL}-redis-url")
 
 
@@ -322,6 +388,11 @@ def test_network_policies(chart):
     assert ray["ingress"][0] == {"from": [members]}
     router = one(docs, "NetworkPolicy", f"{FULL}-router")["spec"]
     assert "from" not in router["ingress"][0]  # anyone may call the API (keys still apply)
+    # ...of the routers: the pools owner is open to the Ray nodes only
+    pools = one(docs, "Deployment", f"{FULL}-pools")["spec"]["template"]["metadata"]["labels"]
+    selecting = [n["metadata"]["name"] for n in find(docs, "NetworkPolicy")
+                 if n["spec"]["podSelector"]["matchLabels"].items() <= pools.items()]
+    assert selecting == [f"{FULL}-ray"]
     # every pod that is a Ray node carries the member label the policies rely on
     for doc in docs:
         for where, template in pod_templates(doc):
@@ -353,8 +424,12 @@ def test_ray_autoscaling(chart):
     config = AutoscalerConfig.from_dict(json.loads(cm["data"]["autoscale.json"]))  # what the policy will read
     assert config.decode.max_replicas == 8 and config.decode.page_target == 0.85
     assert config.prefill.target == 8192 and config.prefill.down_cooldown_s == 120
-    args = router_args(docs)
+    args = pools_args(docs)
     assert "--autoscale=policy" in args and "--autoscale-config=/etc/v4serve/autoscale/autoscale.json" in args
+    pools = one(docs, "Deployment", f"{FULL}-pools")["spec"]["template"]
+    assert {"name": "autoscale", "configMap": {"name": f"{FULL}-autoscale"}} in pools["spec"]["volumes"]
+    assert "checksum/autoscale" in pools["metadata"]["annotations"]  # a policy change restarts the owner
+    assert "--autoscale=policy" not in router_args(docs)
 
 
 def test_keda(chart):
@@ -373,9 +448,22 @@ def test_keda(chart):
         trigger = so["triggers"][0]
         assert trigger["type"] == "prometheus"
         assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold"}
-        assert f'pool="{role}"' in trigger["metadata"]["query"] and "v4serve_queue_depth" in trigger["metadata"]["query"]
+        # prefill on queued prefill tokens per worker, decode on waiting requests per worker
+        metric, threshold = {"prefill": ("v4serve_queued_prefill_tokens", "8192"),
+                             "decode": ("v4serve_queue_depth", "4")}[role]
+        assert trigger["metadata"]["query"] == (f'max({metric}{{namespace="{NAMESPACE}",service="{FULL}-router",'
+                                                f'pool="{role}"}}) or vector(0)')
+        assert trigger["metadata"]["threshold"] == threshold and trigger["metricType"] == "AverageValue"
+        if role == "decode":  # and page pressure, in workers' worth of pages, as the Ray policy
+            pages = so["triggers"][1]
+            sel = f'{{namespace="{NAMESPACE}",service="{FULL}-router",pool="decode"}}'
+            assert pages["metadata"]["query"] == (f"(max(v4serve_kv_pages_in_use{sel}) / "
+                                                  f"(max(v4serve_kv_pages_per_worker{sel}) > 0)) or vector(0)")
+            assert pages["metadata"]["threshold"] == "0.85"
+        else:
+            assert len(so["triggers"]) == 1
         assert so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"][0]["value"] == 1
-    assert "--autoscale=follow" in router_args(docs)
+    assert "--autoscale=follow" in pools_args(docs)
     assert one(render(chart, CONFIGS["keda with auth ref"]), "ScaledObject", f"{FULL}-decode")["spec"]["triggers"][0][
         "authenticationRef"] == {"name": "prom-auth"}
 
@@ -385,7 +473,7 @@ def test_no_prefill_pool(chart):
     groups = [g["groupName"] for g in one(docs, "RayCluster", FULL)["spec"]["workerGroupSpecs"]]
     assert groups == ["decode"]
     assert not find(docs, "PodDisruptionBudget", f"{FULL}-prefill")
-    assert "--prefill=0" in router_args(docs)
+    assert "--prefill=0" in pools_args(docs)
 
 
 # --- bad values fail at install time ----------------------------------------------------------
@@ -414,6 +502,12 @@ BAD_VALUES = {
     "bad pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     "bad servicemonitor interval": ({"serviceMonitor": {"enabled": True, "interval": "often"}}, "/serviceMonitor"),
     "pdb percentage typo": ({"podDisruptionBudgets": {"router": {"maxUnavailable": "50"}}}, "maxUnavailable"),
+    "replicated pools owner": ({"pools": {"replicas": 2}}, "/pools"),  # one owner: there is no such key
+    "pools owner without a cpu request": ({"pools": {"resources": {"requests": {"cpu": None, "memory": "1Gi"}}}},
+                                          "/pools/resources"),
+    "router extra args not strings": ({"router": {"extraArgs": [3]}}, "/router/extraArgs/0"),
+    "keda threshold of the old name": ({"autoscaling": {"prefill": {"minReplicas": 1, "maxReplicas": 2,
+                                                                    "queueDepthPerReplica": 8}}}, "/autoscaling/prefill"),
 }
 
 
@@ -433,7 +527,6 @@ BAD_COMBINATIONS = {
                       "minReplicas (4) > maxReplicas (2)"),
     "start size outside bounds": ({"serving": {"decode": 5}, "autoscaling": {"mode": "ray"}},
                                   "serving.decode (5) must lie within"),
-    "several routers": ({"router": {"replicas": 2}}, "router-only mode"),
 }
 
 

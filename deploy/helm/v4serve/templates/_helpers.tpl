@@ -136,7 +136,7 @@ v4serve.io/instance: {{ .Release.Name }}
 {{ include "v4serve.fullname" . }}-redis
 {{- end }}
 
-{{/* REDIS_URL for the process that owns the pools; the workers receive it from there */}}
+{{/* REDIS_URL for the v4serve processes (pools owner, routers); the workers receive it from the owner */}}
 {{- define "v4serve.redisEnv" -}}
 {{- if eq .Values.redis.mode "internal" -}}
 - name: REDIS_PASSWORD
@@ -304,4 +304,141 @@ spec:
     - name: tmp
       emptyDir: {}
     {{- include "v4serve.modelVolume" $ | nindent 4 }}
+{{- end }}
+
+{{/* ---- the v4serve processes: pools owner (`v4serve up`) and routers (`v4serve router`) --- */}}
+{{/* flags both take, which must agree: the same checkpoint, pools (cluster name), context length */}}
+{{- define "v4serve.servingArgs" -}}
+{{- $keys := include "v4serve.apiKeyNames" . | fromYamlArray -}}
+- --model={{ include "v4serve.modelDir" . }}
+- --cluster={{ include "v4serve.fullname" . }}
+- --host=0.0.0.0
+- --http-port={{ .Values.router.httpPort }}
+- --grpc-port={{ .Values.router.grpcPort }}
+- --max-model-len={{ .Values.serving.maxModelLen }}
+- --remote-prefill-threshold={{ .Values.serving.remotePrefillThreshold }}
+{{- if .Values.auth.enabled }}
+{{- range $i, $_ := $keys }}
+- --api-key=$(V4SERVE_API_KEY_{{ $i }})
+{{- end }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+{{- end }}
+{{- end }}
+
+{{/* The pod of a v4serve process: it joins the RayCluster as a node without resources (a Ray
+     driver must run on a Ray node; no actor lands there) and then execs `v4serve <args>` against
+     it. (dict "ctx" $ "component" "pools"|"router" "pod" <values section> "args" <yaml list>
+     "probes" (dict "<probe>" "<path>") "autoscale" bool) */}}
+{{- define "v4serve.servingPod" -}}
+{{- $ := .ctx }}
+{{- $pod := .pod }}
+{{- $keys := include "v4serve.apiKeyNames" $ | fromYamlArray -}}
+metadata:
+  labels:
+    {{- include "v4serve.componentLabels" (dict "ctx" $ "component" .component) | nindent 4 }}
+    {{- include "v4serve.rayMemberLabel" $ | nindent 4 }}
+  {{- if or .autoscale $pod.podAnnotations }}
+  annotations:
+    {{- if .autoscale }}
+    checksum/autoscale: {{ include (print $.Template.BasePath "/configmap.yaml") $ | sha256sum }}
+    {{- end }}
+    {{- with $pod.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "v4serve.serviceAccountName" $ }}
+  automountServiceAccountToken: false
+  securityContext:
+    {{- toYaml $.Values.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: {{ $pod.terminationGracePeriodSeconds }}
+  {{- with $.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $pod.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $pod.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $pod.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .component }}
+      image: {{ include "v4serve.image" $ }}
+      imagePullPolicy: {{ $.Values.image.pullPolicy }}
+      # join the RayCluster as a node without resources, then run v4serve against it: the args
+      # after the script are v4serve's own
+      command: ["/usr/bin/tini", "--", "/bin/sh", "-ec"]
+      args:
+        - >-
+          ray start --address="$RAY_HEAD_ADDRESS" --num-cpus=0 --num-gpus=0 --disable-usage-stats;
+          exec v4serve "$@"
+        - v4serve
+        {{- .args | nindent 8 }}
+      env:
+        - name: RAY_HEAD_ADDRESS
+          value: {{ include "v4serve.rayHeadAddress" $ }}
+        - name: RAY_ADDRESS
+          value: auto  # the node `ray start` just joined
+        {{- include "v4serve.rayAuthEnv" $ | nindent 8 }}
+        {{- include "v4serve.redisEnv" $ | nindent 8 }}
+        {{- if $.Values.auth.enabled }}
+        {{- range $i, $k := $keys }}
+        - name: V4SERVE_API_KEY_{{ $i }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "v4serve.apiKeysSecret" $ }}
+              key: {{ $k }}
+        {{- end }}
+        {{- end }}
+        - name: XDG_CACHE_HOME
+          value: /tmp/cache
+        {{- with $pod.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        - {name: http, containerPort: {{ $.Values.router.httpPort }}}
+        - {name: grpc, containerPort: {{ $.Values.router.grpcPort }}}
+      {{- range $probe, $path := .probes }}
+      {{ $probe }}:
+        httpGet: {path: {{ $path }}, port: http, scheme: {{ include "v4serve.httpScheme" $ }}}
+        periodSeconds: {{ (index $pod $probe).periodSeconds }}
+        failureThreshold: {{ (index $pod $probe).failureThreshold }}
+      {{- end }}
+      resources:
+        {{- toYaml $pod.resources | nindent 8 }}
+      securityContext:
+        {{- include "v4serve.containerSecurityContext" (dict "rdma" false) | nindent 8 }}
+      volumeMounts:
+        - {name: tmp, mountPath: /tmp}
+        {{- include "v4serve.modelMount" $ | nindent 8 }}
+        {{- if $.Values.tls.enabled }}
+        - {name: tls, mountPath: {{ $.Values.tls.mountPath }}, readOnly: true}
+        {{- end }}
+        {{- if .autoscale }}
+        - {name: autoscale, mountPath: /etc/v4serve/autoscale, readOnly: true}
+        {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir: {}
+    {{- include "v4serve.modelVolume" $ | nindent 4 }}
+    {{- if $.Values.tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ $.Values.tls.secretName }}
+    {{- end }}
+    {{- if .autoscale }}
+    - name: autoscale
+      configMap:
+        name: {{ include "v4serve.fullname" $ }}-autoscale
+    {{- end }}
 {{- end }}
