@@ -1,0 +1,63 @@
+"""Plots of the recorded GPU results in docs/results/ → docs/img/*.png (for docs/benchmarks.md).
+
+    python benchmarks/plot_gpu_results.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS, IMG = ROOT / "docs" / "results", ROOT / "docs" / "img"
+
+
+def decode_step() -> None:
+    r = json.loads((RESULTS / "decode_step_h100.json").read_text())
+    rows = r["decode"]
+    labels = [f"B={d['batch']}\n{d['context'] // 1024}K" for d in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([i - 0.2 for i in x], [d["ms_per_layer"] for d in rows], 0.4, label="measured (CUDA graph)")
+    ax.bar([i + 0.2 for i in x], [d["roofline_ms"] / r["layers"] for d in rows], 0.4, label="bytes roofline")
+    for i, d in zip(x, rows):
+        ax.text(i - 0.2, d["ms_per_layer"], f"{d['fraction_of_roofline']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms per layer")
+    ax.set_title(f"V4-Flash decode step, {r['layers']} full-width layers, {r['ceilings']['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(IMG / "decode_step_h100.png", dpi=110)
+
+
+def kv_transfer() -> None:
+    r = json.loads((RESULTS / "kv_transfer_2xh200.json").read_text())
+    ipc = [s for s in r["sizes"] if s["path"] == "ipc"]
+    ucx = [s for s in r["sizes"] if s["path"] == "ucx"]
+    mb = [s["bytes"] / 1e6 for s in ipc]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(mb, [s["torch_copy_GBps"] for s in ipc], "k--", marker="o", label="plain D2D copy (GPU time)")
+    ax.plot(mb, [s["bytes"] / s["gpu_write_s_median"] / 1e9 for s in ipc], marker="o",
+            label="kvtransfer CUDA IPC, GPU time")
+    ax.plot(mb, [s["write_GBps"] for s in ipc], marker="o", label="kvtransfer CUDA IPC, wall (send → landed)")
+    ax.plot(mb, [s["write_GBps"] for s in ucx], marker="o", label="kvtransfer UCX, wall")
+    for s, m in zip(ipc, mb):
+        ax.annotate(f"{s['tokens'] // 1024}K", (m, s["torch_copy_GBps"]), textcoords="offset points", xytext=(0, 6))
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per hand-off (MB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("One V4-Flash request GPU0 → GPU1 (2× H200)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "kv_transfer_2xh200.png", dpi=110)
+
+
+if __name__ == "__main__":
+    IMG.mkdir(parents=True, exist_ok=True)
+    decode_step()
+    kv_transfer()
