@@ -89,9 +89,14 @@ class Receiver:
         self.grace_s = grace_s
         self.remember_s = remember_s
         self._faults = faults
-        self._notifier = F.Notifier(agent, faults)
+        self._notifier = F.Notifier(agent, faults, self.metrics)
         self._res: dict[str, _Reservation] = {}
         self._finished: dict[str, float] = {}   # claimed/released ids -> forget at (dup filter)
+
+    def set_faults(self, plan: F.FaultPlan | None) -> None:
+        """Replace the fault plan (tests and the chaos suite); None turns injection off."""
+        self._faults = plan
+        self._notifier.set_plan(plan)
 
     # --- reservations
 
@@ -227,9 +232,12 @@ class Receiver:
             if msg.request_id not in self._finished:    # late: lease over and pages freed
                 self.metrics.failed("late_done")
                 self._notifier.send(src, Ack(msg.request_id, msg.target_epoch, ACK_EXPIRED, 0.0))
+            else:
+                self.metrics.ignore("duplicate")
             return None
         res.sender = res.sender or src
         if msg.attempt <= res.attempt:
+            self.metrics.ignore("duplicate")
             return None                  # duplicate notification
         res.attempt = msg.attempt
         if res.state == "fencing":       # the writer finished: nothing of it is in flight
@@ -240,6 +248,7 @@ class Receiver:
             return None
         F.kill_point(self._faults, F.RECEIVER_BEFORE_VERIFY)
         if self._faults is not None and self._faults.corrupt_after_write:
+            self.metrics.inject("corrupt_after_write")
             self._flip_one_byte(res)
         bad = self._verify(res, msg)
         pages = tuple(res.pages.items())
