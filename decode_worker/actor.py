@@ -101,6 +101,10 @@ class DecodeWorker:
                 "counts": dict(self.inbound.counts + self.outbound.counts),
                 "transfers": self.receiver.metrics.snapshot(), "sent": self.sender.metrics.snapshot()}
 
+    def written_pages(self) -> dict[str, list[int]]:
+        """Per pool, the pages holding any non-zero byte (tests: what was ever written here)."""
+        return {k: torch.nonzero(b.ne(0).any(dim=1)).flatten().tolist() for k, b in self.pools.buffers.items()}
+
     def set_faults(self, sender: FaultPlan | None = None, receiver: FaultPlan | None = None) -> None:
         """Fault injection into this worker's transfers (tests and the chaos suite)."""
         self.sender.set_faults(sender)

@@ -39,6 +39,7 @@ class _Lost:
     """The decode worker under a request died: the last item of `_generate_once` instead of a chunk."""
 
     worker_id: str
+    epoch: str  # its incarnation: a worker restarted under the same name is a new one, usable again
     request_id: str  # the request's id there
     prefill_id: str | None  # the prefill worker that computed its KV there (None: local, or migrated in)
 
@@ -53,9 +54,10 @@ class ClusterBackend:
         self.max_retargets = max_retargets  # decode workers a request may lose before it fails
         self.index = PrefixIndex(placement.page_size)
         self.loads: dict[str, WorkerLoad] = {}
+        self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
         self.placed = Counter()  # worker id → requests placed here since its last load report
         self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
-        self._actors: dict[str, object] = {}
+        self._actors: dict[str, tuple[str | None, object]] = {}  # worker id → (incarnation, handle)
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -87,6 +89,7 @@ class ClusterBackend:
         for gone in set(self.loads) - set(fresh):
             self.index.remove_worker(gone)
         self.loads = fresh
+        self.epochs = {w.worker_id: w.epoch for w in workers}
         self.placed.clear()
         if self.metrics is not None:
             for role in ("prefill", "decode"):
@@ -121,9 +124,13 @@ class ClusterBackend:
                 for l in self.loads.values() if l.role == role and not l.draining]
 
     def _actor(self, worker_id: str):
-        if worker_id not in self._actors:
-            self._actors[worker_id] = ray.get_actor(worker_id)
-        return self._actors[worker_id]
+        """The actor of `worker_id`, looked up again once the registry shows a new incarnation
+        (a worker restarted under the same name is another actor)."""
+        epoch = self.epochs.get(worker_id)
+        cached = self._actors.get(worker_id)
+        if cached is None or cached[0] != epoch:
+            cached = self._actors[worker_id] = (epoch, ray.get_actor(worker_id))
+        return cached[1]
 
     async def generate(self, req: GenerateRequest):
         """Stream `req`'s chunks. If its decode worker dies, the request moves to another one: it
@@ -132,7 +139,7 @@ class ClusterBackend:
         is a pure function of (logits, seed, position) the stream goes on with the tokens it
         would have had."""
         generated: list[int] = []
-        lost: set[str] = set()  # decode workers that died under this request
+        lost: set[tuple[str, str]] = set()  # (worker id, incarnation) of decode workers that died under it
         repull: tuple[str, str] | None = None  # (prefill worker, request id) holding the KV of a lost attempt
         retargeted = False  # the next token chunk tells how (its transfer stats), and is counted then
         while True:
@@ -161,7 +168,7 @@ class ClusterBackend:
                     return
             if outcome is None:
                 return
-            lost.add(outcome.worker_id)
+            lost.add((outcome.worker_id, outcome.epoch))
             repull = (outcome.prefill_id, outcome.request_id) if outcome.prefill_id and not generated else None
             retargeted = True
             log.warning("decode worker %s lost under %s after %d tokens: retargeting (%s)", outcome.worker_id,
@@ -174,11 +181,11 @@ class ClusterBackend:
         if self.metrics is not None:
             self.metrics.request_retargeted(path)
 
-    async def _generate_once(self, req: GenerateRequest, exclude: set[str], client_id: str,
+    async def _generate_once(self, req: GenerateRequest, exclude: set[tuple[str, str]], client_id: str,
                              repull: tuple[str, str] | None = None):
         """One placement and one streaming call, following the request when it migrates. Yields
         chunks, or a `_Lost` last if the decode worker under it died."""
-        decode_loads = [l for l in self._view("decode") if l.worker_id not in exclude]
+        decode_loads = [l for l in self._view("decode") if (l.worker_id, self.epochs.get(l.worker_id)) not in exclude]
         where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads,
                       self._view("prefill"), self.placement, tie_key=req.request_id)
         if where is None:
@@ -186,6 +193,7 @@ class ClusterBackend:
             return
         self.placed[where.decode_id] += 1
         worker_id, rid, prefill_id, repull_id = where.decode_id, req.request_id, where.prefill_id, None
+        epoch = self.epochs.get(worker_id, "")
         if repull is not None:  # the KV is held by that prefill worker: it alone can re-send it
             prefill_id, repull_id = repull
         if prefill_id is not None:
@@ -193,7 +201,7 @@ class ClusterBackend:
         try:
             decode = self._actor(worker_id)
         except ValueError:  # removed since our last registry view (scale-down): as if it died
-            yield _Lost(worker_id, rid, None)
+            yield _Lost(worker_id, epoch, rid, None)
             return
         try:
             prefill = self._actor(prefill_id) if prefill_id is not None else None
@@ -212,7 +220,7 @@ class ClusterBackend:
                         break
                     if attached and chunk.error is not None and chunk.error.code is ErrorCode.NO_WORKER:
                         finished = True  # it migrated there, but that worker no longer has it
-                        yield _Lost(worker_id, rid, None)
+                        yield _Lost(worker_id, epoch, rid, None)
                         return
                     attached = False
                     self._transfer_metrics(chunk)
@@ -226,19 +234,20 @@ class ClusterBackend:
                     return
                 # migrated: the rest of the stream comes from the target, not a token lost or repeated
                 worker_id, rid, prefill_id, attached = moved.worker_id, moved.request_id, None, True
+                epoch = self.epochs.get(worker_id, "")
                 self.decode_of[client_id] = (worker_id, rid)
                 self._retargeted("migrate")
                 try:
                     decode = self._actor(worker_id)
                 except ValueError:
                     finished = True
-                    yield _Lost(worker_id, rid, None)
+                    yield _Lost(worker_id, epoch, rid, None)
                     return
                 stream = decode.attach.options(num_returns="streaming").remote(rid)
         except ray.exceptions.RayActorError:
             self._actors.pop(worker_id, None)
             finished = True  # nothing left to abort there
-            yield _Lost(worker_id, rid, prefill_id)
+            yield _Lost(worker_id, epoch, rid, prefill_id)
         finally:
             self.decode_of.pop(client_id, None)
             if not finished:  # client went away: make sure the worker stops

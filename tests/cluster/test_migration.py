@@ -9,7 +9,11 @@ every output equals `v4serve generate` for the request alone, text included. Use
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,7 +62,7 @@ def requests(seed, n, prefix):
     rng = random.Random(seed)
     # prompts across the C128 boundary and past the sliding window (128), so every pool kind moves
     return [GenerateRequest(f"{prefix}{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(20, 300))),
-                            max_tokens=rng.randrange(50, 90), ignore_eos=True,
+                            max_tokens=rng.randrange(24, 40), ignore_eos=True,
                             sampling=SamplingParams(temperature=0.9 * (i % 2), top_k=40 * (i % 3), seed=i))
             for i in range(n)]
 
@@ -99,7 +103,7 @@ def check(reqs, got, oracle):
 
 
 def test_migrate_running_requests_continue_identically(cluster, oracle):
-    reqs = requests(1, 6, "mig")
+    reqs = requests(1, 5, "mig")
     d0, d1 = cluster.decode
 
     async def run():
@@ -126,9 +130,47 @@ def test_migrate_running_requests_continue_identically(cluster, oracle):
     assert_idle(cluster.prefill, prefill=True)
 
 
-def test_drain_with_migrate_moves_everything_and_goes_idle(cluster, oracle):
-    reqs = requests(2, 6, "drn")
-    d0, d1 = cluster.decode
+def test_autoscaler_scale_down_migrates_running_requests(cluster, oracle):
+    """The Ray actuator shrinks the decode pool under load: the drained worker's running requests
+    move to the other one instead of being waited for, and then it is removed."""
+    from cluster.autoscale_actuator import ActuatorOptions, RayActuator
+
+    reqs = requests(2, 5, "scl")
+
+    async def run():
+        registry = Registry(cluster.registry_url)
+        backend = ClusterBackend(registry, oracle[1], "tiny", 512, PlacementConfig(remote_prefill_threshold=64),
+                                 RouterMetrics(), refresh_s=0.1)
+        await backend.start()
+        await backend.wait_for_workers(prefill=1, decode=2)
+        events = [asyncio.Event() for _ in reqs]
+        tasks = [asyncio.ensure_future(collect(backend, r, e)) for r, e in zip(reqs, events)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+        actuator = RayActuator(cluster, registry, lambda loads, now: {"prefill": 1, "decode": 1},
+                               ActuatorOptions(interval_s=0.2, settle_s=0.5)).start()
+        got = await asyncio.gather(*tasks)
+        deadline = time.monotonic() + 60
+        while not any(e.kind == "removed" for e in actuator.events) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await actuator.stop()
+        await backend.stop()
+        return got, list(actuator.events)
+
+    got, events = asyncio.run(run())
+    check(reqs, got, oracle)
+    drained = [e for e in events if e.kind == "drained"]
+    assert len(drained) == 1 and drained[0].detail["idle"] and drained[0].detail["migrated"] > 0, events
+    assert [e.worker_id for e in events if e.kind == "removed"] == [drained[0].worker_id]
+    assert len(cluster.decode) == 1
+    assert_idle(cluster.decode)
+
+
+def test_v4serve_drain_cli_migrates_a_decode_worker(cluster, oracle):
+    """`v4serve drain WORKER` against the running cluster (a separate process joining its Ray)."""
+    added = cluster.add_worker("decode")  # the previous test left one decode worker
+    survivor = next(a for a in cluster.decode if a._actor_id != ray.get_actor(added)._actor_id)
+    victim = ray.get(survivor.start.remote())["worker_id"]
+    reqs = requests(3, 5, "cli")
 
     async def run():
         backend = ClusterBackend(Registry(cluster.registry_url), oracle[1], "tiny", 512,
@@ -138,14 +180,21 @@ def test_drain_with_migrate_moves_everything_and_goes_idle(cluster, oracle):
         events = [asyncio.Event() for _ in reqs]
         tasks = [asyncio.ensure_future(collect(backend, r, e)) for r, e in zip(reqs, events)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
-        before = (await d1.page_accounting.remote())["counts"].get("migrations_out", 0)
-        drained = await d1.drain.remote(settle_s=0.5, migrate=True)
+        before = (await survivor.page_accounting.remote())["counts"].get("migrations_out", 0)
+        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cluster.cli", "drain", victim,
+                                                       "--settle", "0.5"],
+                                      capture_output=True, text=True, timeout=300, env=env)
         got = await asyncio.gather(*tasks)
         await backend.stop()
-        return got, drained, before
+        return got, out, before
 
-    got, drained, before = asyncio.run(run())  # last in this module: decode-1 stays draining
+    got, out, before = asyncio.run(run())  # last in this module: the drained worker stays draining
+    assert out.returncode == 0, out.stderr
+    drained = json.loads(out.stdout.strip().splitlines()[-1])
     check(reqs, got, oracle)
-    assert drained["idle"] and drained["migrated"] > 0, drained
-    a0, a1 = assert_idle([d0, d1])
-    assert a1["counts"]["migrations_out"] - before == drained["migrated"]
+    assert drained["worker_id"] == victim and drained["idle"] and drained["migrated"] > 0, drained
+    accts = assert_idle(cluster.decode)
+    moved = sum(a["counts"].get("migrations_out", 0) for a in accts if a["counts"].get("migrations_out"))
+    assert ray.get(survivor.page_accounting.remote())["counts"]["migrations_out"] - before == drained["migrated"]
+    assert moved >= drained["migrated"]
