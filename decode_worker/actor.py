@@ -74,6 +74,7 @@ class DecodeWorker:
         self.peer_epochs: dict[str, str] = {}  # agent name → epoch loaded (acks reach it)
         self.draining = False
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
+        self.finished = 0  # requests that ended here with a finish reason
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -97,7 +98,9 @@ class DecodeWorker:
     def page_accounting(self) -> dict:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "transfers_idle": self.receiver.idle() and not self.sender.holding(),
-                "fallbacks": self.inbound.counts["fallbacks"],
+                "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
+                "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
+                "migrating": len(self.outbound.migrations), "epoch": self.agent.epoch,
                 "counts": dict(self.inbound.counts + self.outbound.counts),
                 "transfers": self.receiver.metrics.snapshot(), "sent": self.sender.metrics.snapshot()}
 
@@ -302,6 +305,7 @@ class DecodeWorker:
             queue = self.streams.get(chunk.request_id)
             if queue is not None:
                 queue.put_nowait(chunk)
+            self.finished += chunk.finish_reason is not None
             if chunk.error and self.unattached.pop(chunk.request_id, None) is not None:
                 del self.streams[chunk.request_id]  # a failed migration in: nobody will attach
 

@@ -108,7 +108,8 @@ class PrefillWorker:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping) + len(self.parked),
-                "streamed_pages": self.streamed_pages, "repulls": self.repulls,
+                "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.agent.epoch,
+                "queued": len(self.engine.waiting) + len(self.engine.running),
                 "transfers": self.sender.metrics.snapshot()}
 
     def set_faults(self, plan: FaultPlan | None) -> None:

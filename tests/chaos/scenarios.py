@@ -1,0 +1,245 @@
+"""The fault matrix: what each scenario breaks, when, and which metric must count it.
+
+Each `inject(bed, rng)` runs while the load is in flight, breaks one thing at a random point (a
+random delay, or the first moment the state it targets exists: a transfer awaited, a request
+decoding, a migration under way, a prompt queued), and returns a note of what it did. `counted`
+reads the run's metrics and says whether (and by how much) the fault was counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from kvtransfer.faults import RECEIVER_BEFORE_VERIFY, SENDER_AFTER_POST, SENDER_BEFORE_DONE, FaultPlan
+from tests.chaos.harness import Bed, Observed, metric, worker_sum
+
+RETARGETS = "v4serve_retargeted_requests_total"
+KV_FAILURES = "v4serve_kv_transfer_failures_total"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: str  # for the report
+    inject: Callable[[Bed, random.Random], Awaitable[str]]
+    counted: Callable[[Observed], tuple[bool, str]]  # (counted?, "metric = value")
+    ci: bool = False  # in the short CI subset
+    waves_s: float = 0.0  # > 0: every other request starts this much later (after a restart)
+    allow_errors: bool = False  # reason-coded failures are acceptable here
+
+
+# --- injection helpers ----------------------------------------------------------------------
+async def _pause(rng: random.Random, lo: float = 0.5, hi: float = 2.5) -> float:
+    t = rng.uniform(lo, hi)
+    await asyncio.sleep(t)
+    return t
+
+
+async def _window(bed: Bed, rng: random.Random, worker: str, *, sender: FaultPlan | None = None,
+                  receiver: FaultPlan | None = None, fired: tuple[str, ...]) -> str:
+    """Turn a fault plan on at a random moment, keep it until it fired (the worker's injected
+    counter at `fired` moved) or 20 s passed, then turn it off."""
+    t = await _pause(rng)
+    actor = bed.actor(worker)
+    before = await _injected(bed, worker, fired)
+    if worker.startswith("prefill"):
+        await actor.set_faults.remote(sender)
+    else:
+        await actor.set_faults.remote(sender=sender, receiver=receiver)
+
+    async def hit() -> bool:
+        return await _injected(bed, worker, fired) > before
+
+    ok = await bed.until(hit, 20.0, every_s=0.1)
+    await (actor.set_faults.remote(None) if worker.startswith("prefill") else actor.set_faults.remote())
+    return f"on {worker} at {t:.1f}s, " + ("fired" if ok else "never fired")
+
+
+async def _injected(bed: Bed, worker: str, path: tuple[str, ...]) -> int:
+    value = await bed.accounting(worker)
+    for key in path:
+        value = value.get(key, 0) if isinstance(value, dict) else 0
+    return value
+
+
+async def _when(bed: Bed, worker: str, field: str, timeout_s: float = 30.0) -> bool:
+    """Wait for the first moment `worker`'s page_accounting[field] is positive."""
+    async def now() -> bool:
+        return (await bed.accounting(worker)).get(field, 0) > 0
+
+    return await bed.until(now, timeout_s, every_s=0.02)
+
+
+async def _dies(bed: Bed, worker: str, timeout_s: float = 30.0) -> bool:
+    import ray
+
+    async def gone() -> bool:
+        try:
+            await bed.accounting(worker)
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+
+    ok = await bed.until(gone, timeout_s, every_s=0.1)
+    if ok:
+        bed.dead.add(worker)
+    return ok
+
+
+def _counted(label: str, value: float, need: float = 1) -> tuple[bool, str]:
+    return value >= need, f"{label} = {value:g}"
+
+
+# --- injections -----------------------------------------------------------------------------
+async def _nothing() -> str:
+    return "no fault"
+
+
+def message_fault(worker: str, side: str, plan: FaultPlan, fired: str):
+    async def inject(bed: Bed, rng: random.Random) -> str:
+        where = ("transfers" if side in ("receiver", "prefill") else "sent", "injected", fired)
+        kwargs = {"sender": plan} if side in ("sender", "prefill") else {"receiver": plan}
+        return await _window(bed, rng, worker, fired=where, **kwargs)
+    return inject
+
+
+async def kill_decode_mid_transfer(bed: Bed, rng: random.Random) -> str:
+    await _pause(rng, 0.2, 1.5)
+    found = await _when(bed, "decode-0", "awaiting")
+    bed.kill("decode-0")
+    return "ray.kill(decode-0) " + ("while it awaited KV" if found else "(no transfer seen)")
+
+
+async def crash_decode_at_verify(bed: Bed, rng: random.Random) -> str:
+    t = await _pause(rng, 0.2, 1.5)
+    await bed.actor("decode-0").set_faults.remote(receiver=FaultPlan(kill_at=RECEIVER_BEFORE_VERIFY))
+    died = await _dies(bed, "decode-0")
+    return f"decode-0 exits at its next TransferDone (armed at {t:.1f}s)" + ("" if died else ": never reached")
+
+
+async def kill_decode_mid_decode(bed: Bed, rng: random.Random) -> str:
+    await _pause(rng, 1.0, 3.0)
+    found = await _when(bed, "decode-0", "running")
+    await asyncio.sleep(rng.uniform(0.0, 1.0))
+    bed.kill("decode-0")
+    return "ray.kill(decode-0) " + ("while it decoded" if found else "(nothing running seen)")
+
+
+async def kill_migration_source(bed: Bed, rng: random.Random) -> str:
+    await _pause(rng, 1.0, 3.0)
+    await _when(bed, "decode-0", "running")
+    point = rng.choice([SENDER_AFTER_POST, SENDER_BEFORE_DONE])
+    await bed.actor("decode-0").set_faults.remote(sender=FaultPlan(kill_at=point))
+    bed.actor("decode-0").migrate.remote(to="decode-1")
+    died = await _dies(bed, "decode-0")
+    return f"decode-0 migrates to decode-1 and exits at {point}" + ("" if died else ": never reached")
+
+
+async def kill_migration_target(bed: Bed, rng: random.Random) -> str:
+    await _pause(rng, 1.0, 3.0)
+    await _when(bed, "decode-0", "running")
+    bed.actor("decode-0").migrate.remote(to="decode-1")
+    found = await _when(bed, "decode-0", "migrating", timeout_s=10.0)
+    await asyncio.sleep(rng.uniform(0.0, 0.1))
+    bed.kill("decode-1")
+    return "ray.kill(decode-1) " + ("while decode-0 migrated into it" if found else "(no migration seen)")
+
+
+async def rebalance(bed: Bed, rng: random.Random) -> str:
+    t = await _pause(rng, 1.0, 3.0)
+    await _when(bed, "decode-0", "running")
+    moved = await bed.actor("decode-0").migrate.remote()
+    return f"decode-0.migrate() at {t:.1f}s moved {sum(m['moved'] for m in moved)} of {len(moved)}"
+
+
+async def kill_prefill_mid_prefill(bed: Bed, rng: random.Random) -> str:
+    await _pause(rng, 0.2, 1.5)
+    found = await _when(bed, "prefill-0", "queued")
+    bed.kill("prefill-0")
+    return "ray.kill(prefill-0) " + ("with prompts queued" if found else "(nothing queued seen)")
+
+
+async def restart_registry(bed: Bed, rng: random.Random) -> str:
+    t = await _pause(rng)
+    down = rng.uniform(1.0, 3.0)
+    await bed.restart_registry(down)
+    return f"Valkey stopped at {t:.1f}s, a fresh one up {down:.1f}s later"
+
+
+def restart_worker(worker: str):
+    async def inject(bed: Bed, rng: random.Random) -> str:
+        t = await _pause(rng, 0.5, 2.0)
+        old = (await bed.accounting(worker))["epoch"]
+        new = await bed.restart(worker)
+        bed.dead.discard(worker)
+        return f"{worker} killed at {t:.1f}s, restarted under its name: epoch {old[:6]}→{new[:6]}"
+    return inject
+
+
+# --- what must be counted -------------------------------------------------------------------
+def retargeted(o: Observed, *paths: str) -> float:
+    return sum(metric(o, RETARGETS, path=p) for p in paths)
+
+
+def _failures(o: Observed, reason: str) -> float:
+    return metric(o, KV_FAILURES, reason=reason)
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("baseline", "none", lambda bed, rng: _nothing(), lambda o: (True, "-")),
+    Scenario("drop_done", "TransferDone dropped (prefill → decode)",
+             message_fault("prefill-0", "prefill", FaultPlan(drop=frozenset({"TransferDone"})), "drop_TransferDone"),
+             lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
+    Scenario("delay_done", "TransferDone delayed 1 s (within the lease)",
+             message_fault("prefill-0", "prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=1.0),
+                           "delay_TransferDone"),
+             lambda o: _counted("prefill injected delay_TransferDone",
+                                worker_sum(o, "transfers", "injected", "delay_TransferDone"))),
+    Scenario("delay_done_past_lease", "TransferDone delayed past the lease",
+             message_fault("prefill-0", "prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=4.5),
+                           "delay_TransferDone"),
+             lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
+    Scenario("duplicate_done", "TransferDone sent twice",
+             message_fault("prefill-0", "prefill", FaultPlan(duplicate=frozenset({"TransferDone"})),
+                           "duplicate_TransferDone"),
+             lambda o: _counted("decode ignored{duplicate}", worker_sum(o, "transfers", "ignored", "duplicate"))),
+    Scenario("drop_ack", "Ack dropped (decode → prefill)",
+             message_fault("decode-0", "receiver", FaultPlan(drop=frozenset({"Ack"})), "drop_Ack"),
+             lambda o: _counted("prefill failures{lease_expired}",
+                                worker_sum(o, "transfers", "failures", "lease_expired"))),
+    Scenario("truncated_write", "writes truncated to half", ci=True,
+             inject=message_fault("prefill-0", "prefill", FaultPlan(truncate_write=0.5), "truncate_write"),
+             counted=lambda o: _counted("kv_transfer_failures{corrupt}", _failures(o, "corrupt"))),
+    Scenario("corrupted_write", "one byte flipped after the write",
+             message_fault("decode-0", "receiver", FaultPlan(corrupt_after_write=True), "corrupt_after_write"),
+             lambda o: _counted("kv_transfer_failures{corrupt}", _failures(o, "corrupt"))),
+    Scenario("stall_past_lease", "sender stalls past the lease before writing",
+             message_fault("prefill-0", "prefill", FaultPlan(stall_before_write_s=3.5), "stall_before_write"),
+             lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
+    Scenario("kill_decode_mid_transfer", "decode actor killed while awaiting KV", kill_decode_mid_transfer,
+             lambda o: _counted("retargeted{repull,recompute}", retargeted(o, "repull", "recompute"))),
+    Scenario("crash_decode_at_verify", "decode process exits when TransferDone arrives", crash_decode_at_verify,
+             lambda o: _counted("retargeted{repull}", retargeted(o, "repull")), ci=True),
+    Scenario("kill_decode_mid_decode", "decode actor killed while decoding", kill_decode_mid_decode,
+             lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull"))),
+    Scenario("rebalance", "none: running requests migrated under load", rebalance,
+             lambda o: _counted("retargeted{migrate}", retargeted(o, "migrate"))),
+    Scenario("kill_migration_source", "migration source exits mid-migration", kill_migration_source,
+             lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull")), ci=True),
+    Scenario("kill_migration_target", "migration target killed mid-migration", kill_migration_target,
+             lambda o: _counted("migrations_out_failed + retargeted{recompute}",
+                                worker_sum(o, "counts", "migrations_out_failed") + retargeted(o, "recompute"))),
+    Scenario("kill_prefill_mid_prefill", "prefill actor killed with prompts queued", kill_prefill_mid_prefill,
+             lambda o: _counted("kv_transfer_failures{prefill_failed}", _failures(o, "prefill_failed"))),
+    Scenario("restart_redis", "Valkey stopped and restarted empty", restart_registry,
+             lambda o: _counted("registry_errors", metric(o, "v4serve_registry_errors_total"))),
+    Scenario("restart_decode_same_name", "decode-0 killed and restarted under its name",
+             restart_worker("decode-0"), waves_s=9.0,
+             counted=lambda o: _counted("new decode-0 finished requests", o.workers["decode-0"]["finished"])),
+    Scenario("restart_prefill_same_name", "prefill-0 killed and restarted under its name",
+             restart_worker("prefill-0"), waves_s=9.0,
+             counted=lambda o: _counted("new prefill-0 transfers", o.workers["prefill-0"]["transfers"]["transfers"])),
+)
