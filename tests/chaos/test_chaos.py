@@ -18,12 +18,24 @@ CI = [s for s in SCENARIOS if s.ci]
 FULL = [s for s in SCENARIOS if not s.ci]
 
 
-@pytest.fixture(scope="module")
-def load_and_refs(tiny_official_ckpt):
-    load = make_load(0, REQUESTS)
-    yield load, references(tiny_official_ckpt, load)
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    yield
     if ray.is_initialized():  # the suite's Ray (harness.ensure_ray): later modules start their own
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_load(tiny_official_ckpt):
+    """The CI subset's load: fewer, shorter requests (their references are most of its time)."""
+    load = make_load(0, 8, max_tokens=(12, 28))
+    return load, references(tiny_official_ckpt, load)
+
+
+@pytest.fixture(scope="module")
+def full_load(tiny_official_ckpt):
+    load = make_load(0, REQUESTS)
+    return load, references(tiny_official_ckpt, load)
 
 
 def _run(scenario, ckpt, load_and_refs):
@@ -34,11 +46,11 @@ def _run(scenario, ckpt, load_and_refs):
 
 
 @pytest.mark.parametrize("scenario", CI, ids=[s.name for s in CI])
-def test_chaos_subset(scenario, tiny_official_ckpt, load_and_refs):
-    _run(scenario, tiny_official_ckpt, load_and_refs)
+def test_chaos_subset(scenario, tiny_official_ckpt, small_load):
+    _run(scenario, tiny_official_ckpt, small_load)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", FULL, ids=[s.name for s in FULL])
-def test_chaos_matrix(scenario, tiny_official_ckpt, load_and_refs):
-    _run(scenario, tiny_official_ckpt, load_and_refs)
+def test_chaos_matrix(scenario, tiny_official_ckpt, full_load):
+    _run(scenario, tiny_official_ckpt, full_load)
