@@ -36,7 +36,7 @@ from cluster.registry import Registry, WorkerInfo
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
-from kvtransfer.agent import Agent
+from kvtransfer.agent import Agent, split_nixl_name
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
@@ -45,6 +45,10 @@ from model.kv_pool import KVPools
 from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+# Pages a sender began writing are reused only once it fences, or is known gone (see Receiver): no
+# fixed grace bounds how long a broken network can hold a posted write back. This caps the wait.
+FENCE_WAIT_S = 120.0
 
 
 class DecodeWorker:
@@ -61,7 +65,7 @@ class DecodeWorker:
         # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
         self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
-        self.receiver = Receiver(self.agent, self.pools, self.layout)
+        self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)
         self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)  # migrations out
         self.inbound = Inbound(self.receiver, self.pools, self.engine)
         self.outbound = Outbound(self.sender, self.pools, self.engine)
@@ -76,6 +80,7 @@ class DecodeWorker:
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
         self.finished = 0  # requests that ended here with a finish reason
         self._tasks: list[asyncio.Task] = []
+        self._sender_check: asyncio.Future | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -124,12 +129,11 @@ class DecodeWorker:
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
         try:
-            if prefill is not None:
-                prefill = await self._connect(prefill)
+            sender = None if prefill is None else await self._connect(prefill)
         except BaseException:  # the caller went away before anything started
             self.streams.pop(req.request_id, None)
             raise
-        self.commands.put(lambda: self._start(req, prefill, repull_id))
+        self.commands.put(lambda: self._start(req, prefill if sender else None, repull_id, sender))
         async for chunk in self._stream(req.request_id, queue):
             yield chunk
 
@@ -157,29 +161,29 @@ class DecodeWorker:
             if not finished:  # the caller went away: abort everywhere
                 self.commands.put(lambda: self._abort(request_id))
 
-    async def _connect(self, prefill):
-        """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it.
-        Returns None — local prefill — if it cannot be reached."""
+    async def _connect(self, prefill) -> str | None:
+        """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it; its
+        NIXL name, or None — local prefill — if it cannot be reached."""
         try:
             name, epoch, metadata = await prefill.peer_info.remote()
         except Exception as e:
             log.warning("prefill worker unreachable, prefilling locally: %s", e)
             return None
-        self._load_peer(name, epoch, metadata)
-        return prefill
+        return self._load_peer(name, epoch, metadata)
 
-    def _load_peer(self, name: str, epoch: str, metadata: bytes) -> None:
+    def _load_peer(self, name: str, epoch: str, metadata: bytes) -> str:
         if self.peer_epochs.get(name) != epoch:
             self.agent.add_peer(name, metadata)
             self.peer_epochs[name] = epoch
+        return self.agent.peer(name).nixl_name
 
     async def abort(self, request_id: str) -> bool:
         self.commands.put(lambda: self._abort(request_id))
         return True
 
-    def _start(self, req: GenerateRequest, prefill, repull_id: str | None) -> None:
+    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, sender: str | None) -> None:
         target = None if prefill is None else self.inbound.expect_prefill(
-            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill)
+            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill, sender)
         if target is None:  # local prefill, or no room for a transfer now: queue for local prefill
             self.engine.submit(req)
             return
@@ -264,12 +268,12 @@ class DecodeWorker:
         rid = req.request_id
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} already in progress")
-        self._load_peer(source_name, source_epoch, source_metadata)
+        sender = self._load_peer(source_name, source_epoch, source_metadata)
         self.streams[rid] = asyncio.Queue()
         self.unattached[rid] = time.time() + 2 * self.options.lease_s + 5.0
         try:
             target = await self.commands.call(lambda: self.inbound.expect_migration(req, num_tokens,
-                                                                                    self.options.lease_s))
+                                                                                    self.options.lease_s, sender))
         except BaseException:
             self.streams.pop(rid, None)
             self.unattached.pop(rid, None)
@@ -284,6 +288,7 @@ class DecodeWorker:
                 self._route(self.inbound.poll())
                 self._route(self.outbound.poll())
                 self._expire_unattached()
+                self._check_senders()
                 if self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
                 elif self.inbound or self.outbound:
@@ -314,6 +319,28 @@ class DecodeWorker:
         for rid in [rid for rid, until in self.unattached.items() if now > until]:
             log.warning("migrated request %s was never attached: aborting it", rid)
             self._abort(rid)
+
+    def _check_senders(self) -> None:
+        """Pages held for a sender's Fenced: is that sender (that incarnation) still there?"""
+        if self._sender_check is not None and not self._sender_check.done():
+            return
+        senders = self.receiver.unfenced_senders()
+        if senders:
+            self._sender_check = asyncio.ensure_future(self._gone(senders))
+
+    async def _gone(self, senders: set[str]) -> None:
+        for nixl_name in senders:
+            name, epoch = split_nixl_name(nixl_name)  # agent name = worker id = actor name
+            try:
+                actor = await asyncio.to_thread(ray.get_actor, name)
+                gone = (await asyncio.wait_for(actor.peer_info.remote(), 5.0))[1] != epoch
+            except (ValueError, ray.exceptions.RayActorError):
+                gone = True
+            except Exception:  # unreachable (a partition): it may still write, keep its pages
+                gone = False
+            if gone:
+                self.commands.put(lambda n=nixl_name: self.receiver.sender_gone(n))
+        await asyncio.sleep(1.0)  # at most one round a second
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
         """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)

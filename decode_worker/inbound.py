@@ -68,17 +68,18 @@ class Inbound:
     def __bool__(self) -> bool:
         return bool(self.awaiting)
 
-    def expect_prefill(self, req: GenerateRequest, source: str, lease_s: float, prefill):
-        """Reserve the pages `req`'s prompt resumes from; None when they are not free now."""
+    def expect_prefill(self, req: GenerateRequest, source: str, lease_s: float, prefill, sender: str):
+        """Reserve the pages `req`'s prompt resumes from (written by NIXL agent `sender`); None
+        when they are not free now."""
         counts = self.pools.resume_page_counts(len(req.prompt_ids))
         try:
-            target = self.receiver.reserve(req.request_id, counts, lease_s)
+            target = self.receiver.reserve(req.request_id, counts, lease_s, sender=sender)
         except OutOfPages:
             return None
         self.awaiting[req.request_id] = Awaiting(req, source, time.perf_counter(), prefill=prefill)
         return target
 
-    def expect_migration(self, req: GenerateRequest, num_tokens: int, lease_s: float):
+    def expect_migration(self, req: GenerateRequest, num_tokens: int, lease_s: float, sender: str):
         """Reserve the pages of a request paused at `num_tokens` and, up front, the decode pages
         of the rest of it: once the KV is verified (and the source told so) admission cannot fail.
         Raises OutOfPages / PoolExhausted with nothing held."""
@@ -88,7 +89,7 @@ class Inbound:
         short = [k for k, n in more.items() if counts.get(k, 0) + n > self.pools.num_free(k)]
         if short:
             raise PoolExhausted(f"no room to migrate {req.request_id} in: {short}")
-        target = self.receiver.reserve(req.request_id, counts, lease_s)
+        target = self.receiver.reserve(req.request_id, counts, lease_s, sender=sender)
         extra = SeqKV()
         for kind, n in more.items():
             extra.pages[kind] = self.pools.alloc(kind, n)

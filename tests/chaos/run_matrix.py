@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tests.chaos.harness import Bed, BedConfig, Load, Observed, check, make_load, metric, references, two_waves
@@ -47,7 +47,7 @@ def run_scenario(ckpt: Path, scenario: Scenario, load: Load, refs: dict[str, lis
     rng = random.Random(seed * 1_000_003 + zlib.crc32(scenario.name.encode()))
 
     async def go() -> Observed:
-        bed = Bed(ckpt, config)
+        bed = Bed(ckpt, replace(config, split=scenario.split))
         await bed.start()
         try:
             return await bed.run(two_waves(load, scenario.waves_s) if scenario.waves_s else load, scenario.inject, rng)

@@ -29,6 +29,7 @@ class Scenario:
     ci: bool = False  # in the short CI subset
     waves_s: float = 0.0  # > 0: every other request starts this much later (after a restart)
     allow_errors: bool = False  # reason-coded failures are acceptable here
+    split: bool = False  # needs decode-1 behind a network namespace link (netns.py)
 
 
 # --- injection helpers ----------------------------------------------------------------------
@@ -180,6 +181,26 @@ def restart_worker(worker: str):
     return inject
 
 
+async def cut_network(bed: Bed, rng: random.Random) -> str:
+    victim = await asyncio.to_thread(bed.namespaced)
+    await _pause(rng, 0.0, 0.5)
+    found = await _when(bed, victim, "awaiting", timeout_s=20.0)  # a transfer into it under way
+    down = rng.uniform(4.0, 6.0)
+    await asyncio.to_thread(bed.link.cut)
+    await asyncio.sleep(down)
+    await asyncio.to_thread(bed.link.heal)
+    return f"link to {victim} cut for {down:.1f}s" + (" during a transfer" if found else "")
+
+
+async def slow_network(bed: Bed, rng: random.Random) -> str:
+    victim = await asyncio.to_thread(bed.namespaced)
+    t = await _pause(rng, 0.2, 1.0)
+    await asyncio.to_thread(bed.link.slow, "2mbit")
+    await asyncio.sleep(12.0)
+    await asyncio.to_thread(bed.link.heal)
+    return f"link to {victim} limited to 2 Mbit/s at {t:.1f}s for 12s"
+
+
 # --- what must be counted -------------------------------------------------------------------
 def retargeted(o: Observed, *paths: str) -> float:
     return sum(metric(o, RETARGETS, path=p) for p in paths)
@@ -249,4 +270,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("restart_prefill_same_name", "prefill-0 killed and restarted under its name",
              restart_worker("prefill-0"), waves_s=9.0,
              counted=lambda o: _counted("new prefill-0 transfers", o.workers["prefill-0"]["transfers"]["transfers"])),
+    Scenario("cut_network", "veth link to decode-1's namespace drops every packet for 4-6 s", cut_network,
+             lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired")), split=True),
+    Scenario("slow_network", "veth link to decode-1's namespace limited to 2 Mbit/s for 12 s", slow_network,
+             lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired")), split=True),
 )
