@@ -65,10 +65,10 @@ async def _injected(bed: Bed, worker: str, path: tuple[str, ...]) -> int:
     return value
 
 
-async def _when(bed: Bed, worker: str, field: str, timeout_s: float = 30.0) -> bool:
-    """Wait for the first moment `worker`'s page_accounting[field] is positive."""
+async def _when(bed: Bed, worker: str, field: str, timeout_s: float = 30.0, at_least: int = 1) -> bool:
+    """Wait for the first moment `worker`'s page_accounting[field] is at least `at_least`."""
     async def now() -> bool:
-        return (await bed.accounting(worker)).get(field, 0) > 0
+        return (await bed.accounting(worker)).get(field, 0) >= at_least
 
     return await bed.until(now, timeout_s, every_s=0.02)
 
@@ -108,11 +108,17 @@ def message_fault(side: str, plan: FaultPlan, fired: str):
     return inject
 
 
-async def kill_decode_mid_transfer(bed: Bed, rng: random.Random) -> str:
-    await _pause(rng, 0.2, 1.5)
-    found = await _when(bed, "decode-0", "awaiting")
-    bed.kill("decode-0")
-    return "ray.kill(decode-0) " + ("while it awaited KV" if found else "(no transfer seen)")
+def kill_when(worker: str, field: str, doing: str, after_s: tuple[float, float] = (0.2, 1.5),
+              then_s: tuple[float, float] = (0.0, 0.0)):
+    """ray.kill(worker) at the first moment, after a random pause, its page_accounting[field] is
+    positive (plus a random `then_s`): e.g. while it awaits KV, decodes, or has prompts queued."""
+    async def inject(bed: Bed, rng: random.Random) -> str:
+        await _pause(rng, *after_s)
+        found = await _when(bed, worker, field)
+        await asyncio.sleep(rng.uniform(*then_s))
+        bed.kill(worker)
+        return f"ray.kill({worker}) " + (doing if found else f"(no {field} seen)")
+    return inject
 
 
 async def crash_decode_at_verify(bed: Bed, rng: random.Random) -> str:
@@ -120,14 +126,6 @@ async def crash_decode_at_verify(bed: Bed, rng: random.Random) -> str:
     await bed.actor("decode-0").set_faults.remote(receiver=FaultPlan(kill_at=RECEIVER_BEFORE_VERIFY))
     died = await _dies(bed, "decode-0")
     return f"decode-0 exits at its next TransferDone (armed at {t:.1f}s)" + ("" if died else ": never reached")
-
-
-async def kill_decode_mid_decode(bed: Bed, rng: random.Random) -> str:
-    await _pause(rng, 1.0, 3.0)
-    found = await _when(bed, "decode-0", "running")
-    await asyncio.sleep(rng.uniform(0.0, 1.0))
-    bed.kill("decode-0")
-    return "ray.kill(decode-0) " + ("while it decoded" if found else "(nothing running seen)")
 
 
 async def kill_migration_source(bed: Bed, rng: random.Random) -> str:
@@ -151,17 +149,10 @@ async def kill_migration_target(bed: Bed, rng: random.Random) -> str:
 
 
 async def rebalance(bed: Bed, rng: random.Random) -> str:
-    t = await _pause(rng, 1.0, 3.0)
-    await _when(bed, "decode-0", "running")
+    t = await _pause(rng, 0.5, 2.0)
+    await _when(bed, "decode-0", "running", at_least=2)
     moved = await bed.actor("decode-0").migrate.remote()
     return f"decode-0.migrate() at {t:.1f}s moved {sum(m['moved'] for m in moved)} of {len(moved)}"
-
-
-async def kill_prefill_mid_prefill(bed: Bed, rng: random.Random) -> str:
-    await _pause(rng, 0.2, 1.5)
-    found = await _when(bed, "prefill-0", "queued")
-    bed.kill("prefill-0")
-    return "ray.kill(prefill-0) " + ("with prompts queued" if found else "(nothing queued seen)")
 
 
 async def restart_registry(bed: Bed, rng: random.Random) -> str:
@@ -247,11 +238,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("stall_past_lease", "sender stalls past the lease before writing",
              message_fault("prefill", FaultPlan(stall_before_write_s=3.5), "stall_before_write"),
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
-    Scenario("kill_decode_mid_transfer", "decode actor killed while awaiting KV", kill_decode_mid_transfer,
+    Scenario("kill_decode_mid_transfer", "decode actor killed while awaiting KV",
+             kill_when("decode-0", "awaiting", "while it awaited KV"),
              lambda o: _counted("retargeted{repull,recompute}", retargeted(o, "repull", "recompute"))),
     Scenario("crash_decode_at_verify", "decode process exits when TransferDone arrives", crash_decode_at_verify,
              lambda o: _counted("retargeted{repull}", retargeted(o, "repull")), ci=True),
-    Scenario("kill_decode_mid_decode", "decode actor killed while decoding", kill_decode_mid_decode,
+    Scenario("kill_decode_mid_decode", "decode actor killed while decoding",
+             kill_when("decode-0", "running", "while it decoded", after_s=(1.0, 3.0), then_s=(0.0, 1.0)),
              lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull"))),
     Scenario("rebalance", "none: running requests migrated under load", rebalance,
              lambda o: _counted("retargeted{migrate}", retargeted(o, "migrate"))),
@@ -260,7 +253,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill_migration_target", "migration target killed mid-migration", kill_migration_target,
              lambda o: _counted("migrations_out_failed + retargeted{recompute}",
                                 worker_sum(o, "counts", "migrations_out_failed") + retargeted(o, "recompute"))),
-    Scenario("kill_prefill_mid_prefill", "prefill actor killed with prompts queued", kill_prefill_mid_prefill,
+    Scenario("kill_prefill_mid_prefill", "prefill actor killed with prompts queued",
+             kill_when("prefill-0", "queued", "with prompts queued"),
              lambda o: _counted("kv_transfer_failures{prefill_failed}", _failures(o, "prefill_failed"))),
     Scenario("restart_redis", "Valkey stopped and restarted empty", restart_registry,
              lambda o: _rebuilt(o, _counted("registry_errors", metric(o, "v4serve_registry_errors_total")))),

@@ -9,18 +9,10 @@ Fenced follows its last byte) or is known gone."""
 import time
 
 import pytest
-import torch
 
 from kvtransfer import Agent, Receiver, RequestClosed, Sender
-from kvt_harness import PageAllocator, make_layout
-
-LAYOUT = make_layout(num_pages=8)
-
-
-def _pools(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
-                                  generator=g) for p in LAYOUT.pools}
+from kvt_harness import PageAllocator
+from test_inprocess import LAYOUT, _pools
 
 
 @pytest.fixture(scope="module")
