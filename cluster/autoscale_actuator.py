@@ -23,8 +23,9 @@ from a callable, so the same actuator serves two modes:
                                      hook (`drain-node` below), never by the actuator
 
 `python -m cluster.autoscale_actuator drain-node [--role R] [--timeout S]` drains every v4serve
-worker actor on the Ray node it runs on and returns when they are idle: the preStop hook of a
-worker pod, so Kubernetes scale-down (KEDA, node drains, rolling updates) loses no work either.
+worker actor on the Ray node it runs on (decode workers migrate their running requests away) and
+returns when they are idle: the preStop hook of a worker pod, so Kubernetes scale-down (KEDA, node
+drains, rolling updates) loses no work either.
 """
 
 from __future__ import annotations
@@ -268,10 +269,12 @@ def node_workers(node_id: str, roles: tuple[str, ...] = POOLS) -> list:
 
 
 def drain_node(node_id: str, roles: tuple[str, ...] = POOLS, settle_s: float = 2.0,
-               timeout_s: float | None = None) -> list[dict]:
-    """Drain every v4serve worker on the node; returns their drain results once all are idle."""
-    handles = node_workers(node_id, roles)
-    return ray.get([h.drain.remote(settle_s=settle_s, timeout_s=timeout_s) for h in handles])
+               timeout_s: float | None = None, migrate: bool = True) -> list[dict]:
+    """Drain every v4serve worker on the node (decode workers migrate their running requests to
+    decode workers elsewhere); returns their drain results once all are idle."""
+    return ray.get([h.drain.remote(settle_s=settle_s, timeout_s=timeout_s,
+                                   **({"migrate": migrate} if role == "decode" else {}))
+                    for role in roles for h in node_workers(node_id, (role,))])
 
 
 def main(argv: list[str] | None = None) -> int:

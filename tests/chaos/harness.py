@@ -62,14 +62,16 @@ class Load:
     starts: tuple[float, ...]
 
 
-def make_load(seed: int, n: int, max_tokens: tuple[int, int] = (16, 40)) -> Load:
-    """Prompts from 8 to 300 tokens (local and remote prefill, several chunks, past the sliding
-    window and the C128 boundary), greedy and seeded sampling, staggered over three seconds."""
+def make_load(seed: int, n: int, max_tokens: tuple[int, int] = (16, 40), long_share: float = 0.5) -> Load:
+    """Prompts from 8 to 300 tokens (local and, for a `long_share` of them, remote prefill in
+    several chunks, past the sliding window and the C128 boundary), greedy and seeded sampling,
+    staggered over three seconds."""
     rng = random.Random(seed)
     reqs, starts = [], []
     for i in range(n):
         sampling = SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.8, top_k=40 * (i % 2), seed=i)
-        prompt = tuple(rng.randrange(256) for _ in range(rng.choice([rng.randrange(8, 48), rng.randrange(48, 300)])))
+        short, long = rng.randrange(8, 48), rng.randrange(48, 300)
+        prompt = tuple(rng.randrange(256) for _ in range(long if rng.random() < long_share else short))
         reqs.append(GenerateRequest(f"c{seed}-{i}", prompt, rng.randrange(*max_tokens), sampling, ignore_eos=True))
         starts.append(rng.uniform(0.0, 3.0))
     return Load(tuple(reqs), tuple(starts))

@@ -122,7 +122,8 @@ def kill_when(worker: str, field: str, doing: str, after_s: tuple[float, float] 
 
 
 async def crash_decode_at_verify(bed: Bed, rng: random.Random) -> str:
-    t = await _pause(rng, 0.2, 1.5)
+    t = await _pause(rng, 0.0, 1.0)
+    await _when(bed, "decode-0", "awaiting")  # arm it while a transfer into it is under way
     await bed.actor("decode-0").set_faults.remote(receiver=FaultPlan(kill_at=RECEIVER_BEFORE_VERIFY))
     died = await _dies(bed, "decode-0")
     return f"decode-0 exits at its next TransferDone (armed at {t:.1f}s)" + ("" if died else ": never reached")

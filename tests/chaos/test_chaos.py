@@ -28,7 +28,7 @@ def own_ray():
 @pytest.fixture(scope="module")
 def small_load(tiny_official_ckpt):
     """The CI subset's load: fewer, shorter requests (their references are most of its time)."""
-    load = make_load(0, 8, max_tokens=(12, 28))
+    load = make_load(0, 8, max_tokens=(12, 28), long_share=0.75)
     return load, references(tiny_official_ckpt, load)
 
 
