@@ -51,20 +51,27 @@ def oracle(tiny_official_ckpt):
     cfg, model = load_checkpoint(tiny_official_ckpt)
     tok = load_tokenizer(tiny_official_ckpt, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
 
+    memo = {}
+
     def run(req):
-        pools = KVPools(cfg, "fp32", max_tokens=512, max_seqs=1)
-        return generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling).token_ids
+        key = (req.prompt_ids, req.max_tokens, req.sampling)
+        if key not in memo:
+            pools = KVPools(cfg, "fp32", max_tokens=512, max_seqs=1)
+            memo[key] = generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling).token_ids
+        return memo[key]
 
     return run, tok
 
 
-def requests(seed, n, prefix):
+def requests(seed, n, prefix, max_tokens=(24, 40), copies=1):
+    """`n` distinct requests (each `copies` times, under its own id: one reference serves them)."""
     rng = random.Random(seed)
     # prompts across the C128 boundary and past the sliding window (128), so every pool kind moves
-    return [GenerateRequest(f"{prefix}{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(20, 300))),
-                            max_tokens=rng.randrange(24, 40), ignore_eos=True,
+    return [GenerateRequest(f"{prefix}{i}-{k}", prompt, max_tokens=tokens, ignore_eos=True,
                             sampling=SamplingParams(temperature=0.9 * (i % 2), top_k=40 * (i % 3), seed=i))
-            for i in range(n)]
+            for i, prompt, tokens in ((i, tuple(rng.randrange(256) for _ in range(rng.randrange(20, 300))),
+                                       rng.randrange(*max_tokens)) for i in range(n))
+            for k in range(copies)]
 
 
 async def collect(backend, req, started: asyncio.Event | None = None):
@@ -103,7 +110,7 @@ def check(reqs, got, oracle):
 
 
 def test_migrate_running_requests_continue_identically(cluster, oracle):
-    reqs = requests(1, 5, "mig")
+    reqs = requests(1, 3, "mig", max_tokens=(60, 80), copies=2)
     d0, d1 = cluster.decode
 
     async def run():
@@ -135,7 +142,7 @@ def test_autoscaler_scale_down_migrates_running_requests(cluster, oracle):
     move to the other one instead of being waited for, and then it is removed."""
     from cluster.autoscale_actuator import ActuatorOptions, RayActuator
 
-    reqs = requests(2, 5, "scl")
+    reqs = requests(2, 3, "scl", max_tokens=(60, 80), copies=2)
 
     async def run():
         registry = Registry(cluster.registry_url)
@@ -170,7 +177,8 @@ def test_v4serve_drain_cli_migrates_a_decode_worker(cluster, oracle):
     added = cluster.add_worker("decode")  # the previous test left one decode worker
     survivor = next(a for a in cluster.decode if a._actor_id != ray.get_actor(added)._actor_id)
     victim = ray.get(survivor.start.remote())["worker_id"]
-    reqs = requests(3, 5, "cli")
+    # long enough to be running when the CLI process has joined Ray (seconds)
+    reqs = requests(3, 2, "cli", max_tokens=(150, 160), copies=2)
 
     async def run():
         backend = ClusterBackend(Registry(cluster.registry_url), oracle[1], "tiny", 512,
