@@ -6,7 +6,8 @@
       too few   start workers: `LocalCluster.add_worker` in a thread (on Kubernetes the new actor
                 waits for the KubeRay autoscaler to bring up a pod that advertises its resource)
       too many  pick the least-loaded ready workers, `drain()` them — routers stop choosing them,
-                running decodes finish, a prefill worker keeps its KV pages until the decode side
+                running decodes migrate live to the other decode workers (or, with `migrate` off,
+                finish in place), a prefill worker keeps its KV pages until the decode side
                 acknowledged them — and only then `LocalCluster.remove_worker` (stop + kill); on
                 Kubernetes the pod, now idle, is removed by the KubeRay autoscaler
     members: starting → ready → draining → removed; a ready worker missing from the registry for
@@ -22,8 +23,9 @@ from a callable, so the same actuator serves two modes:
                                      hook (`drain-node` below), never by the actuator
 
 `python -m cluster.autoscale_actuator drain-node [--role R] [--timeout S]` drains every v4serve
-worker actor on the Ray node it runs on and returns when they are idle: the preStop hook of a
-worker pod, so Kubernetes scale-down (KEDA, node drains, rolling updates) loses no work either.
+worker actor on the Ray node it runs on (decode workers migrate their running requests away) and
+returns when they are idle: the preStop hook of a worker pod, so Kubernetes scale-down (KEDA, node
+drains, rolling updates) loses no work either.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ActuatorOptions:
     drain_timeout_s: float | None = None  # None: wait for the work to finish, however long
     lost_after_s: float = 10.0  # a ready worker absent from the registry this long is dead
     scale_down: bool = True  # False when pods leave on their own and drain in their preStop hook
+    migrate: bool = True  # a draining decode worker moves its running requests away instead of finishing them
 
 
 @dataclass
@@ -202,8 +205,11 @@ class RayActuator:
         self._event("drain", m.role, m.worker_id)
         try:
             actor = ray.get_actor(m.worker_id)
+            options = {"settle_s": self.options.settle_s, "timeout_s": self.options.drain_timeout_s}
+            if m.role == "decode":
+                options["migrate"] = self.options.migrate
             while True:
-                result = await actor.drain.remote(settle_s=self.options.settle_s, timeout_s=self.options.drain_timeout_s)
+                result = await actor.drain.remote(**options)
                 if result["idle"]:
                     break
                 log.warning("%s still busy after %ss of draining; waiting on", m.worker_id,
@@ -275,10 +281,12 @@ def _node_of(_actor) -> str:
 
 
 def drain_node(node_id: str, roles: tuple[str, ...] = POOLS, settle_s: float = 2.0,
-               timeout_s: float | None = None) -> list[dict]:
-    """Drain every v4serve worker on the node; returns their drain results once all are idle."""
-    handles = node_workers(node_id, roles)
-    return ray.get([h.drain.remote(settle_s=settle_s, timeout_s=timeout_s) for h in handles])
+               timeout_s: float | None = None, migrate: bool = True) -> list[dict]:
+    """Drain every v4serve worker on the node (decode workers migrate their running requests to
+    decode workers elsewhere); returns their drain results once all are idle."""
+    return ray.get([h.drain.remote(settle_s=settle_s, timeout_s=timeout_s,
+                                   **({"migrate": migrate} if role == "decode" else {}))
+                    for role in roles for h in node_workers(node_id, (role,))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """`v4serve` command line: make-tiny, generate, up (own the pools and serve them), router (serve
-pools owned elsewhere).
+pools owned elsewhere), drain (empty a worker of a running cluster).
 
 Arguments are parsed and validated here, turned into frozen option objects once, and passed
 explicitly; bad input prints one line `error: ...` on stderr and exits with status 2.
@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("router", parents=[serving],
                    help="serve the pools a `v4serve up` owns (joins RAY_ADDRESS and REDIS_URL) until "
                         "SIGINT/SIGTERM; any number may run")
+    drain = sub.add_parser("drain", help="drain a worker of a running cluster: routers stop choosing it; a decode "
+                                         "worker migrates its running requests to the others, a prefill worker "
+                                         "finishes its work; prints the result once it is idle")
+    drain.add_argument("worker", help="worker id, e.g. decode-1")
+    drain.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else this node's cluster)")
+    drain.add_argument("--namespace", default=None, help="Ray namespace of the cluster (when several share a Ray)")
+    drain.add_argument("--no-migrate", action="store_true", help="decode: let running requests finish in place")
+    drain.add_argument("--settle", type=float, default=2.0, help="seconds it must stay idle")
+    drain.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
     return parser
 
 
@@ -204,6 +213,34 @@ def cmd_router(args: argparse.Namespace) -> None:
     asyncio.run(up.run_router(options, env, ready_line=lambda line: print(line, flush=True)))
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.settings import from_env
+
+    address = args.address or from_env().ray_address or "auto"
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError) as e:
+        raise CliError(f"cannot reach a Ray cluster at {address}: {e}") from None
+    try:
+        found = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == args.worker
+                 and args.namespace in (None, a["namespace"])]
+        if len(found) != 1:
+            spaces = sorted(a["namespace"] for a in found)
+            raise CliError(f"no worker {args.worker!r} in the Ray cluster at {address}" if not found else
+                           f"{args.worker!r} exists in namespaces {spaces}: pick one with --namespace")
+        worker = ray.get_actor(args.worker, namespace=found[0]["namespace"])
+        options = {"settle_s": args.settle, "timeout_s": args.timeout}
+        if args.worker.startswith("decode-"):  # workers are named <role>-<n>
+            options["migrate"] = not args.no_migrate
+        result = ray.get(worker.drain.remote(**options))
+    finally:
+        ray.shutdown()
+    print(json.dumps(result))
+    return 0 if result["idle"] else 1
+
+
 def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
     from model.checkpoint import write_checkpoint
     from model.tiny import random_weights, tiny_config
@@ -252,20 +289,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
                       "finish_reason": out.finish_reason}))
 
 
-COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up, "router": cmd_router}
+COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up, "router": cmd_router,
+            "drain": cmd_drain}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, OSError) as e:  # config / checkpoint errors name the problem
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ between steps. An idle loop sleeps until a command arrives (or a timeout: leases
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class Commands:
@@ -19,6 +21,21 @@ class Commands:
     def put(self, command: Callable[[], None]) -> None:
         self._pending.append(command)
         self._wakeup.set()
+
+    async def call(self, command: Callable[[], T]) -> T:
+        """Queue `command` and wait for the loop to apply it; its result (or exception) is ours."""
+        done = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            if done.cancelled():
+                return
+            try:
+                done.set_result(command())
+            except Exception as e:  # the caller's to handle, not the loop's
+                done.set_exception(e)
+
+        self.put(run)
+        return await done
 
     def run(self) -> None:
         """Apply every queued command, oldest first (commands queued meanwhile wait a turn)."""

@@ -20,6 +20,8 @@ class RequestState(enum.Enum):
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"  # KV on its way from the prefill worker
     DECODING = "decoding"
+    MIGRATING = "migrating"  # paused at a token boundary while its KV ships to another decode worker
+    MIGRATED = "migrated"  # the other worker verified the KV and runs it now; nothing left here
     FINISHED = "finished"
     ABORTED = "aborted"
     FAILED = "failed"
@@ -80,6 +82,17 @@ class TransferStats:
     nbytes: int  # bytes received (0 when the transfer failed)
     seconds: float  # reservation → verified (or → failure)
     failure: str | None = None  # why the KV was recomputed locally instead: "corrupt", "expired", ...
+    source: str = "prefill"  # "prefill" | "repull" (held KV of a lost decode worker) | "migration"
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The request now runs on another decode worker: stream the rest from `worker_id` with
+    `attach(request_id)`. Every token before this marker came from the old worker, every token
+    after it comes from the new one, so the client's stream has no gap and no repeat."""
+
+    worker_id: str
+    request_id: str  # its id on that worker
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class TokenChunk:
     usage: Usage | None = None  # on the last chunk
     error: ErrorInfo | None = None  # terminal failure; finish_reason stays None
     transfer: TransferStats | None = None  # on the first chunk of a request that used remote prefill
+    moved: Moved | None = None  # last chunk of a worker's stream when the request migrated away
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,19 @@
-"""The decode worker as a Ray actor: reservations, continuous batching, token streaming.
+"""The decode worker as a Ray actor: reservations, continuous batching, token streaming, and live
+migration of running requests in and out.
 
-    generate(req, prefill)  ─┬─ prefill is None: the engine prefills locally
-                             └─ else: reserve pages → target → prefill.prefill(req, target) writes
-                                them over NIXL → receiver verifies → engine decodes
-    loop: apply commands → poll transfers → engine.step() (in a thread) → route chunks to streams
+    generate(req, prefill, repull_id) ─┬─ prefill is None: the engine prefills locally
+                                       ├─ else: reserve pages → target → prefill.prefill(req, target)
+                                       │  writes them over NIXL → receiver verifies → engine decodes
+                                       └─ repull_id: the prefill worker still holds the KV it made for
+                                          request `repull_id`, whose decode worker died: it writes that
+    migrate(...)          pause running requests and ship them to other decode workers (outbound.py);
+                          each stream ends with a `Moved` chunk, and the router `attach`es to the target
+    migrate_in / attach   the receiving side of a migration (inbound.py)
+    loop: apply commands → poll transfers in and out → engine.step() (in a thread) → route chunks
 
-Only the loop mutates the engine (calls from the event loop queue commands), so the model step
-can run off the event loop without locks. A transfer that fails (corrupt, lease expired, prefill
-worker gone) falls back to prefilling locally: the request is recomputed, never lost, never
+Only the loop mutates the engine and the pools (calls from the event loop queue commands), so the
+model step can run off the event loop without locks. A transfer that fails (corrupt, lease expired,
+prefill worker gone) falls back to prefilling locally: the request is recomputed, never lost, never
 decoded from unverified pages.
 """
 
@@ -17,24 +23,32 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
 
+import ray
 import torch
 
 from cluster.commands import Commands
 from cluster.heartbeat import heartbeat_loop
-from cluster.kv_link import TransferHeader, layout_of, pool_buffers
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, TransferStats
+from cluster.kv_link import layout_of, pool_buffers
+from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk
 from cluster.options import WorkerOptions
 from cluster.registry import Registry, WorkerInfo
 from decode_worker.engine import DecodeConfig, DecodeEngine
-from kvtransfer.agent import Agent
-from kvtransfer.receiver import OutOfPages, Receiver
+from decode_worker.inbound import Inbound
+from decode_worker.outbound import Outbound
+from kvtransfer.agent import Agent, split_nixl_name
+from kvtransfer.faults import FaultPlan
+from kvtransfer.receiver import Receiver
+from kvtransfer.sender import Sender
 from model.checkpoint import load_checkpoint
-from model.kv_pool import KVPools, PoolExhausted
+from model.kv_pool import KVPools
 from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+# Pages a sender began writing are reused only once it fences, or is known gone (see Receiver): no
+# fixed grace bounds how long a broken network can hold a posted write back. This caps the wait.
+FENCE_WAIT_S = 120.0
 
 
 class DecodeWorker:
@@ -51,18 +65,22 @@ class DecodeWorker:
         # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
         self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
-        self.receiver = Receiver(self.agent, self.pools, self.layout)
+        self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)
+        self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)  # migrations out
+        self.inbound = Inbound(self.receiver, self.pools, self.engine)
+        self.outbound = Outbound(self.sender, self.pools, self.engine)
         self.registry = Registry(options.registry_url, options.cluster)
         self.streams: dict[str, asyncio.Queue] = {}
-        self.awaiting_kv: dict[str, GenerateRequest] = {}  # reserved, KV not yet verified
-        self.prefill_of: dict[str, Any] = {}  # request id → prefill actor handle
-        self.reserved_at: dict[str, float] = {}  # request id → perf_counter at reservation
-        self.transfer_stats: dict[str, TransferStats] = {}  # attached to the request's next chunk
+        # migrated in, not yet attached: request id → unix s after which nobody will (the source
+        # resumed it, or the router lost it): then it is aborted
+        self.unattached: dict[str, float] = {}
         self.commands = Commands()  # changes from actor methods, applied by the loop
-        self.peer_epochs: dict[str, str] = {}  # prefill agent name → epoch loaded
+        self.peer_epochs: dict[str, str] = {}  # agent name → epoch loaded (acks reach it)
         self.draining = False
-        self.fallbacks = 0  # transfers that failed and were recomputed locally
+        self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
+        self.finished = 0  # requests that ended here with a finish reason
         self._tasks: list[asyncio.Task] = []
+        self._sender_check: asyncio.Future | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -77,108 +95,203 @@ class DecodeWorker:
 
     def load(self):
         load = self.engine.load()
-        return dataclasses.replace(load, waiting=load.waiting + len(self.awaiting_kv), draining=self.draining)
+        return dataclasses.replace(load, waiting=load.waiting + len(self.inbound.awaiting), draining=self.draining)
+
+    def peer_info(self) -> tuple[str, str, bytes]:
+        return self.agent.name, self.agent.epoch, self.agent.metadata()
 
     def page_accounting(self) -> dict:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
-                "transfers_idle": self.receiver.idle(), "fallbacks": self.fallbacks,
-                "transfers": self.receiver.metrics.snapshot()}
+                "transfers_idle": self.receiver.idle() and not self.sender.holding(),
+                "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
+                "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
+                "migrating": len(self.outbound.migrations), "epoch": self.agent.epoch,
+                "counts": dict(self.inbound.counts + self.outbound.counts),
+                "transfers": self.receiver.metrics.snapshot(), "sent": self.sender.metrics.snapshot()}
+
+    def written_pages(self) -> dict[str, list[int]]:
+        """Per pool, the pages holding any non-zero byte (tests: what was ever written here)."""
+        return {k: torch.nonzero(b.ne(0).any(dim=1)).flatten().tolist() for k, b in self.pools.buffers.items()}
+
+    def set_faults(self, sender: FaultPlan | None = None, receiver: FaultPlan | None = None) -> None:
+        """Fault injection into this worker's transfers (tests and the chaos suite)."""
+        self.sender.set_faults(sender)
+        self.receiver.set_faults(receiver)
 
     # --- requests -------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest, prefill=None):
-        """Stream `TokenChunk`s of `req`; with a prefill actor, its KV is computed there."""
+    async def generate(self, req: GenerateRequest, prefill=None, repull_id: str | None = None):
+        """Stream `TokenChunk`s of `req`; with a prefill actor, its KV is computed there (or, with
+        `repull_id`, re-sent from what it still holds of that request)."""
         if req.request_id in self.streams:  # ids key all per-request state here: never mix two
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST,
                                                                  "request id already in progress"))
             return
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
+        try:
+            sender = None if prefill is None else await self._connect(prefill)
+        except BaseException:  # the caller went away before anything started
+            self.streams.pop(req.request_id, None)
+            raise
+        self.commands.put(lambda: self._start(req, prefill if sender else None, repull_id, sender))
+        async for chunk in self._stream(req.request_id, queue):
+            yield chunk
+
+    async def attach(self, request_id: str):
+        """The rest of a request migrated here: its chunks since the migration, then live."""
+        queue = self.streams.get(request_id)
+        if queue is None or self.unattached.pop(request_id, None) is None:
+            yield TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no migrated request to attach"))
+            return
+        async for chunk in self._stream(request_id, queue):
+            yield chunk
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue):
         finished = False
         try:
-            if prefill is not None:
-                prefill = await self._connect(prefill)
-            self.commands.put(lambda: self._start(req, prefill))
             while True:
                 chunk = await queue.get()
                 yield chunk
-                if chunk.finish_reason or chunk.error:
+                if chunk.finish_reason or chunk.error or chunk.moved:
                     finished = True
                     return
         finally:
-            self.streams.pop(req.request_id, None)
+            if self.streams.get(request_id) is queue:
+                del self.streams[request_id]
             if not finished:  # the caller went away: abort everywhere
-                self.commands.put(lambda: self._abort(req.request_id))
+                self.commands.put(lambda: self._abort(request_id))
 
-    async def _connect(self, prefill):
-        """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it.
-        Returns None — local prefill — if it cannot be reached."""
+    async def _connect(self, prefill) -> str | None:
+        """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it; its
+        NIXL name, or None — local prefill — if it cannot be reached."""
         try:
             name, epoch, metadata = await prefill.peer_info.remote()
         except Exception as e:
             log.warning("prefill worker unreachable, prefilling locally: %s", e)
             return None
+        return self._load_peer(name, epoch, metadata)
+
+    def _load_peer(self, name: str, epoch: str, metadata: bytes) -> str:
         if self.peer_epochs.get(name) != epoch:
             self.agent.add_peer(name, metadata)
             self.peer_epochs[name] = epoch
-        return prefill
+        return self.agent.peer(name).nixl_name
 
     async def abort(self, request_id: str) -> bool:
         self.commands.put(lambda: self._abort(request_id))
         return True
 
-    def _start(self, req: GenerateRequest, prefill) -> None:
-        if prefill is None:
+    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, sender: str | None) -> None:
+        target = None if prefill is None else self.inbound.expect_prefill(
+            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill, sender)
+        if target is None:  # local prefill, or no room for a transfer now: queue for local prefill
             self.engine.submit(req)
             return
-        try:
-            counts = self.pools.resume_page_counts(len(req.prompt_ids))
-            target = self.receiver.reserve(req.request_id, counts, self.options.lease_s)
-        except OutOfPages:
-            self.engine.submit(req)  # no room for a transfer now: queue for local prefill
-            return
-        self.awaiting_kv[req.request_id] = req
-        self.prefill_of[req.request_id] = prefill
-        self.reserved_at[req.request_id] = time.perf_counter()
-        ref = prefill.prefill.remote(req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes())
+        args = (req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes())
+        ref = prefill.repull.remote(repull_id, *args) if repull_id else prefill.prefill.remote(*args)
         asyncio.ensure_future(self._watch_prefill(req.request_id, ref))
 
     async def _watch_prefill(self, request_id: str, ref) -> None:
         try:
             await ref
-        except Exception as e:  # prefill worker died or refused: recompute here
+        except Exception as e:  # prefill worker died, refused, or holds nothing to re-pull: recompute here
             log.warning("prefill of %s failed: %s", request_id, e)
-            self.commands.put(lambda: self._fallback(request_id))
-
-    def _fallback(self, request_id: str) -> None:
-        req = self.awaiting_kv.pop(request_id, None)
-        self.prefill_of.pop(request_id, None)
-        if req is None:
-            return
-        self.receiver.abort(request_id)
-        self._record(request_id, 0, "prefill_failed")
-        self.fallbacks += 1
-        self.engine.submit(req)
+            self.commands.put(lambda: self.inbound.failed(request_id, "prefill_failed"))
 
     def _abort(self, request_id: str) -> None:
-        self.reserved_at.pop(request_id, None)
-        if self.awaiting_kv.pop(request_id, None) is not None:
-            self.receiver.abort(request_id)
-            prefill = self.prefill_of.pop(request_id, None)
-            if prefill is not None:
-                prefill.abort.remote(request_id)
-        self.engine.abort(request_id)
+        unattached = self.unattached.pop(request_id, None) is not None
+        if not self.outbound.cancel(request_id):  # migrating: its pages are freed once nothing reads them
+            awaiting = self.inbound.abort(request_id)
+            if awaiting is not None and awaiting.prefill is not None:
+                awaiting.prefill.abort.remote(request_id)
+            self.engine.abort(request_id)
         # end the stream, so its generator returns even if nobody reads it any more
         self._route([TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.CANCELLED, "request aborted"))])
+        if unattached:  # nobody ever read it
+            self.streams.pop(request_id, None)
+
+    # --- live migration -------------------------------------------------------------------
+    async def migrate(self, request_ids: list[str] | None = None, to: str | None = None,
+                      limit: int | None = None) -> list[dict]:
+        """Move running requests to other decode workers without a gap or a repeated token:
+        `request_ids` (default: every decoding one, at most `limit`), to worker `to` or spread
+        over the least loaded others. One result per request: {"request_id", "moved", ...}."""
+        ids = list(request_ids) if request_ids is not None else await self.commands.call(self.engine.decoding)
+        ids = [rid for rid in ids if rid not in self.outbound][:limit]
+        if not ids:
+            return []
+        targets = await self._targets(to)
+        if not targets:
+            return [{"request_id": rid, "moved": False, "reason": "no target"} for rid in ids]
+        return list(await asyncio.gather(*(self._migrate_one(rid, *targets[i % len(targets)])
+                                           for i, rid in enumerate(ids))))
+
+    async def _targets(self, to: str | None) -> list[tuple[str, object]]:
+        """(worker id, actor) of the decode workers to migrate to, least loaded first."""
+        if to is None:
+            workers = await asyncio.to_thread(self.registry.workers, "decode")
+            workers = [w for w in workers if w.worker_id != self.worker_id and not w.load.draining]
+            names = [w.worker_id for w in sorted(workers, key=lambda w: (w.load.running + w.load.waiting,
+                                                                           -w.load.free_pages))]
+        else:
+            names = [to]
+        out = []
+        for name in names:
+            try:
+                out.append((name, ray.get_actor(name)))
+            except ValueError:  # gone since its last heartbeat
+                continue
+        return out
+
+    async def _migrate_one(self, request_id: str, worker_id: str, actor) -> dict:
+        r = await self.commands.call(lambda: self.engine.pause(request_id))
+        if r is None:
+            return {"request_id": request_id, "moved": False, "reason": "not decoding"}
+        self.migrations += 1
+        m = self.outbound.begin(r, f"{request_id}>m{self.migrations}", worker_id, actor)
+        try:
+            offer = await actor.migrate_in.remote(dataclasses.replace(r.req, request_id=m.new_id), r.seq.num_tokens,
+                                                  *self.peer_info())
+            await self.commands.call(lambda: self.outbound.ship(m, offer))
+        except Exception as e:  # refused, target gone, stale handshake, lease over: resume here
+            reason = f"{type(e).__name__}: {e}"[:200]
+            await self.commands.call(lambda: self.outbound.fail(m, reason))
+        return await m.done
+
+    async def migrate_in(self, req: GenerateRequest, num_tokens: int, source_name: str, source_epoch: str,
+                         source_metadata: bytes) -> dict:
+        """Reserve for a request another decode worker paused at `num_tokens` cached tokens; returns
+        the target it writes into. Once verified, the request decodes here and its chunks wait
+        for `attach`. Raises when there is no room (the source keeps it)."""
+        if self.draining:
+            raise RuntimeError(f"{self.worker_id} is draining")
+        rid = req.request_id
+        if rid in self.streams:
+            raise ValueError(f"request id {rid!r} already in progress")
+        sender = self._load_peer(source_name, source_epoch, source_metadata)
+        self.streams[rid] = asyncio.Queue()
+        self.unattached[rid] = time.time() + 2 * self.options.lease_s + 5.0
+        try:
+            target = await self.commands.call(lambda: self.inbound.expect_migration(req, num_tokens,
+                                                                                    self.options.lease_s, sender))
+        except BaseException:
+            self.streams.pop(rid, None)
+            self.unattached.pop(rid, None)
+            raise
+        return {"target": target.to_bytes(), "metadata": self.agent.metadata(), "layout": self.layout.to_bytes()}
 
     # --- the loop -------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
             try:
                 self.commands.run()
-                self._route(self._poll_transfers())
+                self._route(self.inbound.poll())
+                self._route(self.outbound.poll())
+                self._expire_unattached()
+                self._check_senders()
                 if self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
-                elif self.awaiting_kv:
+                elif self.inbound or self.outbound:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
                     await self.commands.wait()
@@ -189,72 +302,78 @@ class DecodeWorker:
                     self._abort(rid)
                 await asyncio.sleep(0.1)
 
-    def _poll_transfers(self) -> list[TokenChunk]:
-        out = []
-        for ev in self.receiver.poll():
-            req = self.awaiting_kv.pop(ev.request_id, None)
-            self.prefill_of.pop(ev.request_id, None)
-            if req is None:
-                if ev.kind == "ready":
-                    self.receiver.release(ev.request_id)
-                continue
-            if ev.kind != "ready":
-                self._record(ev.request_id, 0, ev.kind)
-                if ev.kind == "corrupt":
-                    self.receiver.release(ev.request_id)
-                log.warning("transfer of %s %s (%s): recomputing locally", ev.request_id, ev.kind, ev.detail)
-                self.fallbacks += 1
-                self.engine.submit(req)
-                continue
-            header = TransferHeader.from_bytes(ev.header)
-            pages = self.receiver.claim(ev.request_id)
-            self._record(ev.request_id, sum(len(ids) * self.pools.specs[k].page_bytes for k, ids in pages.items()))
-            seq = self.pools.adopt(header.num_tokens, pages)
-            cached = header.num_tokens - header.computed_tokens
-            try:
-                out += self.engine.admit_transferred(req, seq, header.first_token, cached_tokens=cached)
-            except PoolExhausted:  # no decode pages now: drop the KV, recompute when there is room
-                self.pools.release(seq)
-                self.engine.submit(req)
-        return out
-
-    def _record(self, request_id: str, nbytes: int, failure: str | None = None) -> None:
-        started = self.reserved_at.pop(request_id, time.perf_counter())
-        self.transfer_stats[request_id] = TransferStats(nbytes, time.perf_counter() - started, failure)
-
     def _route(self, chunks: list[TokenChunk]) -> None:
         for chunk in chunks:
-            stats = self.transfer_stats.pop(chunk.request_id, None)
+            stats = self.inbound.stats.pop(chunk.request_id, None)
             if stats is not None:
                 chunk = dataclasses.replace(chunk, transfer=stats)
             queue = self.streams.get(chunk.request_id)
             if queue is not None:
                 queue.put_nowait(chunk)
+            self.finished += chunk.finish_reason is not None
+            if chunk.error and self.unattached.pop(chunk.request_id, None) is not None:
+                del self.streams[chunk.request_id]  # a failed migration in: nobody will attach
 
-    async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
-        """Scale-down: stop being chosen, finish what is here, return once idle for `settle_s`.
+    def _expire_unattached(self) -> None:
+        now = time.time()
+        for rid in [rid for rid, until in self.unattached.items() if now > until]:
+            log.warning("migrated request %s was never attached: aborting it", rid)
+            self._abort(rid)
+
+    def _check_senders(self) -> None:
+        """Pages held for a sender's Fenced: is that sender (that incarnation) still there?"""
+        if self._sender_check is not None and not self._sender_check.done():
+            return
+        senders = self.receiver.unfenced_senders()
+        if senders:
+            self._sender_check = asyncio.ensure_future(self._gone(senders))
+
+    async def _gone(self, senders: set[str]) -> None:
+        for nixl_name in senders:
+            name, epoch = split_nixl_name(nixl_name)  # agent name = worker id = actor name
+            try:
+                actor = await asyncio.to_thread(ray.get_actor, name)
+                gone = (await asyncio.wait_for(actor.peer_info.remote(), 5.0))[1] != epoch
+            except (ValueError, ray.exceptions.RayActorError):
+                gone = True
+            except Exception:  # unreachable (a partition): it may still write, keep its pages
+                gone = False
+            if gone:
+                self.commands.put(lambda n=nixl_name: self.receiver.sender_gone(n))
+        await asyncio.sleep(1.0)  # at most one round a second
+
+    async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
+        """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)
+        what is here, return once idle for `settle_s`.
 
         The load turns `draining` (published at once, so routers skip this worker from their
         next refresh on); requests that still arrive — placed on an older view — are served like
-        any other. Idle = no stream, no KV awaited, no engine work, for `settle_s` on end (longer
-        than a heartbeat plus a router refresh). Returns {"idle": False} if `timeout_s` passes
-        first: the worker stays draining and nothing is cut short; call again."""
+        any other, or migrated once they decode. Idle = no stream, no KV awaited or shipping, no
+        engine work, for `settle_s` on end (longer than a heartbeat plus a router refresh).
+        Returns {"idle": False} if `timeout_s` passes first: the worker stays draining and
+        nothing is cut short; call again."""
         self.draining = True
         try:
             await asyncio.to_thread(self.registry.heartbeat, self.info())
         except Exception as e:  # Redis down: the next regular heartbeat publishes it
             log.warning("publishing drain of %s failed: %s", self.worker_id, e)
         loop = asyncio.get_running_loop()
-        start, quiet = loop.time(), None
+        start, quiet, moved, retry_at = loop.time(), None, 0, 0.0
         while True:
-            busy = self.streams or self.awaiting_kv or self.commands or self.engine.has_work()
+            if migrate and loop.time() >= retry_at:  # what decodes here moves; what cannot, finishes here
+                results = await self.migrate()
+                moved += sum(r["moved"] for r in results)
+                if not all(r["moved"] for r in results):  # no room elsewhere now: try again later
+                    retry_at = loop.time() + 1.0
+            busy = self.streams or self.inbound or self.outbound or self.commands or not self.engine.idle()
             now = loop.time()
             quiet = None if busy else (now if quiet is None else quiet)
+            result = {"worker_id": self.worker_id, "fallbacks": self.inbound.counts["fallbacks"], "migrated": moved}
             if quiet is not None and now - quiet >= settle_s:
-                return {"worker_id": self.worker_id, "idle": True, "fallbacks": self.fallbacks}
+                return {**result, "idle": True}
             if timeout_s is not None and now - start >= timeout_s:
-                return {"worker_id": self.worker_id, "idle": False, "fallbacks": self.fallbacks}
-            await asyncio.sleep(0.05)
+                return {**result, "idle": False}
+            await asyncio.sleep(0.05 if not migrate else 0.25)
 
     async def stop(self) -> None:
         for t in self._tasks:

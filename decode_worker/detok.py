@@ -16,6 +16,14 @@ class Detokenizer:
         self.emitted = 0  # characters of the decoded text already released
         self.stopped = False
 
+    @classmethod
+    def resume(cls, tokenizer, stop_strings: tuple[str, ...], tokens: list[int], emitted: int) -> "Detokenizer":
+        """The state another worker had after `tokens`, of whose text `emitted` characters were
+        released: text depends only on these, so the stream continues exactly."""
+        d = cls(tokenizer, stop_strings)
+        d.tokens, d.emitted = list(tokens), emitted
+        return d
+
     def push(self, token: int) -> str:
         """Add one token; return newly released text. Sets `stopped` when a stop string appears
         (the stop string and anything after it are never released)."""

@@ -10,6 +10,10 @@
 * postprocess: sample (a pure function of logits, seed, position), detokenise, check stop
   conditions, emit `TokenChunk`s, release the pages of finished requests.
 
+Migration: `pause` takes a decoding request out of the batch at a token boundary (its pages stay
+put while they ship), then either `hand_off` (the target verified them: release here) or
+`resume` (the migration failed: it decodes here again). `admit_migrated` is the other side.
+
 It is a plain object driven by its owner's loop (the Ray actor); it never blocks or sleeps.
 """
 
@@ -73,6 +77,46 @@ class DecodeEngine:
         self.running[req.request_id] = r
         return [self._emit(r, first_token)]
 
+    def admit_migrated(self, req: GenerateRequest, seq: SeqKV, tokens: list[int], emitted_chars: int,
+                       cached_tokens: int, extra: SeqKV) -> None:
+        """Continue a request another decode worker paused: `seq` holds the KV of its prompt and
+        every generated token but the last, `tokens[-1]` is fed next; `extra` holds the decode
+        pages reserved for the rest (taken over here). Emits nothing: the client has every token
+        in `tokens` already."""
+        if seq.num_tokens != len(req.prompt_ids) + len(tokens) - 1:
+            raise ValueError(f"{req.request_id}: {seq.num_tokens} cached tokens for "
+                             f"{len(req.prompt_ids)} prompt + {len(tokens)} generated")
+        for kind, pages in extra.pages.items():
+            seq.pages[kind].extend(pages)
+        r = Running(req, RequestState.DECODING, Detokenizer.resume(self.tokenizer, req.stop_strings, tokens,
+                                                                   emitted_chars),
+                    seq=seq, prefilled=len(req.prompt_ids), tokens=list(tokens), cached_tokens=cached_tokens)
+        self.running[req.request_id] = r
+
+    def pause(self, request_id: str) -> Running | None:
+        """Take a decoding request out of the batch (between steps); None unless it is decoding."""
+        r = self.running.get(request_id)
+        if r is None or r.state is not RequestState.DECODING:
+            return None
+        r.state = RequestState.MIGRATING
+        return r
+
+    def resume(self, request_id: str) -> None:
+        """Its migration failed: back into the batch, exactly where it paused."""
+        r = self.running.get(request_id)
+        if r is not None and r.state is RequestState.MIGRATING:
+            r.state = RequestState.DECODING
+
+    def hand_off(self, request_id: str) -> None:
+        """Its migration committed: the other worker runs it now; free its pages here."""
+        r = self.running.get(request_id)
+        if r is not None and r.state is RequestState.MIGRATING:
+            self._finish(r, RequestState.MIGRATED)
+
+    def decoding(self) -> list[str]:
+        """Ids of the requests in the batch that could migrate now."""
+        return [rid for rid, r in self.running.items() if r.state is RequestState.DECODING]
+
     def abort(self, request_id: str) -> bool:
         for r in list(self.waiting):
             if r.req.request_id == request_id:
@@ -86,7 +130,11 @@ class DecodeEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        """Anything a step would do (a paused request waits for its migration, not for a step)."""
+        return bool(self.waiting) or any(r.state is not RequestState.MIGRATING for r in self.running.values())
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
 
     def load(self) -> WorkerLoad:
         free = self.pools.num_free()

@@ -62,6 +62,11 @@ class RemotePeer:
         raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
 
 
+def metadata_epoch(metadata: bytes) -> str:
+    """The incarnation (epoch) an agent's metadata blob describes."""
+    return str(json.loads(metadata)["epoch"])
+
+
 def split_nixl_name(nixl_name: str) -> tuple[str, str]:
     """'<name>#<epoch>' -> (name, epoch)."""
     name, _, epoch = nixl_name.rpartition("#")

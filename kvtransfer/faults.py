@@ -1,7 +1,9 @@
 """Fault injection for tests and the chaos suite.
 
 A frozen FaultPlan is passed explicitly to a Sender or Receiver (never read from the
-environment). With no plan (the normal case) every injection point is a single `is None` check.
+environment), at construction or later with `set_faults(plan)` (a worker under test turns a fault
+on at a random moment and off again). With no plan (the normal case) every injection point is a
+single `is None` check. Each fault that fires is counted in the owner's `metrics.injected`.
 
 Which side honours what:
     sender:   drop / delay / duplicate of the messages it sends (Begin, TransferDone, Fenced),
@@ -70,12 +72,14 @@ def kill_point(plan: FaultPlan | None, point: str) -> None:
 class Notifier:
     """Sends protocol messages through an agent, applying a plan's message faults.
 
-    Owned by one Sender or Receiver; holds the delayed messages until pump() finds them due.
+    Owned by one Sender or Receiver; holds the delayed messages until pump() finds them due
+    (also after the plan was replaced: a delayed message is late, never lost).
     """
 
-    def __init__(self, agent, plan: FaultPlan | None):
+    def __init__(self, agent, plan: FaultPlan | None, metrics=None):
         self._agent = agent
         self._plan = plan
+        self._metrics = metrics
         self._delayed: list[tuple[float, str, bytes]] = []   # (due unix s, peer, payload)
 
     def send(self, peer: str, msg) -> bool:
@@ -86,14 +90,24 @@ class Notifier:
             return self._agent.notify(peer, data)
         name = type(msg).__name__
         if name in plan.drop:
+            self._count(f"drop_{name}")
             return True
         if name in plan.delay:
+            self._count(f"delay_{name}")
             self._delayed.append((time.time() + plan.delay_s, peer, data))
             return True
         ok = self._agent.notify(peer, data)
         if name in plan.duplicate:
+            self._count(f"duplicate_{name}")
             self._agent.notify(peer, data)
         return ok
+
+    def set_plan(self, plan: FaultPlan | None) -> None:
+        self._plan = plan
+
+    def _count(self, fault: str) -> None:
+        if self._metrics is not None:
+            self._metrics.inject(fault)
 
     def pump(self) -> None:
         """Send the delayed messages that are due."""

@@ -15,6 +15,9 @@ class TransferMetrics:
     duration_s_sum / duration_count: seconds per completed transfer (sender: first send() to
                TransferDone; receiver: reserve() to verified).
     failures: count per reason code (e.g. "checksum", "expired", "xfer_error").
+    ignored: notifications deliberately not acted on, per reason ("duplicate").
+    injected: faults a FaultPlan injected here, per fault ("drop_TransferDone", "truncate_write",
+               ...): what the chaos suite reads to know its fault really fired.
     """
 
     def __init__(self) -> None:
@@ -23,6 +26,8 @@ class TransferMetrics:
         self.duration_s_sum = 0.0
         self.duration_count = 0
         self.failures: Counter[str] = Counter()
+        self.ignored: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
 
     def completed(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
@@ -33,6 +38,12 @@ class TransferMetrics:
     def failed(self, reason: str) -> None:
         self.failures[reason] += 1
 
+    def ignore(self, reason: str) -> None:
+        self.ignored[reason] += 1
+
+    def inject(self, fault: str) -> None:
+        self.injected[fault] += 1
+
     def snapshot(self) -> dict:
         return {
             "bytes": self.bytes,
@@ -40,4 +51,6 @@ class TransferMetrics:
             "duration_s_sum": self.duration_s_sum,
             "duration_count": self.duration_count,
             "failures": dict(self.failures),
+            "ignored": dict(self.ignored),
+            "injected": dict(self.injected),
         }

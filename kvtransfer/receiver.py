@@ -22,6 +22,12 @@ posts no write later than deadline - post_margin, and unfenced pages wait until
 deadline + grace_s. Page accounting therefore returns to idle after any mix of
 reserve / abort / expire / complete + release, once poll() has run past the grace period.
 
+A write posted before the deadline can be held up by the network for longer than any fixed grace
+(a partition: the bytes sit in a socket until the link heals). With `fence_wait_s`, a reservation
+whose sender had begun (its Begin arrived) waits for the sender's Fenced — which comes after its
+last byte on the same connection — until deadline + fence_wait_s, unless the owner learns the
+sender is gone (`unfenced_senders()` / `sender_gone()`: a dead process writes nothing more).
+
 Not thread-safe: call from the worker's event-loop thread. poll() must be called regularly.
 """
 
@@ -75,32 +81,43 @@ class Receiver:
 
     allocator: duck-typed, alloc(kind, n) -> list[int], free(kind, ids), num_free(kind) -> int.
     grace_s: how long past a lease deadline unfenced pages stay quarantined.
+    fence_wait_s: if set, how long past the deadline unfenced pages whose sender had begun stay
+        quarantined (instead of grace_s), unless sender_gone() says that sender is no more.
     faults: optional FaultPlan (tests only).
     """
 
     def __init__(self, agent: Agent, allocator, layout: LayoutDescriptor, *,
                  faults: F.FaultPlan | None = None, grace_s: float = 1.0,
-                 remember_s: float = 60.0):
+                 remember_s: float = 60.0, fence_wait_s: float | None = None):
         layout.check_pools(agent.pools)
         self.agent = agent
         self.allocator = allocator
         self.layout = layout
         self.metrics = TransferMetrics()
         self.grace_s = grace_s
+        self.fence_wait_s = fence_wait_s
         self.remember_s = remember_s
         self._faults = faults
-        self._notifier = F.Notifier(agent, faults)
+        self._notifier = F.Notifier(agent, faults, self.metrics)
         self._res: dict[str, _Reservation] = {}
         self._finished: dict[str, float] = {}   # claimed/released ids -> forget at (dup filter)
+
+    def set_faults(self, plan: F.FaultPlan | None) -> None:
+        """Replace the fault plan (tests and the chaos suite); None turns injection off."""
+        self._faults = plan
+        self._notifier.set_plan(plan)
 
     # --- reservations
 
     def reserve(self, request_id: str, pages_per_kind: Mapping[str, int],
-                lease_s: float) -> TransferTarget:
+                lease_s: float, sender: str | None = None) -> TransferTarget:
         """Allocate pages for every kind (all or nothing) and return the target for the sender.
 
         pages_per_kind: kind -> page count (kinds with 0 are left out). lease_s: seconds until
-        the reservation expires unless a verified transfer arrived. Raises OutOfPages.
+        the reservation expires unless a verified transfer arrived. sender: NIXL name of the
+        agent that will write, if known (its peer must be loaded): an abort or expiry is then
+        told to it even before its Begin arrives, and with fence_wait_s its Fenced (or its
+        being gone) frees the pages. Raises OutOfPages.
         """
         if request_id in self._res:
             raise ValueError(f"request {request_id!r} already has a reservation")
@@ -126,7 +143,7 @@ class Receiver:
         target = TransferTarget(request_id, self.agent.name, self.agent.epoch,
                                 self.layout.layout_id, tuple(pages.items()),
                                 time.time() + lease_s)
-        self._res[request_id] = _Reservation(target, time.perf_counter(), pages=pages)
+        self._res[request_id] = _Reservation(target, time.perf_counter(), sender=sender, pages=pages)
         self._finished.pop(request_id, None)
         F.kill_point(self._faults, F.RECEIVER_AFTER_RESERVE)
         return target
@@ -216,6 +233,7 @@ class Receiver:
         if res.sender is None:
             res.sender = src
             if res.state == "fencing":   # aborted before we knew whom to tell
+                res.free_at = max(res.free_at, self._free_at(res))
                 self._answer(res, res.end_status)
 
     def _on_done(self, src: str, msg: TransferDone) -> ReceiverEvent | None:
@@ -227,9 +245,12 @@ class Receiver:
             if msg.request_id not in self._finished:    # late: lease over and pages freed
                 self.metrics.failed("late_done")
                 self._notifier.send(src, Ack(msg.request_id, msg.target_epoch, ACK_EXPIRED, 0.0))
+            else:
+                self.metrics.ignore("duplicate")
             return None
         res.sender = res.sender or src
         if msg.attempt <= res.attempt:
+            self.metrics.ignore("duplicate")
             return None                  # duplicate notification
         res.attempt = msg.attempt
         if res.state == "fencing":       # the writer finished: nothing of it is in flight
@@ -240,6 +261,7 @@ class Receiver:
             return None
         F.kill_point(self._faults, F.RECEIVER_BEFORE_VERIFY)
         if self._faults is not None and self._faults.corrupt_after_write:
+            self.metrics.inject("corrupt_after_write")
             self._flip_one_byte(res)
         bad = self._verify(res, msg)
         pages = tuple(res.pages.items())
@@ -292,8 +314,27 @@ class Receiver:
 
     def _fence(self, res: _Reservation, status: str) -> None:
         res.state, res.end_status = "fencing", status
-        res.free_at = res.target.lease_deadline + self.grace_s
+        res.free_at = self._free_at(res)
         self._answer(res, status)
+
+    def _free_at(self, res: _Reservation) -> float:
+        wait = self.fence_wait_s if self.fence_wait_s is not None and res.sender is not None else self.grace_s
+        return res.target.lease_deadline + wait
+
+    def unfenced_senders(self) -> set[str]:
+        """NIXL names of senders whose pages wait past deadline + grace_s for their Fenced: the
+        owner may check whether they still exist (and call sender_gone())."""
+        now = time.time()
+        return {r.sender for r in self._res.values() if r.state == "fencing" and r.sender is not None
+                and now >= r.target.lease_deadline + self.grace_s}
+
+    def sender_gone(self, nixl_name: str) -> int:
+        """That sender (one incarnation) no longer exists, so it writes nothing more: its fencing
+        reservations are freed by the next poll(). Returns how many."""
+        hit = [r for r in self._res.values() if r.state == "fencing" and r.sender == nixl_name]
+        for r in hit:
+            r.free_at = min(r.free_at, time.time())
+        return len(hit)
 
     def _free(self, res: _Reservation) -> None:
         for kind, ids in res.pages.items():

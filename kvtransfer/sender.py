@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import faults as F
-from .agent import Agent, RemotePeer, TransferError, split_nixl_name
+from .agent import Agent, RemotePeer, TransferError, metadata_epoch, split_nixl_name
 from .checksum import pool_checksums
 from .layout import LayoutDescriptor
 from .metrics import TransferMetrics
@@ -115,23 +115,41 @@ class Sender:
         self.post_margin_s = post_margin_s
         self.stuck_s = stuck_s
         self._faults = faults
-        self._notifier = F.Notifier(agent, faults)
+        self._notifier = F.Notifier(agent, faults, self.metrics)
         # Source data must be complete before NIXL reads it behind torch's back.
         self._device = next((t.device for t in agent.pools.values() if t.is_cuda), None)
         self._peers: dict[str, tuple[str, LayoutDescriptor]] = {}   # name -> (epoch, layout)
+        # name -> epochs a later handshake replaced: a restarted peer never comes back as its
+        # old self, so a target or metadata of a retired incarnation is refused, not reloaded
+        self._retired: dict[str, set[str]] = {}
         self._out: dict[tuple[str, str, str], _Outgoing] = {}
         self._tombstones: dict[tuple[str, str, str], float] = {}    # refused keys -> forget at
+
+    def set_faults(self, plan: F.FaultPlan | None) -> None:
+        """Replace the fault plan (tests and the chaos suite); None turns injection off."""
+        self._faults = plan
+        self._notifier.set_plan(plan)
 
     # --- handshake
 
     def handshake(self, peer_name: str, peer_metadata: bytes,
                   peer_layout: LayoutDescriptor) -> RemotePeer:
         """Check the peer's layout and load its metadata. Raises LayoutMismatch naming every
-        difference; nothing is loaded then. Call again after the peer restarts."""
+        difference; nothing is loaded then. Call again after the peer restarts. Raises
+        StaleTarget for metadata of an incarnation a later handshake already replaced (a late
+        request of a restarted peer must not swap its successor out)."""
+        epoch = metadata_epoch(peer_metadata)
+        if epoch in self._retired.get(peer_name, ()):
+            self.metrics.failed("stale_target")
+            raise StaleTarget(f"{peer_name!r} epoch {epoch} restarted since; a newer incarnation "
+                              f"is handshaken")
         diffs = self.layout.mismatches(peer_layout)
         if diffs:
             self.metrics.failed("layout_mismatch")
             raise LayoutMismatch(f"layout mismatch with peer {peer_name!r}: " + "; ".join(diffs))
+        known = self._peers.get(peer_name)
+        if known is not None and known[0] != epoch:
+            self._retired.setdefault(peer_name, set()).add(known[0])
         peer = self.agent.add_peer(peer_name, peer_metadata)
         for p in peer_layout.pools:
             _, nbytes, _ = peer.pool(p.kind)
@@ -212,8 +230,10 @@ class Sender:
         faults = self._faults
         if faults is not None:
             if faults.stall_before_write_s:
+                self.metrics.inject("stall_before_write")
                 time.sleep(faults.stall_before_write_s)
             if faults.truncate_write is not None:
+                self.metrics.inject("truncate_write")
                 spans = _truncate_pairs(spans, faults.truncate_write)
         if time.time() >= target.lease_deadline - self.post_margin_s:
             self.metrics.failed("lease_expired")

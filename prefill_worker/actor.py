@@ -6,8 +6,12 @@
           rest (last pages, SWA window, compress-state rings), TransferDone with the header →
           sender.poll(): on ack / refusal / lease end, free the pages and answer the caller
 
-The prefill worker keeps a request's pages until the decode side acknowledges them (or the
-lease ends), so a decode worker that fails mid-transfer can still be re-served from them.
+The prefill worker keeps a request's pages until the decode side acknowledges them. If that
+decode worker is lost instead (no answer by the lease, its writes fail, it restarted), the pages
+stay *parked* for another lease: the router re-targets the request and the new decode worker
+`repull`s them — the KV is delivered again, not recomputed. A re-pull also takes over a request
+still prefilling or still shipping to the lost worker. Requests are keyed by their id here (the
+engine id); a re-pull's target carries the new decode worker's id, mapped back by `engine_id`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -25,6 +30,7 @@ from cluster.messages import GenerateRequest
 from cluster.options import WorkerOptions
 from cluster.registry import Registry, WorkerInfo
 from kvtransfer.agent import Agent
+from kvtransfer.faults import FaultPlan
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
@@ -38,6 +44,11 @@ log = logging.getLogger(__name__)
 
 class TransferFailed(RuntimeError):
     """The KV of a request could not be delivered; the decode side recomputes it."""
+
+
+# Sender outcomes after which the decode side is gone rather than giving up by itself (it said
+# "expired" / "aborted" / "rejected" then, and recomputes): the KV is parked for a re-pull.
+_LOST = ("lease_expired", "xfer_error", "peer_restarted", "cancelled")
 
 
 class PrefillWorker:
@@ -57,12 +68,17 @@ class PrefillWorker:
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
         self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)
         self.registry = Registry(options.registry_url, options.cluster)
-        self.targets: dict[str, tuple[TransferTarget, bytes, bytes]] = {}  # rid → (target, peer md, layout)
-        self.futures: dict[str, asyncio.Future] = {}
+        # all keyed by the engine id of the request (the id its first prefill() came with)
+        self.targets: dict[str, tuple[TransferTarget, bytes, bytes]] = {}  # → (target, peer md, layout)
+        self.futures: dict[str, asyncio.Future] = {}  # → the caller waiting for delivery
         self.shipping: dict[str, Prefilled] = {}  # written, awaiting the receiver's answer
+        self.parked: dict[str, tuple[Prefilled, float]] = {}  # decode side lost: (KV, held until unix s)
+        self.aborting: set[str] = set()  # aborted while writes were in flight: freed at the sender's answer
+        self.engine_id: dict[str, str] = {}  # a re-pull's target request id → engine id
         self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
-        self.streamed: dict[str, dict[str, int]] = {}  # rid → kind → leading pages already sent
+        self.streamed: dict[str, dict[str, int]] = {}  # → kind → leading pages already sent
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
+        self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.draining = False
         self._tasks: list[asyncio.Task] = []
@@ -91,42 +107,95 @@ class PrefillWorker:
             self.store.cache.evict_full(10 ** 9)
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
-                "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping),
-                "streamed_pages": self.streamed_pages,
+                "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping) + len(self.parked),
+                "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.agent.epoch,
+                "queued": len(self.engine.waiting) + len(self.engine.running),
                 "transfers": self.sender.metrics.snapshot()}
+
+    def set_faults(self, plan: FaultPlan | None) -> None:
+        """Fault injection into this worker's transfers (tests and the chaos suite)."""
+        self.sender.set_faults(plan)
 
     # --- requests -------------------------------------------------------------------------
     async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes) -> dict:
         """Prefill `req` and deliver its KV into `target`; returns once the receiver verified it.
         Raises TransferFailed if it could not be delivered."""
-        if req.request_id in self.futures:  # ids key all per-request state here: never mix two
-            raise ValueError(f"request {req.request_id!r} is already being prefilled")
+        rid = req.request_id
+        if rid in self.futures or rid in self.targets or rid in self.shipping or rid in self.parked:
+            raise ValueError(f"request {rid!r} is already being prefilled")  # ids key all state here
         fut = asyncio.get_running_loop().create_future()
-        self.futures[req.request_id] = fut
-        self.targets[req.request_id] = (decode_target(target), peer_metadata, peer_layout)
+        self.futures[rid] = fut
+        self.targets[rid] = (decode_target(target), peer_metadata, peer_layout)
         self.commands.put(lambda: self.engine.submit(req))
         return await fut
+
+    async def repull(self, lost_id: str, req: GenerateRequest, target: bytes, peer_metadata: bytes,
+                     peer_layout: bytes) -> dict:
+        """Deliver the KV made (or being made) here for request `lost_id`, whose decode worker was
+        lost, into `target` of another decode worker; returns once verified there. Raises
+        TransferFailed if this worker does not hold it (any more): the caller recomputes."""
+        fut = asyncio.get_running_loop().create_future()
+        self.commands.put(lambda: self._repull(lost_id, req, decode_target(target), peer_metadata, peer_layout, fut))
+        return await fut
+
+    def _repull(self, lost_id: str, req: GenerateRequest, target: TransferTarget, metadata: bytes, layout: bytes,
+                fut: asyncio.Future) -> None:
+        eid = self.engine_id.get(lost_id, lost_id)
+        held = self.shipping.get(eid) or self.parked.get(eid, (None,))[0]
+        job = held.job if held is not None else self.engine.job(eid)
+        if job is None or eid in self.aborting or job.req.prompt_ids != req.prompt_ids:
+            fut.set_exception(TransferFailed(f"no KV of {lost_id!r} held here"))
+            return
+        old = self.targets.get(eid)
+        if old is not None:  # stop writing to the lost worker (its late answer is ignored: stale id)
+            self.sender.abort(old[0].request_id)
+        self._answer(eid, TransferFailed("re-pulled by another decode worker"))
+        self.futures[eid], self.targets[eid] = fut, (target, metadata, layout)
+        self.engine_id[target.request_id] = eid
+        self.streamed.pop(eid, None)  # every page goes again, to the new target
+        self.repulls += 1
+        self.shipping.pop(eid, None)
+        self.parked.pop(eid, None)
+        if held is not None:
+            self._ship(held)
 
     async def abort(self, request_id: str) -> bool:
         self.commands.put(lambda: self._abort(request_id))
         return True
 
     def _abort(self, request_id: str) -> None:
-        self.streamed.pop(request_id, None)
-        self.engine.abort(request_id)
-        if request_id in self.shipping:
-            self.sender.abort(request_id)  # pages are freed when poll() reports it
-        self._answer(request_id, TransferFailed("aborted"))
+        eid = self.engine_id.get(request_id, request_id)
+        entry = self.targets.get(eid)
+        if entry is not None and entry[0].request_id != request_id:
+            return  # from a decode worker the request was re-pulled away from
+        self.streamed.pop(eid, None)
+        self.engine.abort(eid)
+        if eid in self.shipping:  # pages are freed when poll() reports the writes over
+            self.aborting.add(eid)
+            self.sender.abort(request_id)
+        else:
+            self.targets.pop(eid, None)
+        if eid in self.parked:
+            self._release(self.parked.pop(eid)[0])
+        self._answer(eid, TransferFailed("aborted"))
 
-    def _answer(self, request_id: str, result) -> None:
-        self.targets.pop(request_id, None)
-        fut = self.futures.pop(request_id, None)
+    def _answer(self, eid: str, result) -> None:
+        fut = self.futures.pop(eid, None)
         if fut is None or fut.done():
             return
         if isinstance(result, Exception):
             fut.set_exception(result)
         else:
             fut.set_result(result)
+
+    def _park(self, done: Prefilled) -> None:
+        """Its decode worker is lost: hold the KV one more lease for a re-pull."""
+        self.parked[done.request_id] = (done, time.time() + self.options.lease_s)
+
+    def _release(self, done: Prefilled) -> None:
+        self.engine.release(done)
+        for rid in [r for r, e in self.engine_id.items() if e == done.request_id]:
+            del self.engine_id[rid]
 
     # --- the loop -------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -142,6 +211,7 @@ class PrefillWorker:
                 else:
                     await self.commands.wait()
                 self._poll_sender()
+                self._expire_parked()
                 await self._publish_events()
             except Exception:
                 log.exception("prefill loop error")
@@ -185,9 +255,10 @@ class PrefillWorker:
             try:
                 self._connect(target, metadata, layout)
                 self.sender.send(target, runs, first_page=offsets)
-            except Exception as e:  # the target is gone or refused: the decode side recomputes
+            except Exception as e:  # the target is gone or refused: the KV is parked once computed
                 log.warning("streaming %s failed: %s", rid, e)
-                self.sender.abort(rid)
+                self.sender.abort(target.request_id)
+                self.targets.pop(rid, None)
                 self._answer(rid, TransferFailed(str(e)))
                 continue
             for kind, run in runs.items():
@@ -195,10 +266,11 @@ class PrefillWorker:
                 self.streamed_pages += len(run)
 
     def _ship(self, done: Prefilled) -> None:
-        entry = self.targets.get(done.request_id)
-        sent = self.streamed.pop(done.request_id, {})
-        if entry is None:  # aborted while computing
-            self.engine.release(done)
+        eid = done.request_id
+        entry = self.targets.get(eid)
+        sent = self.streamed.pop(eid, {})
+        if entry is None:  # its decode worker was lost while it computed: held for a re-pull
+            self._park(done)
             return
         target, metadata, layout = entry
         try:
@@ -211,25 +283,40 @@ class PrefillWorker:
             header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens)
             self.sender.finish(target, header.to_bytes(), src_pages=pages)
         except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
-            log.warning("shipping %s failed: %s", done.request_id, e)
-            self.sender.abort(done.request_id)
-            self._answer(done.request_id, TransferFailed(str(e)))
-            if done.request_id in self.sender.holding():
-                self.shipping[done.request_id] = done  # writes in flight: free when poll() says so
+            log.warning("shipping %s failed: %s", eid, e)
+            self.sender.abort(target.request_id)
+            self._answer(eid, TransferFailed(str(e)))
+            if target.request_id in self.sender.holding():
+                self.shipping[eid] = done  # writes in flight: parked when poll() says they are over
             else:
-                self.engine.release(done)
+                self.targets.pop(eid, None)
+                self._park(done)
             return
-        self.shipping[done.request_id] = done
+        self.shipping[eid] = done
 
     def _poll_sender(self) -> None:
         for ev in self.sender.poll():
-            done = self.shipping.pop(ev.request_id, None)
-            if done is not None:
-                self.engine.release(done)
+            eid = self.engine_id.get(ev.request_id, ev.request_id)
+            entry = self.targets.get(eid)
+            if eid not in self.shipping or entry is None or entry[0].request_id != ev.request_id:
+                continue  # an earlier delivery of a re-pulled request (or one that never shipped)
+            done = self.shipping.pop(eid)
+            del self.targets[eid]
             if ev.reason == "acked":
-                self._answer(ev.request_id, {"first_token": done.first_token if done else None})
-            else:
-                self._answer(ev.request_id, TransferFailed(ev.reason))
+                self._release(done)
+                self._answer(eid, {"first_token": done.first_token})
+            elif ev.reason in _LOST and eid not in self.aborting:
+                self._park(done)
+                self._answer(eid, TransferFailed(ev.reason))
+            else:  # the decode side gave up on it (it recomputes) or it was aborted
+                self.aborting.discard(eid)
+                self._release(done)
+                self._answer(eid, TransferFailed(ev.reason))
+
+    def _expire_parked(self) -> None:
+        now = time.time()
+        for eid in [e for e, (_, until) in self.parked.items() if now > until]:
+            self._release(self.parked.pop(eid)[0])
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
         """Scale-down: stop being chosen, finish every prefill here and keep its KV pages until
@@ -237,7 +324,7 @@ class PrefillWorker:
 
         The load turns `draining` (published at once: routers skip this worker from their next
         refresh on); prefills that still arrive are served. Idle = no queued or running prefill,
-        no transfer awaiting its acknowledgement, no caller waiting. Returns {"idle": False} if
+        no transfer awaiting its acknowledgement, no KV parked for a re-pull, no caller waiting. Returns {"idle": False} if
         `timeout_s` passes first: the worker stays draining and nothing is cut short."""
         self.draining = True
         try:
@@ -247,7 +334,8 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         start, quiet = loop.time(), None
         while True:
-            busy = self.futures or self.shipping or self.targets or self.commands or self.engine.has_work()
+            busy = (self.futures or self.shipping or self.parked or self.targets or self.commands
+                    or self.engine.has_work())
             now = loop.time()
             quiet = None if busy else (now if quiet is None else quiet)
             if quiet is not None and now - quiet >= settle_s:

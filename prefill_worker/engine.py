@@ -77,6 +77,12 @@ class PrefillEngine:
         self._release(job)
         return True
 
+    def job(self, request_id: str) -> Job | None:
+        """The queued or running job of `request_id`, if any."""
+        if request_id in self.running:
+            return self.running[request_id]
+        return next((j for j in self.waiting if j.req.request_id == request_id), None)
+
     def release(self, done: Prefilled) -> None:
         """Give back a finished request's pages once the decode side has them (or gave up): into
         the prefix cache when there is one, else to the pools."""

@@ -5,6 +5,11 @@ in the registry — corrected by the requests this router placed since the last 
 prefix index built from the prefill workers' KV events; then one streaming call to the chosen
 decode actor, handing it the chosen prefill actor (or none: the decode worker prefills).
 
+A request's stream survives its decode worker: a worker that migrates it away ends its stream
+with `Moved` and the stream goes on from the target (`attach`); a worker that dies is replaced by
+another one, which re-pulls the KV from the prefill worker still holding it (when no token was
+streamed yet) or recomputes prompt + tokens so far. The client sees one continuous stream either way.
+
 Registry reads run in threads, never on the event loop; every router replica builds the same
 prefix index because each reads the whole KV event stream.
 """
@@ -15,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 import ray
 
@@ -28,6 +34,16 @@ from router.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Lost:
+    """The decode worker under a request died: the last item of `_generate_once` instead of a chunk."""
+
+    worker_id: str
+    epoch: str  # its incarnation: a worker restarted under the same name is a new one, usable again
+    request_id: str  # the request's id there
+    prefill_id: str | None  # the prefill worker that computed its KV there (None: local, or migrated in)
+
+
 class ClusterBackend:
     def __init__(self, registry: Registry, tokenizer, model_name: str, max_model_len: int,
                  placement: PlacementConfig, metrics: RouterMetrics | None = None,
@@ -38,9 +54,10 @@ class ClusterBackend:
         self.max_retargets = max_retargets  # decode workers a request may lose before it fails
         self.index = PrefixIndex(placement.page_size)
         self.loads: dict[str, WorkerLoad] = {}
+        self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
         self.placed = Counter()  # worker id → requests placed here since its last load report
         self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
-        self._actors: dict[str, object] = {}
+        self._actors: dict[str, tuple[str | None, object]] = {}  # worker id → (incarnation, handle)
         self._tasks: list[asyncio.Task] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -72,6 +89,7 @@ class ClusterBackend:
         for gone in set(self.loads) - set(fresh):
             self.index.remove_worker(gone)
         self.loads = fresh
+        self.epochs = {w.worker_id: w.epoch for w in workers}
         self.placed.clear()
         if self.metrics is not None:
             for role in ("prefill", "decode"):
@@ -84,6 +102,8 @@ class ClusterBackend:
                 await self._refresh()
             except Exception as e:  # Redis restarting: keep the last view, retry
                 log.warning("registry refresh failed: %s", e)
+                if self.metrics is not None:
+                    self.metrics.registry_error()
 
     async def _event_loop(self) -> None:
         last = "0-0"
@@ -104,92 +124,144 @@ class ClusterBackend:
                 for l in self.loads.values() if l.role == role and not l.draining]
 
     def _actor(self, worker_id: str):
-        if worker_id not in self._actors:
-            self._actors[worker_id] = ray.get_actor(worker_id)
-        return self._actors[worker_id]
+        """The actor of `worker_id`, looked up again once the registry shows a new incarnation
+        (a worker restarted under the same name is another actor)."""
+        epoch = self.epochs.get(worker_id)
+        cached = self._actors.get(worker_id)
+        if cached is None or cached[0] != epoch:
+            cached = self._actors[worker_id] = (epoch, ray.get_actor(worker_id))
+        return cached[1]
 
     async def generate(self, req: GenerateRequest):
-        """Stream `req`'s chunks. If its decode worker dies, the request moves to another one:
-        prompt + tokens generated so far are recomputed there, and since sampling is a pure
-        function of (logits, seed, position) the stream goes on with the tokens it would have had."""
+        """Stream `req`'s chunks. If its decode worker dies, the request moves to another one: it
+        re-pulls the KV from the prefill worker if none of it was decoded yet and that worker
+        still holds it, else prompt + tokens generated so far are recomputed there; since sampling
+        is a pure function of (logits, seed, position) the stream goes on with the tokens it
+        would have had."""
         generated: list[int] = []
-        lost: set[str] = set()  # decode workers that died under this request
+        lost: set[tuple[str, str]] = set()  # (worker id, incarnation) of decode workers that died under it
+        repull: tuple[str, str] | None = None  # (prefill worker, request id) holding the KV of a lost attempt
+        retargeted = False  # the next token chunk tells how (its transfer stats), and is counted then
         while True:
             # a retry is a new request to the workers (its own id: the old one may linger there)
             attempt = req if not lost else dataclasses.replace(
                 req, request_id=f"{req.request_id}~{len(lost)}", prompt_ids=req.prompt_ids + tuple(generated),
                 max_tokens=req.max_tokens - len(generated))
             outcome = None
-            async for chunk in self._generate_once(attempt, lost, req.request_id):
-                if isinstance(chunk, str):  # the decode worker died: retarget
+            async for chunk in self._generate_once(attempt, lost, req.request_id, repull):
+                if isinstance(chunk, _Lost):  # the decode worker died: retarget
                     outcome = chunk
                     break
+                if retargeted and (chunk.token_ids or chunk.finish_reason):
+                    retargeted = False
+                    t = chunk.transfer
+                    self._retargeted("repull" if t and t.source == "repull" and t.failure is None else "recompute")
                 generated.extend(chunk.token_ids)
-                if lost:  # the client knows only its own id, and the original prompt length
+                if lost:  # the client knows only its original prompt length
                     usage = chunk.usage and dataclasses.replace(
                         chunk.usage, prompt_tokens=len(req.prompt_ids), completion_tokens=len(generated))
-                    chunk = dataclasses.replace(chunk, request_id=req.request_id, usage=usage)
+                    chunk = dataclasses.replace(chunk, usage=usage)
+                if chunk.request_id != req.request_id:  # the client knows only its own id
+                    chunk = dataclasses.replace(chunk, request_id=req.request_id)
                 yield chunk
                 if chunk.finish_reason or chunk.error:
                     return
             if outcome is None:
                 return
-            lost.add(outcome)
-            log.warning("decode worker %s lost under %s after %d tokens: retargeting", outcome, req.request_id,
-                        len(generated))
+            lost.add((outcome.worker_id, outcome.epoch))
+            repull = (outcome.prefill_id, outcome.request_id) if outcome.prefill_id and not generated else None
+            retargeted = True
+            log.warning("decode worker %s lost under %s after %d tokens: retargeting (%s)", outcome.worker_id,
+                        req.request_id, len(generated), "re-pull" if repull else "recompute")
             if len(lost) > self.max_retargets:
                 yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "decode workers lost"))
                 return
 
-    async def _generate_once(self, req: GenerateRequest, exclude: set[str], client_id: str):
-        """One placement and one streaming call. Yields chunks, or the worker id (a str) last
-        if that decode worker died."""
-        decode_loads = [l for l in self._view("decode") if l.worker_id not in exclude]
+    def _retargeted(self, path: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_retargeted(path)
+
+    async def _generate_once(self, req: GenerateRequest, exclude: set[tuple[str, str]], client_id: str,
+                             repull: tuple[str, str] | None = None):
+        """One placement and one streaming call, following the request when it migrates. Yields
+        chunks, or a `_Lost` last if the decode worker under it died."""
+        decode_loads = [l for l in self._view("decode") if (l.worker_id, self.epochs.get(l.worker_id)) not in exclude]
         where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads,
                       self._view("prefill"), self.placement, tie_key=req.request_id)
         if where is None:
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no decode worker available"))
             return
         self.placed[where.decode_id] += 1
-        if where.prefill_id is not None:
-            self.placed[where.prefill_id] += 1
+        worker_id, rid, prefill_id, repull_id = where.decode_id, req.request_id, where.prefill_id, None
+        epoch = self.epochs.get(worker_id, "")
+        if repull is not None:  # the KV is held by that prefill worker: it alone can re-send it
+            prefill_id, repull_id = repull
+        if prefill_id is not None:
+            self.placed[prefill_id] += 1
         try:
-            decode = self._actor(where.decode_id)
+            decode = self._actor(worker_id)
         except ValueError:  # removed since our last registry view (scale-down): as if it died
-            yield where.decode_id
+            yield _Lost(worker_id, epoch, rid, None)
             return
         try:
-            prefill = self._actor(where.prefill_id) if where.prefill_id is not None else None
+            prefill = self._actor(prefill_id) if prefill_id is not None else None
         except ValueError:
-            prefill = None  # the decode worker prefills itself
-        self.decode_of[client_id] = (where.decode_id, req.request_id)
-        finished = False
+            prefill, prefill_id, repull_id = None, None, None  # the decode worker prefills itself
+        self.decode_of[client_id] = (worker_id, rid)
+        stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id)
+        finished, attached = False, False
         try:
-            async for ref in decode.generate.options(num_returns="streaming").remote(req, prefill):
-                chunk = await ref
-                if chunk.transfer is not None and self.metrics is not None:
-                    if chunk.transfer.failure is None:
-                        self.metrics.kv_transfer_done(chunk.transfer.nbytes, chunk.transfer.seconds)
-                    else:
-                        self.metrics.kv_transfer_failed(chunk.transfer.failure)
-                finished = bool(chunk.finish_reason or chunk.error)
-                yield chunk
-                if finished:
+            while True:
+                moved = None
+                async for ref in stream:
+                    chunk = await ref
+                    if chunk.moved is not None:
+                        moved = chunk.moved
+                        break
+                    if attached and chunk.error is not None and chunk.error.code is ErrorCode.NO_WORKER:
+                        finished = True  # it migrated there, but that worker no longer has it
+                        yield _Lost(worker_id, epoch, rid, None)
+                        return
+                    attached = False
+                    self._transfer_metrics(chunk)
+                    finished = bool(chunk.finish_reason or chunk.error)
+                    yield chunk
+                    if finished:
+                        return
+                if moved is None:
+                    yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
+                    finished = True
                     return
-            if not finished:
-                yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
-                finished = True
+                # migrated: the rest of the stream comes from the target, not a token lost or repeated
+                worker_id, rid, prefill_id, attached = moved.worker_id, moved.request_id, None, True
+                epoch = self.epochs.get(worker_id, "")
+                self.decode_of[client_id] = (worker_id, rid)
+                self._retargeted("migrate")
+                try:
+                    decode = self._actor(worker_id)
+                except ValueError:
+                    finished = True
+                    yield _Lost(worker_id, epoch, rid, None)
+                    return
+                stream = decode.attach.options(num_returns="streaming").remote(rid)
         except ray.exceptions.RayActorError:
-            self._actors.pop(where.decode_id, None)
+            self._actors.pop(worker_id, None)
             finished = True  # nothing left to abort there
-            yield where.decode_id
+            yield _Lost(worker_id, epoch, rid, prefill_id)
         finally:
             self.decode_of.pop(client_id, None)
             if not finished:  # client went away: make sure the worker stops
                 try:
-                    decode.abort.remote(req.request_id)
+                    decode.abort.remote(rid)
                 except Exception:
                     pass
+
+    def _transfer_metrics(self, chunk: TokenChunk) -> None:
+        if chunk.transfer is not None and self.metrics is not None:
+            if chunk.transfer.failure is None:
+                self.metrics.kv_transfer_done(chunk.transfer.nbytes, chunk.transfer.seconds)
+            else:
+                self.metrics.kv_transfer_failed(chunk.transfer.failure)
 
     async def abort(self, request_id: str) -> None:
         placed = self.decode_of.get(request_id)

@@ -50,6 +50,12 @@ class RouterMetrics:
                                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
         self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers by reason.",
                                             ["reason"], namespace=ns, registry=r)
+        self.retargets = Counter("retargeted_requests", "Requests that continued on another decode worker, by "
+                                 "how their state got there: migrate (live KV migration), repull (KV re-sent by "
+                                 "the prefill worker that still held it), recompute (prompt + tokens so far).",
+                                 ["path"], namespace=ns, registry=r)
+        self.registry_errors = Counter("registry_errors", "Failed reads of the worker registry (Redis down).",
+                                       namespace=ns, registry=r)
 
     def watch_pools(self, loads: Callable[[], Iterable], index_pages: Callable[[], Mapping[str, int]]) -> None:
         """Export gauges of the pools, read at scrape time: `loads()` gives the latest `WorkerLoad`s,
@@ -81,6 +87,13 @@ class RouterMetrics:
 
     def kv_transfer_failed(self, reason: str) -> None:
         self.kv_transfer_failures.labels(reason).inc()
+
+    def request_retargeted(self, path: str) -> None:
+        """path: migrate | repull | recompute."""
+        self.retargets.labels(path).inc()
+
+    def registry_error(self) -> None:
+        self.registry_errors.inc()
 
     # --- exposition
     def render(self) -> tuple[bytes, str]:

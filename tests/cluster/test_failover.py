@@ -2,8 +2,9 @@
 
 A decode worker killed mid-stream: its requests continue on the other decode worker with exactly
 the tokens they would have had (recompute of prompt + generated tokens), in one client stream. A
-prefill worker killed mid-prefill: the decode worker prefills its requests itself. Either way the
-surviving workers' pages return to idle."""
+decode worker killed mid-transfer: the prefill worker still holds the KV, and the new decode
+worker re-pulls it instead of anything being recomputed. A prefill worker killed mid-prefill: the
+decode worker prefills its requests itself. Either way the surviving workers' pages return to idle."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from cluster.messages import GenerateRequest
 from cluster.options import WorkerOptions
 from cluster.registry import Registry
 from cluster.settings import Environment
+from kvtransfer.faults import RECEIVER_BEFORE_VERIFY, FaultPlan
 from model.checkpoint import load_checkpoint
 from model.generate import generate
 from model.kv_pool import KVPools
@@ -27,6 +29,7 @@ from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from router.cluster_backend import ClusterBackend
 from router.config import PlacementConfig
+from router.metrics import RouterMetrics
 
 pytest.importorskip("nixl")
 
@@ -79,6 +82,63 @@ def test_killed_decode_worker_requests_continue_elsewhere(tiny_official_ckpt):
             assert a["free"] == a["idle"], a
     finally:
         cluster.decode = cluster.decode[1:]  # the killed actor is gone already
+        cluster.stop()
+
+
+def test_decode_worker_dead_mid_transfer_requests_repull_the_held_kv(tiny_official_ckpt):
+    """decode-0's process exits the moment a TransferDone reaches it (a real crash at that point):
+    the prefill worker holds those requests' KV, the router retargets them to decode-1, which
+    re-pulls it. Nothing is prefilled twice: the prefill worker computed every prompt once and
+    decode-1 recomputed nothing."""
+    options = WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16, lease_s=5.0,
+                            prefix_cache=False)
+    cluster = LocalCluster(ClusterOptions(options, prefill=1, decode=2), Environment(None, None, Path("/tmp"))).start()
+    rng = random.Random(6)
+    reqs = [GenerateRequest(f"rp{i}", tuple(rng.randrange(256) for _ in range(rng.randrange(70, 250))),
+                            max_tokens=8, sampling=SamplingParams(temperature=0.7 * (i % 2), seed=i),
+                            ignore_eos=True) for i in range(8)]
+    victim = cluster.decode[0]
+    try:
+        ray.get(victim.set_faults.remote(receiver=FaultPlan(kill_at=RECEIVER_BEFORE_VERIFY)))
+
+        async def run():
+            metrics = RouterMetrics()
+            backend = ClusterBackend(Registry(cluster.registry_url), ByteTokenizer(320), "tiny", 512,
+                                     PlacementConfig(remote_prefill_threshold=64), metrics)
+            await backend.start()
+            await backend.wait_for_workers(prefill=1, decode=2)
+
+            async def one(req):
+                out = []
+                async for chunk in backend.generate(req):
+                    assert chunk.error is None, chunk.error
+                    out.extend(chunk.token_ids)
+                return out
+
+            out = await asyncio.gather(*(one(r) for r in reqs))
+            await backend.stop()
+            return out, metrics
+
+        got, metrics = asyncio.run(run())
+        cfg, model = load_checkpoint(tiny_official_ckpt)
+        for req, tokens in zip(reqs, got):
+            pools = KVPools(cfg, "fp32", max_tokens=512, max_seqs=1)
+            assert tokens == generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling).token_ids
+        repulled = metrics.sample("v4serve_retargeted_requests_total", {"path": "repull"})
+        assert repulled >= 1 and metrics.sample("v4serve_retargeted_requests_total", {"path": "recompute"}) == 0
+        p = ray.get(cluster.prefill[0].page_accounting.remote())
+        d1 = ray.get(cluster.decode[1].page_accounting.remote())
+        assert p["repulls"] == repulled and d1["counts"]["repulls"] == repulled
+        assert p["computed_tokens"] == sum(len(r.prompt_ids) for r in reqs)  # each prompt prefilled once
+        assert d1["fallbacks"] == 0
+        deadline = time.time() + 30
+        while (p["free"] != p["idle"] or d1["free"] != d1["idle"]) and time.time() < deadline:
+            time.sleep(0.5)
+            p = ray.get(cluster.prefill[0].page_accounting.remote())
+            d1 = ray.get(cluster.decode[1].page_accounting.remote())
+        assert p["free"] == p["idle"] and d1["free"] == d1["idle"], (p, d1)
+    finally:
+        cluster.decode = cluster.decode[1:]  # the crashed actor is gone already
         cluster.stop()
 
 

@@ -1,0 +1,58 @@
+"""The chaos matrix as tests: the short subset (`ci=True` scenarios) runs with the CPU suite, the
+rest is marked `slow` (`pytest -m slow tests/chaos`, or `python -m tests.chaos.run_matrix` for the
+whole matrix and its report)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("nixl")
+
+import ray  # noqa: E402
+
+from tests.chaos.harness import make_load, references  # noqa: E402
+from tests.chaos.run_matrix import REQUESTS, run_scenario  # noqa: E402
+from tests.chaos.scenarios import SCENARIOS  # noqa: E402
+
+CI = [s for s in SCENARIOS if s.ci]
+FULL = [s for s in SCENARIOS if not s.ci]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ray():
+    yield
+    if ray.is_initialized():  # the suite's Ray (harness.ensure_ray): later modules start their own
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_load(tiny_official_ckpt):
+    """The CI subset's load: fewer, shorter requests (their references are most of its time)."""
+    load = make_load(0, 8, max_tokens=(12, 28), long_share=0.75)
+    return load, references(tiny_official_ckpt, load)
+
+
+@pytest.fixture(scope="module")
+def full_load(tiny_official_ckpt):
+    load = make_load(0, REQUESTS)
+    return load, references(tiny_official_ckpt, load)
+
+
+def _run(scenario, ckpt, load_and_refs):
+    load, refs = load_and_refs
+    row = run_scenario(ckpt, scenario, load, refs)
+    if row.skipped:
+        pytest.skip(row.skipped)
+    assert not row.problems, (row.observed.note, row.problems)
+    assert row.counted[0], f"fault not counted: {row.counted[1]} ({row.observed.note})"
+
+
+@pytest.mark.parametrize("scenario", CI, ids=[s.name for s in CI])
+def test_chaos_subset(scenario, tiny_official_ckpt, small_load):
+    _run(scenario, tiny_official_ckpt, small_load)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", FULL, ids=[s.name for s in FULL])
+def test_chaos_matrix(scenario, tiny_official_ckpt, full_load):
+    _run(scenario, tiny_official_ckpt, full_load)
