@@ -291,9 +291,24 @@ class Bed:
                     self.dead.add(wid)
         workers = await self._settle()
         router = {f"{name}{sorted(labels.items())}": value for name, labels, value in _samples(self.metrics)}
-        registered = await asyncio.to_thread(Registry(self.cluster.registry_url).workers)
         return Observed(list(results), router, workers, sorted(self.dead), note or "", time.monotonic() - t0,
-                        {"registered": sorted(w.worker_id for w in registered)})
+                        {"registered": await self._registered(sorted(workers))})
+
+    async def _registered(self, expected: list[str], timeout_s: float = 15.0) -> list[str]:
+        """The registry's workers once they are `expected` (heartbeats re-create the keys after a
+        registry restart within a heartbeat or two), or as they are when the time is up."""
+        registry, found = Registry(self.cluster.registry_url), []
+
+        async def complete() -> bool:
+            nonlocal found
+            try:
+                found = sorted(w.worker_id for w in await asyncio.to_thread(registry.workers))
+            except Exception:  # noqa: BLE001 - still down: not complete
+                return False
+            return found == expected
+
+        await self.until(complete, timeout_s, every_s=0.25)
+        return found
 
     async def _one(self, dispatcher: Dispatcher, req: GenerateRequest, start_s: float) -> Result:
         await asyncio.sleep(start_s)

@@ -30,6 +30,7 @@ from tests.chaos.harness import Bed, BedConfig, Load, Observed, check, make_load
 from tests.chaos.scenarios import RETARGETS, SCENARIOS, Scenario
 
 REQUESTS = 10  # concurrent requests per scenario
+LONG_SHARE = 0.7  # of them with prompts long enough for remote prefill: transfers to break
 
 
 @dataclass
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_checkpoint(Path(tmp))
         for seed in [int(x) for x in args.seeds.split(",")]:
-            load = make_load(seed, REQUESTS)
+            load = make_load(seed, REQUESTS, long_share=LONG_SHARE)
             refs = references(ckpt, load)
             runs[seed] = []
             for s in chosen:

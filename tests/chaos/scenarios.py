@@ -122,7 +122,7 @@ def kill_when(worker: str, field: str, doing: str, after_s: tuple[float, float] 
 
 
 async def crash_decode_at_verify(bed: Bed, rng: random.Random) -> str:
-    t = await _pause(rng, 0.0, 1.0)
+    t = await _pause(rng, 0.0, 0.5)
     await _when(bed, "decode-0", "awaiting")  # arm it while a transfer into it is under way
     await bed.actor("decode-0").set_faults.remote(receiver=FaultPlan(kill_at=RECEIVER_BEFORE_VERIFY))
     died = await _dies(bed, "decode-0")
@@ -240,7 +240,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              message_fault("prefill", FaultPlan(stall_before_write_s=3.5), "stall_before_write"),
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired"))),
     Scenario("kill_decode_mid_transfer", "decode actor killed while awaiting KV",
-             kill_when("decode-0", "awaiting", "while it awaited KV"),
+             kill_when("decode-0", "awaiting", "while it awaited KV", after_s=(0.0, 0.5)),
              lambda o: _counted("retargeted{repull,recompute}", retargeted(o, "repull", "recompute"))),
     Scenario("crash_decode_at_verify", "decode process exits when TransferDone arrives", crash_decode_at_verify,
              lambda o: _counted("retargeted{repull}", retargeted(o, "repull")), ci=True),
@@ -255,7 +255,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              lambda o: _counted("migrations_out_failed + retargeted{recompute}",
                                 worker_sum(o, "counts", "migrations_out_failed") + retargeted(o, "recompute"))),
     Scenario("kill_prefill_mid_prefill", "prefill actor killed with prompts queued",
-             kill_when("prefill-0", "queued", "with prompts queued"),
+             kill_when("prefill-0", "queued", "with prompts queued", after_s=(0.0, 0.5)),
              lambda o: _counted("kv_transfer_failures{prefill_failed}", _failures(o, "prefill_failed"))),
     Scenario("restart_redis", "Valkey stopped and restarted empty", restart_registry,
              lambda o: _rebuilt(o, _counted("registry_errors", metric(o, "v4serve_registry_errors_total")))),

@@ -11,7 +11,7 @@ pytest.importorskip("nixl")
 import ray  # noqa: E402
 
 from tests.chaos.harness import make_load, references  # noqa: E402
-from tests.chaos.run_matrix import REQUESTS, run_scenario  # noqa: E402
+from tests.chaos.run_matrix import LONG_SHARE, REQUESTS, run_scenario  # noqa: E402
 from tests.chaos.scenarios import SCENARIOS  # noqa: E402
 
 CI = [s for s in SCENARIOS if s.ci]
@@ -34,7 +34,7 @@ def small_load(tiny_official_ckpt):
 
 @pytest.fixture(scope="module")
 def full_load(tiny_official_ckpt):
-    load = make_load(0, REQUESTS)
+    load = make_load(0, REQUESTS, long_share=LONG_SHARE)
     return load, references(tiny_official_ckpt, load)
 
 
