@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.options import DEVICES, KERNELS
 from model.kv_pool import STORAGE_FORMATS
 
 
@@ -32,6 +33,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
 
 
 def _token_ids(text: str) -> list[int]:
@@ -91,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
     up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
+    up.add_argument("--device", choices=DEVICES, default="cpu",
+                    help="cuda: each worker serves from its GPU in the device format (needs --gpus-per-worker)")
+    up.add_argument("--kernels", choices=KERNELS, default=None,
+                    help="model ops (default: triton on cuda, torch on cpu)")
+    up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
+                    help="decode batch sizes captured as CUDA graphs, e.g. 1,8,32,64 "
+                         "(default on cuda with triton: 1,2,4,8,16,32,64 up to --max-seqs; 'none': eager)")
     up.add_argument("--start-timeout", type=_positive, default=120, help="seconds to wait for the workers")
     up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
@@ -173,6 +193,25 @@ def _router_config(args: argparse.Namespace):
                         placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold))
 
 
+DEFAULT_DECODE_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _device_options(args: argparse.Namespace) -> dict:
+    """WorkerOptions' device, kernels and decode_graphs from `up`'s flags and their defaults."""
+    kernels = args.kernels or ("triton" if args.device == "cuda" else "torch")
+    graphs = args.decode_graphs
+    if graphs is None:
+        capturable = args.device == "cuda" and kernels == "triton"
+        graphs = tuple(b for b in DEFAULT_DECODE_GRAPHS if b <= args.max_seqs) if capturable else ()
+    if args.device == "cuda" and args.gpus_per_worker <= 0:
+        raise CliError("--device cuda needs --gpus-per-worker > 0 (the GPU Ray gives each worker)")
+    if args.device == "cpu" and kernels == "triton":
+        raise CliError("--kernels triton needs --device cuda")
+    if graphs and (args.device != "cuda" or kernels != "triton"):
+        raise CliError("--decode-graphs needs --device cuda with the triton kernels")
+    return {"device": args.device, "kernels": kernels, "decode_graphs": graphs}
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from cluster import up
     from cluster.launcher import ClusterOptions
@@ -192,7 +231,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         except (OSError, ValueError, TypeError) as e:
             raise CliError(f"--autoscale-config: {e}") from None
     worker = WorkerOptions(str(model_dir), "", cluster=args.cluster, kv_dtype=args.kv_dtype,
-                           max_tokens=args.max_model_len, max_seqs=args.max_seqs)
+                           max_tokens=args.max_model_len, max_seqs=args.max_seqs, **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
                        slots=None if autoscale_config is None else (

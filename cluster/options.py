@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEVICES = ("cpu", "cuda")
+KERNELS = ("torch", "triton")
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -19,3 +22,23 @@ class WorkerOptions:
     lease_s: float = 30.0  # how long a decode reservation waits for its KV
     prefix_cache: bool = True  # prefill workers keep finished prompts' pages for reuse
     heartbeat_s: float = 1.0
+    # where the replica runs: "cpu" (the reference model, float weights), or "cuda" (the GPU Ray
+    # gave the actor, cuda:0 inside it; the device format: FP8 projections, packed FP4 experts,
+    # bf16 activations)
+    device: str = "cpu"
+    kernels: str = "torch"  # "torch" reference ops, or the "triton" kernels (model/kernels/)
+    # decode batch sizes captured as CUDA graphs (device "cuda" only): a decode-only step of n
+    # requests replays the smallest bucket >= n; larger or mixed steps run eagerly
+    decode_graphs: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.decode_graphs:
+            if self.device != "cuda" or self.kernels != "triton":
+                raise ValueError("decode_graphs needs device 'cuda' and kernels 'triton' (the capturable path), "
+                                 f"got device {self.device!r}, kernels {self.kernels!r}")
+            if any(b <= 0 for b in self.decode_graphs) or list(self.decode_graphs) != sorted(set(self.decode_graphs)):
+                raise ValueError(f"decode_graphs must be increasing positive batch sizes, got {self.decode_graphs}")

@@ -33,6 +33,7 @@ from cluster.kv_link import layout_of, pool_buffers
 from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk
 from cluster.options import WorkerOptions
 from cluster.registry import Registry, WorkerInfo
+from cluster.replica import DecodeGraphs, load_replica
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
@@ -40,8 +41,6 @@ from kvtransfer.agent import Agent, split_nixl_name
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
-from model.checkpoint import load_checkpoint
-from model.kv_pool import KVPools
 from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,13 +54,13 @@ class DecodeWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
-        cfg, model = load_checkpoint(options.model_dir)
-        self.pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
-                             max_seqs=options.max_seqs)
+        cfg, model, self.pools = load_replica(options)
+        graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens)
+                  if options.decode_graphs else None)
         tokenizer = load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
-                                                max_running=options.max_seqs))
+                                                max_running=options.max_seqs), graphs)
         # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
         self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
         self.layout = layout_of(self.pools)
@@ -101,7 +100,7 @@ class DecodeWorker:
         return self.agent.name, self.agent.epoch, self.agent.metadata()
 
     def page_accounting(self) -> dict:
-        return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
+        return {"free": self.pools.num_free(), "idle": self.engine.idle_free(),
                 "transfers_idle": self.receiver.idle() and not self.sender.holding(),
                 "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
                 "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),

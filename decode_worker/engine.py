@@ -6,7 +6,8 @@
   running request never runs out mid-decode; a request that does not fit waits.
 * schedule: one token for every decoding request, plus prompt chunks of requests this worker
   prefills itself (conditional disaggregation), within a per-step prefill token budget.
-* run: one `ForwardBatch` through the model.
+* run: one `ForwardBatch` through the model (a decode-only batch on a GPU replays the CUDA graph
+  of the smallest bucket that fits it, when the worker captured graphs).
 * postprocess: sample (a pure function of logits, seed, position), detokenise, check stop
   conditions, emit `TokenChunk`s, release the pages of finished requests.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, TokenChunk, Usage,
                               WorkerLoad)
+from cluster.replica import DecodeGraphs
 from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
@@ -56,8 +58,9 @@ class Running:
 
 class DecodeEngine:
     def __init__(self, model: Transformer, pools: KVPools, tokenizer, worker_id: str,
-                 config: DecodeConfig = DecodeConfig()):
+                 config: DecodeConfig = DecodeConfig(), graphs: DecodeGraphs | None = None):
         self.model, self.pools, self.tokenizer, self.worker_id, self.config = model, pools, tokenizer, worker_id, config
+        self.graphs = graphs
         self.eos_id = model.cfg.eos_token_id
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
@@ -136,6 +139,11 @@ class DecodeEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def idle_free(self) -> dict[str, int]:
+        """Free pages per kind once every request has ended (the graphs' scratch stays held)."""
+        held = self.graphs.held_pages() if self.graphs else {}
+        return {k: n - held.get(k, 0) for k, n in self.pools.idle_free().items()}
+
     def load(self) -> WorkerLoad:
         free = self.pools.num_free()
         return WorkerLoad(self.worker_id, "decode", waiting=len(self.waiting), running=len(self.running),
@@ -165,7 +173,7 @@ class DecodeEngine:
         out = self._admit()
         batch, owners = self._schedule()
         if batch is not None:
-            logits = self.model(batch, self.pools)
+            logits = self._run(batch)
             batch.commit()
             out += self._postprocess(owners, logits)
         return out
@@ -188,6 +196,12 @@ class DecodeEngine:
         if not items:
             return None, []
         return ForwardBatch.build(items, device=self.pools.device), owners
+
+    def _run(self, batch: ForwardBatch):
+        """Logits [rows, vocab] on the host (one copy per step, not one per sampled row)."""
+        graph = self.graphs.for_batch(batch) if self.graphs else None
+        logits = graph.run(batch) if graph is not None else self.model(batch, self.pools)
+        return logits.float().cpu()
 
     def _postprocess(self, owners: list[tuple[Running, bool]], logits) -> list[TokenChunk]:
         out = []

@@ -24,13 +24,17 @@ from model.kv_pool import ALL_KINDS, KVPools, SeqKV
 class DecodeGraph:
     """One captured decode step for up to `batch_size` requests of up to `max_context` tokens."""
 
-    def __init__(self, model, pools: KVPools, batch_size: int, max_context: int):
+    def __init__(self, model, pools: KVPools, batch_size: int, max_context: int, scratch: SeqKV | None = None):
+        """`scratch`: a request reserved for `max_context` tokens that the padding rows decode
+        (graphs of several buckets share one); by default this graph reserves its own."""
         if pools.device == "cpu" or torch.device(pools.device).type != "cuda":
             raise ValueError("CUDA graphs need pools on a CUDA device")
         self.model, self.pools, self.B, self.max_context = model, pools, batch_size, max_context
         device = torch.device(pools.device)
-        self.scratch = SeqKV()
-        pools.reserve(self.scratch, max_context)
+        self.owns_scratch = scratch is None
+        self.scratch = SeqKV() if scratch is None else scratch
+        if self.owns_scratch:
+            pools.reserve(self.scratch, max_context)
         self.widths = {k: max(1, n) for k, n in pools.pages_needed(SeqKV(), max_context).items()}
         self.widths.update({k: 1 for k in ALL_KINDS if k not in self.widths})
         B = batch_size
@@ -89,4 +93,5 @@ class DecodeGraph:
             offset += n
 
     def close(self) -> None:
-        self.pools.release(self.scratch)
+        if self.owns_scratch:
+            self.pools.release(self.scratch)

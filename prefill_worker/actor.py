@@ -29,13 +29,13 @@ from cluster.kv_link import TransferHeader, layout_of, pool_buffers
 from cluster.messages import GenerateRequest
 from cluster.options import WorkerOptions
 from cluster.registry import Registry, WorkerInfo
+from cluster.replica import load_replica
 from kvtransfer.agent import Agent
 from kvtransfer.faults import FaultPlan
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
-from model.checkpoint import load_checkpoint
-from model.kv_pool import RATIO_OF_KIND, KVPools
+from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
 from prefill_worker.prefix_store import PrefixStore
 
@@ -55,9 +55,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
-        cfg, model = load_checkpoint(options.model_dir)
-        self.pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
-                             max_seqs=options.max_seqs)
+        _, model, self.pools = load_replica(options)
         self.store = PrefixStore(self.pools, worker_id) if options.prefix_cache else None
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,

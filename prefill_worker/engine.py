@@ -109,7 +109,7 @@ class PrefillEngine:
         batch, owners = self._schedule()
         if batch is None:
             return []
-        logits = self.model(batch, self.pools)
+        logits = self.model(batch, self.pools).float().cpu()  # one copy to the host per step
         batch.commit()
         out = []
         for i, job in enumerate(owners):

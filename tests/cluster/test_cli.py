@@ -110,6 +110,10 @@ def test_tokenizer_json_is_used_when_present(tmp_path):
     (["--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
     (["--autoscale", "policy", "--autoscale-config", "{cfg}"], "unknown autoscaler settings"),
     (["--api-key-file", "/nonexistent/keys"], "--api-key-file"),
+    (["--device", "cuda"], "--device cuda needs --gpus-per-worker"),
+    (["--kernels", "triton"], "--kernels triton needs --device cuda"),
+    (["--decode-graphs", "1,8"], "--decode-graphs needs --device cuda"),
+    (["--decode-graphs", "0,8"], "batch sizes must be positive"),
 ])
 def test_up_bad_options_fail_before_starting_anything(tiny_official_ckpt, tmp_path, extra, message):
     cfg = tmp_path / "autoscale.json"

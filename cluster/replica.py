@@ -1,0 +1,64 @@
+"""One worker's model replica: the checkpoint on the worker's device, in the weight format and
+kernels its options name, over the KV pools it serves from.
+
+    device "cpu":  float32 weights, the torch reference ops (the path every oracle test uses)
+    device "cuda": the device format (FP8 block-scaled projections, packed FP4 experts, bf16
+                   activations; `model/quantized.py`) through `kernels` ("triton" or the torch
+                   reference ops), optionally with CUDA graphs for decode steps
+
+Inside a Ray actor "cuda" is cuda:0: Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor asked
+for (`--gpus-per-worker`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.options import WorkerOptions
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.cuda_graph import DecodeGraph
+from model.kv_pool import KVPools, SeqKV
+from model.quantized import quantize_model
+from model.transformer import Transformer
+
+
+def load_replica(options: WorkerOptions) -> tuple[ModelConfig, Transformer, KVPools]:
+    """(config, model, pools) of one worker. The pools hold `max_seqs` requests of `max_tokens`,
+    plus one when decode graphs are captured (their padding rows decode a scratch request)."""
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
+                           "(--gpus-per-worker 1) on a node that has them")
+    if options.device == "cpu" and options.kernels == "triton":
+        raise ValueError("kernels 'triton' need device 'cuda' (on CPU the model runs the torch reference ops)")
+    cfg, model = load_checkpoint(options.model_dir, device=options.device)
+    if options.device == "cuda":
+        quantize_model(model, options.kernels)
+    pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
+                    max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device)
+    return cfg, model, pools
+
+
+class DecodeGraphs:
+    """The CUDA graphs of a decode worker, one per batch-size bucket, sharing one scratch request
+    (the pages their padding rows write). Captured once at start, before any request."""
+
+    def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int):
+        self.pools = pools
+        self.scratch = SeqKV()
+        pools.reserve(self.scratch, max_context)
+        self.graphs = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch) for b in buckets]
+        self.replays = 0  # decode steps served by a graph
+
+    def for_batch(self, batch) -> DecodeGraph | None:
+        """The smallest graph that runs `batch`, or None (a prefill chunk in it, or too many rows)."""
+        segs = batch.segments
+        if any(s.length != 1 for s in segs):
+            return None
+        graph = next((g for g in self.graphs if g.B >= len(segs)), None)
+        self.replays += graph is not None
+        return graph
+
+    def held_pages(self) -> dict[str, int]:
+        """Pages the scratch request holds for good (not free when the worker is idle)."""
+        return {k: sum(1 for p in pages if p >= 0) for k, pages in self.scratch.pages.items()}

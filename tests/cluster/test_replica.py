@@ -1,0 +1,60 @@
+"""A worker's replica from its options: device, kernels and decode graphs are validated up front
+with errors naming the field, and the CPU replica is the reference model the oracle tests use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.messages import GenerateRequest
+from cluster.options import WorkerOptions
+from cluster.replica import load_replica
+from decode_worker.engine import DecodeEngine
+from model.checkpoint import load_checkpoint
+from model.kv_pool import KVPools
+from model.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"device": "tpu"}, "device must be one of"),
+    ({"kernels": "cutlass"}, "kernels must be one of"),
+    ({"decode_graphs": (1, 8)}, "decode_graphs needs device 'cuda'"),
+    ({"device": "cuda", "kernels": "torch", "decode_graphs": (8,)}, "kernels 'triton'"),
+    ({"device": "cuda", "kernels": "triton", "decode_graphs": (8, 1)}, "increasing positive"),
+    ({"device": "cuda", "kernels": "triton", "decode_graphs": (0, 4)}, "increasing positive"),
+])
+def test_bad_device_options_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerOptions("m", "", **fields)
+
+
+def test_cpu_replica_is_the_reference_model(tiny_official_ckpt):
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp32", max_tokens=512, max_seqs=3)
+    cfg, model, pools = load_replica(options)
+    _, ref = load_checkpoint(tiny_official_ckpt)
+    assert pools.device == "cpu" and pools.format == "fp32"
+    state, ref_state = model.state_dict(), ref.state_dict()
+    assert state.keys() == ref_state.keys()
+    assert all(torch.equal(state[k], ref_state[k]) for k in state)
+    sized = KVPools(cfg, "fp32", page_size=options.page_size, max_tokens=512, max_seqs=3)
+    assert pools.idle_free() == sized.idle_free()  # no spare request without decode graphs
+
+
+def test_triton_kernels_on_cpu_refused(tiny_official_ckpt):
+    with pytest.raises(ValueError, match="need device 'cuda'"):
+        load_replica(WorkerOptions(str(tiny_official_ckpt), "", kernels="triton"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_names_the_fix(tiny_official_ckpt):
+    with pytest.raises(RuntimeError, match="--gpus-per-worker"):
+        load_replica(WorkerOptions(str(tiny_official_ckpt), "", device="cuda", kernels="triton"))
+
+
+def test_engine_without_graphs_counts_every_page_idle(tiny_official_ckpt):
+    cfg, model, pools = load_replica(WorkerOptions(str(tiny_official_ckpt), "", max_tokens=256, max_seqs=2))
+    engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d")
+    engine.submit(GenerateRequest("r", tuple(range(3, 40)), max_tokens=3))
+    while engine.has_work():
+        engine.step()
+    assert pools.num_free() == engine.idle_free() == pools.idle_free()
