@@ -179,7 +179,7 @@ def test_commands_are_what_v4serve_accepts(chart, name):
     """The rendered `v4serve up` (pools owner) and `v4serve router` arguments parse with the real
     CLI parser (argparse exits on an unknown flag), and what the two must share is equal: the
     checkpoint, the pools' name (registry prefix, Ray namespace), context length, keys, TLS."""
-    from cluster.cli import build_parser
+    from cluster.cli import _device_options, build_parser
 
     docs = render(chart, CONFIGS[name])
     up = build_parser().parse_args(pools_args(docs))
@@ -189,6 +189,7 @@ def test_commands_are_what_v4serve_accepts(chart, name):
     assert {k: getattr(up, k) for k in shared} == {k: getattr(router, k) for k in shared}
     assert router.host == "0.0.0.0" and router.http_port == 8000 and router.grpc_port == 50051
     assert router.cluster == FULL
+    assert _device_options(up)["device"] == up.device  # the device flags form a valid combination
     if "--remote-prefill-threshold=1024" not in router_args(docs):  # router.extraArgs may override it
         assert up.remote_prefill_threshold == router.remote_prefill_threshold
 
@@ -295,6 +296,20 @@ def test_router_deployment(chart):
     assert svc["spec"]["selector"] == {"v4serve.io/instance": RELEASE, "v4serve.io/component": "router"}
 
 
+@pytest.mark.parametrize("serving, expected, absent", [
+    ({"device": "cpu"}, {"--device=cpu"}, ("--gpus-per-worker", "--kernels", "--decode-graphs")),
+    ({"kernels": "torch"}, {"--device=cuda", "--kernels=torch"}, ("--decode-graphs",)),
+    ({"decodeGraphs": "none"}, {"--decode-graphs=none"}, ()),
+])
+def test_pools_device_flags(chart, serving, expected, absent):
+    from cluster.cli import _device_options, build_parser
+
+    args = pools_args(render(chart, {"serving": serving}))
+    assert expected <= set(args) and not [a for a in args if absent and a.startswith(absent)]
+    options = _device_options(build_parser().parse_args(args))  # a combination `up` accepts
+    assert options["decode_graphs"] == ()  # none asked for, or not capturable
+
+
 def test_pools_deployment(chart):
     docs = render(chart, {})
     dep = one(docs, "Deployment", f"{FULL}-pools")
@@ -309,6 +324,8 @@ def test_pools_deployment(chart):
     assert {e["name"] for e in c["env"]} == {e["name"] for e in pod_spec(docs, "router")["containers"][0]["env"]}
     args = pools_args(docs)
     assert args[0] == "up" and {"--prefill=1", "--decode=1", "--kv-dtype=fp8_pack", "--max-seqs=64"} <= set(args)
+    # each worker serves from one GPU of its pod, through the kernels and decode graphs
+    assert {"--device=cuda", "--gpus-per-worker=1", "--kernels=triton", "--decode-graphs=1,2,4,8,16,32,64"} <= set(args)
     # the Service's selector never matches the pools owner: clients only reach routers
     svc = one(docs, "Service", f"{FULL}-router")["spec"]["selector"]
     assert not svc.items() <= pod["metadata"]["labels"].items()
@@ -506,6 +523,8 @@ BAD_VALUES = {
     "pools owner without a cpu request": ({"pools": {"resources": {"requests": {"cpu": None, "memory": "1Gi"}}}},
                                           "/pools/resources"),
     "router extra args not strings": ({"router": {"extraArgs": [3]}}, "/router/extraArgs/0"),
+    "unknown device": ({"serving": {"device": "tpu"}}, "/serving/device"),
+    "decode graphs not batch sizes": ({"serving": {"decodeGraphs": "1,0"}}, "/serving/decodeGraphs"),
     "keda threshold of the old name": ({"autoscaling": {"prefill": {"minReplicas": 1, "maxReplicas": 2,
                                                                     "queueDepthPerReplica": 8}}}, "/autoscaling/prefill"),
 }
