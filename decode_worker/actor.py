@@ -104,6 +104,7 @@ class DecodeWorker:
                 "transfers_idle": self.receiver.idle() and not self.sender.holding(),
                 "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
                 "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
+                "tokens_left": self.engine.tokens_left(),
                 "migrating": len(self.outbound.migrations), "epoch": self.agent.epoch,
                 "counts": dict(self.inbound.counts + self.outbound.counts),
                 "transfers": self.receiver.metrics.snapshot(), "sent": self.sender.metrics.snapshot()}

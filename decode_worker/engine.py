@@ -139,6 +139,11 @@ class DecodeEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def tokens_left(self) -> int:
+        """Tokens the decoding requests may still generate (an upper bound: stops end them early)."""
+        return sum(r.req.max_tokens - len(r.tokens) for r in self.running.values()
+                   if r.state is RequestState.DECODING)
+
     def idle_free(self) -> dict[str, int]:
         """Free pages per kind once every request has ended (the graphs' scratch stays held)."""
         held = self.graphs.held_pages() if self.graphs else {}

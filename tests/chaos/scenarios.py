@@ -109,13 +109,16 @@ def message_fault(side: str, plan: FaultPlan, fired: str):
 
 
 def kill_when(worker: str, field: str, doing: str, after_s: tuple[float, float] = (0.2, 1.5),
-              then_s: tuple[float, float] = (0.0, 0.0)):
-    """ray.kill(worker) at the first moment, after a random pause, its page_accounting[field] is
-    positive (plus a random `then_s`): e.g. while it awaits KV, decodes, or has prompts queued."""
+              then_s: tuple[float, float] = (0.0, 0.0), at_least: int = 1):
+    """ray.kill(worker) at a moment, after a random pause, its page_accounting[field] is at least
+    `at_least` (checked again right before the kill when `then_s` adds a random delay): e.g. while
+    it awaits KV, decodes, or has prompts queued."""
     async def inject(bed: Bed, rng: random.Random) -> str:
         await _pause(rng, *after_s)
-        found = await _when(bed, worker, field)
-        await asyncio.sleep(rng.uniform(*then_s))
+        found = await _when(bed, worker, field, at_least=at_least)
+        if then_s[1] > 0:
+            await asyncio.sleep(rng.uniform(*then_s))
+            found = found and await _when(bed, worker, field, at_least=at_least)  # still so now
         bed.kill(worker)
         return f"ray.kill({worker}) " + (doing if found else f"(no {field} seen)")
     return inject
@@ -258,7 +261,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("crash_decode_at_verify", "decode process exits when TransferDone arrives", crash_decode_at_verify,
              lambda o: _counted("retargeted{repull}", retargeted(o, "repull")), ci=True),
     Scenario("kill_decode_mid_decode", "decode actor killed while decoding",
-             kill_when("decode-0", "running", "while it decoded", after_s=(1.0, 3.0), then_s=(0.0, 1.0)),
+             # a request with tokens still to go, so the kill lands before it can finish
+             kill_when("decode-0", "tokens_left", "while it decoded", after_s=(1.0, 3.0), then_s=(0.0, 1.0),
+                       at_least=6),
              lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull"))),
     Scenario("rebalance", "none: running requests migrated under load", rebalance,
              lambda o: _counted("retargeted{migrate}", retargeted(o, "migrate"))),
