@@ -1,11 +1,12 @@
 """Which prefill worker holds which KV pages, by chained page hash — the router's view of the
 prefill workers' prefix caches, kept in step by their `KVEvent`s.
 
-Page hashes are chained (`cluster.messages.page_hashes`: hash i covers tokens [0, (i+1)·P)), so a
-worker's usable prefix for a prompt is the longest run of pages 0..k-1 that it holds *all* of: a
-hash at page i counts only if every page before it matched too. Workers announce a page as
-`stored` only once a request can resume at its end (page boundary, live SWA window), and as
-`evicted` when it no longer can, so a match here is a match the worker can serve.
+Page hashes are chained (`cluster.messages.page_hashes`: hash i covers tokens [0, (i+1)·P)), so
+holding hash i alone proves the worker holds the prompt's first i+1 pages. Workers announce a page
+as `stored` only where a request can resume at its end (page boundary, live SWA window) and as
+`evicted` when it no longer can, so they announce resume points, not every page: a worker's usable
+prefix for a prompt is its deepest announced page of the prompt's chain, whatever it announced
+before it (a 609-token prompt with 256-token pages is typically announced at page 1 only).
 
 Pure state, no I/O: the cluster side subscribes to the KV-event stream (Redis) and calls
 `apply`; every router replica fed the same stream agrees on the index.
@@ -62,19 +63,12 @@ class PrefixIndex:
 
     # --- queries
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """worker → number of leading pages of `hashes` it holds (workers with none are absent)."""
-        if not hashes:
-            return {}
-        alive = set(self._holders.get(hashes[0], ()))
-        depth, counts = 1, {}
-        while alive and depth < len(hashes):
-            holders = self._holders.get(hashes[depth], ())
-            still = {w for w in alive if w in holders}
-            for w in alive - still:
-                counts[w] = depth
-            alive, depth = still, depth + 1
-        for w in alive:
-            counts[w] = depth
+        """worker → number of leading pages of `hashes` it can resume after: its deepest announced
+        page of the chain, plus one (workers with none are absent)."""
+        counts: dict[str, int] = {}
+        for depth in range(len(hashes) - 1, -1, -1):  # deepest first: the first hit is the match
+            for w in self._holders.get(hashes[depth], ()):
+                counts.setdefault(w, depth + 1)
         return counts
 
     def match_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
