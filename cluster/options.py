@@ -36,6 +36,8 @@ class WorkerOptions:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.device == "cpu" and self.kernels == "triton":
+            raise ValueError("kernels 'triton' need device 'cuda' (on CPU the model runs the torch reference ops)")
         if self.decode_graphs:
             if self.device != "cuda" or self.kernels != "triton":
                 raise ValueError("decode_graphs needs device 'cuda' and kernels 'triton' (the capturable path), "

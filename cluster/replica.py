@@ -29,8 +29,6 @@ def load_replica(options: WorkerOptions) -> tuple[ModelConfig, Transformer, KVPo
     if options.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
                            "(--gpus-per-worker 1) on a node that has them")
-    if options.device == "cpu" and options.kernels == "triton":
-        raise ValueError("kernels 'triton' need device 'cuda' (on CPU the model runs the torch reference ops)")
     cfg, model = load_checkpoint(options.model_dir, device=options.device)
     if options.device == "cuda":
         quantize_model(model, options.kernels)
@@ -44,7 +42,6 @@ class DecodeGraphs:
     (the pages their padding rows write). Captured once at start, before any request."""
 
     def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int):
-        self.pools = pools
         self.scratch = SeqKV()
         pools.reserve(self.scratch, max_context)
         self.graphs = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch) for b in buckets]
