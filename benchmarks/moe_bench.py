@@ -48,6 +48,11 @@ SWEEP = {
         (replace(moe_fused.DECODE_GATEUP, num_stages=4), replace(moe_fused.DECODE_DOWN, BN=64, num_stages=4)),
         (replace(moe_fused.DECODE_GATEUP, num_stages=2), replace(moe_fused.DECODE_DOWN, num_stages=2)),
         (replace(moe_fused.DECODE_GATEUP, BN=128, num_warps=8), replace(moe_fused.DECODE_DOWN, BN=128, num_warps=8)),
+        # more, narrower programs: a few-token step hits ~7 experts, too few 64-row programs to fill the SMs
+        (replace(moe_fused.DECODE_GATEUP, BN=32), replace(moe_fused.DECODE_DOWN, BN=64)),
+        (replace(moe_fused.DECODE_GATEUP, BN=32, num_stages=4), replace(moe_fused.DECODE_DOWN, BN=32, num_stages=4)),
+        (replace(moe_fused.DECODE_GATEUP, BN=16, num_stages=4), replace(moe_fused.DECODE_DOWN, BN=32, num_stages=4)),
+        (replace(moe_fused.DECODE_GATEUP, num_stages=5), replace(moe_fused.DECODE_DOWN, BN=64, num_stages=5)),
     ],
     "grouped": [
         (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN),
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fmt", default="fp4", choices=("fp4", "fp8"), help="routed expert format")
     ap.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fused-only", action="store_true", help="only the fused decode cases (tile sweep)")
+    ap.add_argument("--tokens", default=",".join(map(str, DECODE_TOKENS)), help="decode token counts, comma-separated")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_bench: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -231,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         print(report["error"], file=sys.stderr)
         return 1
     rows, seed = [], args.seed + 1
-    cases = [("fused", T) for T in DECODE_TOKENS] + [("grouped", T) for T in (*DECODE_TOKENS, PREFILL_TOKENS)]
+    decode = [int(t) for t in args.tokens.split(",")]
+    cases = [("fused", T) for T in decode]
+    if not args.fused_only:
+        cases += [("grouped", T) for T in (*decode, PREFILL_TOKENS)]
     for path, T in cases:
         seed += 1
         try:

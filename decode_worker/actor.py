@@ -102,6 +102,7 @@ class DecodeWorker:
     def page_accounting(self) -> dict:
         return {"free": self.pools.num_free(), "idle": self.engine.idle_free(),
                 "transfers_idle": self.receiver.idle() and not self.sender.holding(),
+                "held": self.receiver.held(), "sending": self.sender.holding(),
                 "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
                 "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
                 "tokens_left": self.engine.tokens_left(),

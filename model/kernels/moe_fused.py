@@ -41,11 +41,21 @@ if TYPE_CHECKING:
 # 3 stages keep a gate/up program under 64 KB of shared memory, three programs per SM.
 DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True)
 DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=True)
+# A step of a few tokens hits ~7 experts: its programs are latency-bound, and a deeper pipeline and
+# twice the down programs pay (H100, one V4-Flash layer at T = 1: 0.099 ms against 0.122 ms in a
+# graph; benchmarks/moe_bench.py's sweep). From 8 tokens on the tiles above are as fast or faster.
+SMALL_T = 4
+SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
+SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
-              shared: "PackedExperts | None", limit: float, gateup: Tiles = DECODE_GATEUP,
-              down: Tiles = DECODE_DOWN, scaled_dot: bool = False) -> torch.Tensor:
-    """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`."""
+              shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
+              down: Tiles | None = None, scaled_dot: bool = False) -> torch.Tensor:
+    """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
+    Tiles default by T (a graph captures one T, so the choice is fixed per captured step)."""
+    small = x.shape[0] <= SMALL_T
+    gateup = gateup or (SMALL_GATEUP if small else DECODE_GATEUP)
+    down = down or (SMALL_DOWN if small else DECODE_DOWN)
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                        fit(down, experts.dim, experts.inter), fuse_combine=True, scaled_dot=scaled_dot)

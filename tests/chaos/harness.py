@@ -371,7 +371,8 @@ def check(observed: Observed, refs: dict[str, list[int]], allow_errors: bool = F
     for wid, acct in observed.workers.items():
         if acct["free"] != acct["idle"]:
             leaked = {k: acct["idle"][k] - acct["free"][k] for k in acct["idle"] if acct["idle"][k] != acct["free"][k]}
-            problems.append(f"{wid}: pages not back to idle {leaked}")
+            state = {k: acct[k] for k in ("awaiting", "running", "migrating", "held", "sending") if acct.get(k)}
+            problems.append(f"{wid}: pages not back to idle {leaked} {state}")
     return problems
 
 
