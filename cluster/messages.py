@@ -66,6 +66,7 @@ class GenerateRequest:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     deadline: float | None = None  # unix seconds; None = no deadline
+    router: str = ""  # id of the router streaming it, whose registry lease keeps it alive; "" = none
 
 
 @dataclass(frozen=True)

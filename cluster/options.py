@@ -22,6 +22,9 @@ class WorkerOptions:
     lease_s: float = 30.0  # how long a decode reservation waits for its KV
     prefix_cache: bool = True  # prefill workers keep finished prompts' pages for reuse
     heartbeat_s: float = 1.0
+    # a decode worker aborts the requests of a router whose registry lease has been gone this
+    # long (a crashed router; see decode_worker/router_leases.py): longer than a Redis restart
+    router_grace_s: float = 6.0
     # where the replica runs: "cpu" (the reference model, float weights), or "cuda" (the GPU Ray
     # gave the actor, cuda:0 inside it; the device format: FP8 projections, packed FP4 experts,
     # bf16 activations)
@@ -32,6 +35,8 @@ class WorkerOptions:
     decode_graphs: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.router_grace_s <= 0:
+            raise ValueError(f"router_grace_s must be positive, got {self.router_grace_s}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.kernels not in KERNELS:

@@ -5,6 +5,9 @@ Keys (all under `v4s:<cluster>:`):
 * `worker:<id>` — a hash {role, actor, agent, epoch, layout, metadata, load}, with a TTL that
   each worker's heartbeat refreshes; a worker that stops heart-beating disappears by expiry.
   After a Redis restart the next heartbeat re-creates the key, so the registry rebuilds itself.
+* `router:<id>` — a router's lease, renewed on each of its registry refreshes and gone
+  `ROUTER_LEASE_S` after the last: decode workers abort the requests of a router whose lease
+  lapsed (a crashed router's streams are not ended by Ray; decode_worker/router_leases.py).
 * `kvevents` — a stream of prefill prefix-cache events (stored / evicted page hashes); router
   replicas each read it from the start so they all build the same prefix index.
 """
@@ -19,6 +22,7 @@ import redis
 from cluster.messages import KVEvent, WorkerLoad
 
 HEARTBEAT_TTL_S = 6.0
+ROUTER_LEASE_S = 6.0
 EVENT_STREAM_MAXLEN = 200_000
 
 
@@ -67,6 +71,19 @@ class Registry:
                 agent=f["agent"].decode(), epoch=f["epoch"].decode(), layout=f["layout"].decode(),
                 metadata=f["metadata"], load=WorkerLoad(**json.loads(f["load"]))))
         return sorted(out, key=lambda w: w.worker_id)
+
+    # --- router leases -------------------------------------------------------------------
+    def renew_router(self, router_id: str, lease_s: float = ROUTER_LEASE_S) -> None:
+        self.redis.set(f"{self.prefix}router:{router_id}", b"1", px=int(lease_s * 1000))
+
+    def routers_alive(self, router_ids: set[str]) -> set[str]:
+        """The routers among `router_ids` whose lease key exists now."""
+        ids = sorted(router_ids)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for r in ids:
+                pipe.exists(f"{self.prefix}router:{r}")
+            found = pipe.execute()
+        return {r for r, n in zip(ids, found) if n}
 
     # --- KV events ----------------------------------------------------------------------
     def publish(self, event: KVEvent) -> None:

@@ -37,6 +37,7 @@ from cluster.replica import DecodeGraphs, load_replica
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
+from decode_worker.router_leases import RouterLeases
 from kvtransfer.agent import Agent, split_nixl_name
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
@@ -78,13 +79,15 @@ class DecodeWorker:
         self.draining = False
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
         self.finished = 0  # requests that ended here with a finish reason
+        self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
+        self.router_lost = 0  # requests aborted so
         self._tasks: list[asyncio.Task] = []
         self._sender_check: asyncio.Future | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._loop()),
+            self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch_routers()),
                            asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
 
@@ -107,6 +110,7 @@ class DecodeWorker:
                 "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
                 "tokens_left": self.engine.tokens_left(),
                 "migrating": len(self.outbound.migrations), "epoch": self.agent.epoch,
+                "router_lost": self.router_lost,
                 "counts": dict(self.inbound.counts + self.outbound.counts),
                 "transfers": self.receiver.metrics.snapshot(), "sent": self.sender.metrics.snapshot()}
 
@@ -129,6 +133,7 @@ class DecodeWorker:
             return
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
+        self.leases.add(req.request_id, req.router)
         try:
             sender = None if prefill is None else await self._connect(prefill)
         except BaseException:  # the caller went away before anything started
@@ -271,6 +276,7 @@ class DecodeWorker:
             raise ValueError(f"request id {rid!r} already in progress")
         sender = self._load_peer(source_name, source_epoch, source_metadata)
         self.streams[rid] = asyncio.Queue()
+        self.leases.add(rid, req.router)
         self.unattached[rid] = time.time() + 2 * self.options.lease_s + 5.0
         try:
             target = await self.commands.call(lambda: self.inbound.expect_migration(req, num_tokens,
@@ -342,6 +348,24 @@ class DecodeWorker:
             if gone:
                 self.commands.put(lambda n=nixl_name: self.receiver.sender_gone(n))
         await asyncio.sleep(1.0)  # at most one round a second
+
+    async def _watch_routers(self) -> None:
+        """Abort the requests of routers whose registry lease lapsed (see router_leases.py)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.options.router_grace_s / 2))
+            self.leases.retain(self.streams)
+            routers = self.leases.routers()
+            if not routers:
+                continue
+            try:
+                alive = await asyncio.to_thread(self.registry.routers_alive, routers)
+            except Exception as e:  # Redis down: decide nothing until it answers again
+                log.warning("router lease check failed: %s", e)
+                continue
+            for rid in self.leases.abandoned(alive, time.time()):
+                log.warning("router of %s is gone (lease lapsed): aborting it", rid)
+                self.router_lost += 1
+                self.commands.put(lambda r=rid: self._abort(r))
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
         """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)

@@ -10,6 +10,10 @@ with `Moved` and the stream goes on from the target (`attach`); a worker that di
 another one, which re-pulls the KV from the prefill worker still holding it (when no token was
 streamed yet) or recomputes prompt + tokens so far. The client sees one continuous stream either way.
 
+Each refresh also renews this router's lease in the registry, and every request it streams names
+it (`GenerateRequest.router`): if this process dies, the decode workers abort its requests once
+the lease lapses instead of decoding them for nobody.
+
 Registry reads run in threads, never on the event loop; every router replica builds the same
 prefix index because each reads the whole KV event stream.
 """
@@ -19,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
 import ray
 
 from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
-from cluster.registry import Registry
+from cluster.registry import ROUTER_LEASE_S, Registry
 from router.config import PlacementConfig
 from router.metrics import RouterMetrics
 from router.placement import place, placement_request
@@ -47,12 +52,15 @@ class _Lost:
 class ClusterBackend:
     def __init__(self, registry: Registry, tokenizer, model_name: str, max_model_len: int,
                  placement: PlacementConfig, metrics: RouterMetrics | None = None,
-                 max_waiting_per_worker: int = 64, refresh_s: float = 0.2, max_retargets: int = 2):
+                 max_waiting_per_worker: int = 64, refresh_s: float = 0.2, max_retargets: int = 2,
+                 lease_s: float = ROUTER_LEASE_S):
         self.registry, self.tokenizer, self.model_name = registry, tokenizer, model_name
         self.max_model_len, self.placement, self.metrics = max_model_len, placement, metrics
         self.max_waiting_per_worker, self.refresh_s = max_waiting_per_worker, refresh_s
         self.max_retargets = max_retargets  # decode workers a request may lose before it fails
+        self.lease_s = lease_s  # this router's registry lease, renewed every refresh_s
         self.index = PrefixIndex(placement.page_size)
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # one per process: its registry lease
         self.loads: dict[str, WorkerLoad] = {}
         self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
         self.placed = Counter()  # worker id → requests placed here since its last load report
@@ -84,6 +92,7 @@ class ClusterBackend:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _refresh(self) -> None:
+        await asyncio.to_thread(self.registry.renew_router, self.router_id, self.lease_s)
         workers = await asyncio.to_thread(self.registry.workers)
         fresh = {w.worker_id: w.load for w in workers}
         for gone in set(self.loads) - set(fresh):
@@ -138,6 +147,7 @@ class ClusterBackend:
         still holds it, else prompt + tokens generated so far are recomputed there; since sampling
         is a pure function of (logits, seed, position) the stream goes on with the tokens it
         would have had."""
+        req = dataclasses.replace(req, router=self.router_id)
         generated: list[int] = []
         lost: set[tuple[str, str]] = set()  # (worker id, incarnation) of decode workers that died under it
         repull: tuple[str, str] | None = None  # (prefill worker, request id) holding the KV of a lost attempt

@@ -61,3 +61,15 @@ def test_registry_rebuilds_after_redis_restart(server):
         assert [w.worker_id for w in r.workers()] == ["d0"]
     finally:
         fresh.stop()
+
+
+def test_router_leases_expire_without_renewal(server):
+    r = reg.Registry(server.connection_url, cluster="t")
+    r.renew_router("ra", lease_s=0.5)
+    r.renew_router("rb", lease_s=30.0)
+    assert r.routers_alive({"ra", "rb", "rc"}) == {"ra", "rb"}
+    time.sleep(0.7)
+    assert r.routers_alive({"ra", "rb"}) == {"rb"}  # ra stopped renewing
+    r.renew_router("ra", lease_s=0.5)
+    assert r.routers_alive({"ra"}) == {"ra"}
+    assert reg.Registry(server.connection_url, cluster="other").routers_alive({"rb"}) == set()
