@@ -17,6 +17,15 @@ through the whole model, and a rank with no tokens still joins each layer's exch
    rank Σ_k weight · y (slot order) + shared(x), the same arithmetic as a single rank
    (`moe_grouped.combine`).
 
+Fixed-capacity exchange (decode; `capacity` > 0, seed 000's tokens-per-rank cap): steps 2–3
+and 5 become all_to_all_single calls of equal splits, each rank sending every peer a buffer of
+capacity·k rows (its rows for that peer first, the rest padding with expert id n_local), so
+nothing is read on the host and a decode step with its exchanges is capturable as a CUDA graph
+(every rank replays the same collectives). Padding rows are skipped by the experts (the fused
+kernel's spare bin, or a mask on the torch path) and never gathered back. It moves
+W·capacity·k rows per layer whatever the routing; decode steps are small, so that is cheap next to
+a host sync per layer. All ranks of a step must use the same capacity (`set_capacity`).
+
 With FP8 dispatch off, EP W gives EP 1's outputs up to fp32 rounding of the expert GEMMs (a rank's
 rows are batched with other ranks' rows); with it on, the dispatched activations carry e4m3's
 rounding (3 mantissa bits). Transport: gloo on CPU, NCCL on GPUs (tensors on the rank's device).
@@ -49,6 +58,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"{E} routed experts cannot be split evenly over an expert-parallel group of {world}")
         self.cfg, self.layer, self.impl = moe.cfg, moe.layer, moe.impl
         self.group, self.fp8_dispatch = group, fp8_dispatch
+        self.capacity = 0  # tokens per rank of the fixed-capacity exchange; 0: exact splits
         self.world, self.n_local = world, E // world
         self.first = rank * self.n_local
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
@@ -59,6 +69,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] (T may be 0) → [T, D]; a collective: every rank of the group must call it."""
+        if self.capacity:
+            return self._forward_capped(x, input_ids)
         T, D = x.shape
         weights, ids = self.gate(x, input_ids)
         k = ids.shape[1]
@@ -82,6 +94,47 @@ class ExpertParallelMoE(nn.Module):
         y = torch.empty_like(back)
         y[order] = back
         return moe_grouped.combine(y.view(T, k, D), weights, self._shared(x))
+
+    def _forward_capped(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The fixed-capacity exchange (module docstring); T ≤ capacity."""
+        T, D = x.shape
+        cap = self.capacity
+        if T > cap:
+            raise ValueError(f"{T} tokens exceed the expert-parallel capacity of {cap} per rank")
+        weights, ids = self.gate(x, input_ids)
+        k = ids.shape[1]
+        per_peer = cap * k
+        dest = ids.reshape(-1) // self.n_local  # [T·k]
+        # a row's place in its peer's buffer: how many rows before it go to the same peer
+        onehot = torch.nn.functional.one_hot(dest, self.world)
+        pos = onehot.cumsum(0).gather(1, dest[:, None]).squeeze(1) - 1
+        slot = dest * per_peer + pos
+        rows = x.new_zeros(self.world * per_peer, D)
+        rows[slot] = x.repeat_interleave(k, dim=0)
+        local = torch.full((self.world * per_peer,), self.n_local, dtype=torch.int32, device=x.device)
+        local[slot] = (ids.reshape(-1) - dest * self.n_local).to(torch.int32)
+        got, got_ids = torch.empty_like(rows), torch.empty_like(local)
+        dist.all_to_all_single(got, rows, group=self.group)
+        dist.all_to_all_single(got_ids, local, group=self.group)
+        y_rows = self._experts_padded(got, got_ids.long())
+        back = torch.empty_like(y_rows)
+        dist.all_to_all_single(back, y_rows, group=self.group)
+        y = back[slot].view(T, k, D)
+        return moe_grouped.combine(y, weights, self._shared(x))
+
+    def _experts_padded(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its local expert (weight 1); rows with id n_local are padding: their
+        outputs are left unspecified (never read). rows [N, D], ids [N] → [N, D]."""
+        ones = torch.ones(len(rows), 1, device=rows.device)
+        if self.impl == "triton" and isinstance(self.experts, PackedExperts):
+            # the fused kernel counts ids == n_local into its spare bin, which no program computes
+            return experts_forward(rows, ones, ids[:, None], self.experts, None, self.cfg.swiglu_limit,
+                                   self.impl, fused=True)
+        valid = ids < self.n_local  # torch path: compute the real rows only (a host sync; not captured)
+        out = torch.zeros_like(rows)
+        out[valid] = experts_forward(rows[valid], ones[valid], ids[valid, None], self.experts, None,
+                                     self.cfg.swiglu_limit, self.impl)
+        return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_experts is None:
@@ -132,6 +185,14 @@ def shard_experts(model: Transformer, group: dist.ProcessGroup | None = None, fp
             raise ValueError(f"layer {block.ffn.layer}'s ffn is already expert-parallel")
         block.ffn = ExpertParallelMoE(block.ffn, group, fp8_dispatch)
     return model
+
+
+def set_capacity(model: Transformer, tokens_per_rank: int) -> None:
+    """Use the fixed-capacity exchange (decode steps of at most `tokens_per_rank` tokens on every
+    rank) or, with 0, the exact-split one; every rank must set the same value for a step."""
+    for block in [*model.layers, *model.mtp]:
+        if isinstance(block.ffn, ExpertParallelMoE):
+            block.ffn.capacity = tokens_per_rank
 
 
 @torch.no_grad()

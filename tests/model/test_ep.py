@@ -126,7 +126,47 @@ def case_transformer(rank: int, world: int) -> None:
         assert rel(got, want) < EXACT_TOL, rel(got, want)
 
 
-CASES = {"moe_layers": case_moe_layers, "transformer": case_transformer}
+def case_capped(rank: int, world: int) -> None:
+    """The fixed-capacity exchange (decode): padded equal-split buffers give the same outputs, for a
+    rank with no tokens and a rank exactly at capacity; more tokens than the capacity are refused
+    (on every rank, before any exchange); then the whole model decodes with it, rank 1 idle once."""
+    cap = 6
+    sizes = {(0, 0): cap, (1, 0): 0, (0, 1): 2, (1, 1): cap}
+    for layer, packed in ((3, None), (0, None), (3, "fp4")):
+        local = _moe(layer, packed)
+        sharded = ep.ExpertParallelMoE(copy.deepcopy(local))
+        sharded.capacity = cap
+        for step in (0, 1):
+            x, tok = _batch(local.cfg, rank, step, sizes)
+            with torch.no_grad():
+                got, want = sharded(x, tok), local(x, tok)
+            assert got.shape == want.shape
+            if len(x):
+                assert rel(got, want) < EXACT_TOL, (layer, packed, step, rel(got, want))
+        x, tok = _batch(local.cfg, 0, 0, {(0, 0): cap + 1})
+        with pytest.raises(ValueError, match="exceed the expert-parallel capacity of 6"):
+            sharded(x, tok)
+    cfg = tiny_config(index_topk=128)
+    ref = _model(cfg)
+    sharded = ep.shard_experts(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(rank)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in ((30, 12) if rank == 0 else (25,))]
+    pools = {name: KVPools(cfg, "fp32", page_size=128, max_tokens=256, max_seqs=4) for name in ("ref", "ep")}
+    seqs = {name: [SeqKV() for _ in prompts] for name in pools}
+    for name in pools:
+        for seq, p in zip(seqs[name], prompts):
+            pools[name].reserve(seq, len(p) + 3)
+    for step, tokens in enumerate([prompts, [[5]] * len(prompts) if rank == 0 else None, [[7]] * len(prompts)]):
+        ep.set_capacity(sharded, 0 if step == 0 else 2)  # prefill: exact splits; decode: capped
+        if tokens is None:
+            ep.idle_step(sharded)
+            continue
+        want = _run(ref, pools["ref"], seqs["ref"], tokens)
+        got = _run(sharded, pools["ep"], seqs["ep"], tokens)
+        assert rel(got, want) < EXACT_TOL, (step, rel(got, want))
+
+
+CASES = {"moe_layers": case_moe_layers, "transformer": case_transformer, "capped": case_capped}
 
 
 # ---------------------------------------------------------------------------------------
