@@ -45,6 +45,8 @@ from .metrics import TransferMetrics
 from .protocol import (ACK_ABORTED, ACK_EXPIRED, ACK_OK, ACK_REJECTED, Ack, Begin, Fenced,
                        TransferDone, TransferTarget, decode)
 
+ACK_RESEND_S = 1.0  # a fencing reservation repeats its Ack this often until Fenced (or free_at)
+
 
 class OutOfPages(RuntimeError):
     """The allocator cannot satisfy a reservation; nothing was allocated."""
@@ -73,6 +75,7 @@ class _Reservation:
     header: bytes = b""
     end_status: str = ""               # Ack status sent when fencing
     free_at: float = 0.0               # unix s: fencing without Fenced frees at this time
+    answered_at: float = 0.0           # unix s of the last Ack sent (re-sent while fencing)
     pages: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -217,6 +220,10 @@ class Receiver:
                                             detail="lease ended without verified data"))
             if res.state == "fencing" and now >= res.free_at:
                 self._free(res)
+            elif res.state == "fencing" and res.sender is not None and now >= res.answered_at + ACK_RESEND_S:
+                # a sender that got our Ack before it knew us could not answer Fenced; once it has
+                # loaded us (e.g. for another request) the repeated Ack gets one
+                self._answer(res, res.end_status)
         for rid, until in list(self._finished.items()):
             if now > until:
                 del self._finished[rid]
@@ -306,6 +313,7 @@ class Receiver:
     # --- helpers
 
     def _answer(self, res: _Reservation, status: str) -> None:
+        res.answered_at = time.time()
         if res.sender is not None:
             ok = self._notifier.send(res.sender, Ack(res.target.request_id, self.agent.epoch,
                                                      status, res.target.lease_deadline))

@@ -124,6 +124,7 @@ class PrefillWorker:
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = fut
         self.targets[rid] = (decode_target(target), peer_metadata, peer_layout)
+        self._connect_early(self.targets[rid][0], peer_metadata, peer_layout)
         self.commands.put(lambda: self.engine.submit(req))
         return await fut
 
@@ -133,6 +134,7 @@ class PrefillWorker:
         lost, into `target` of another decode worker; returns once verified there. Raises
         TransferFailed if this worker does not hold it (any more): the caller recomputes."""
         fut = asyncio.get_running_loop().create_future()
+        self._connect_early(decode_target(target), peer_metadata, peer_layout)
         self.commands.put(lambda: self._repull(lost_id, req, decode_target(target), peer_metadata, peer_layout, fut))
         return await fut
 
@@ -224,6 +226,16 @@ class PrefillWorker:
             await asyncio.to_thread(lambda: [self.registry.publish(e) for e in events])
         except Exception as e:  # Redis down: routing degrades to load only; the cache is intact
             log.warning("publishing %d KV events failed: %s", len(events), e)
+
+    def _connect_early(self, target: TransferTarget, metadata: bytes, layout: bytes) -> None:
+        """Know the decode worker from the moment it reserved pages for us, not from the first write:
+        if it gives the reservation up first (lease over, abort), its Ack must find us able to
+        answer Fenced, or its pages wait out the receiver's fence timeout. A refused handshake is
+        left to _ship, which reports it."""
+        try:
+            self._connect(target, metadata, layout)
+        except Exception as e:
+            log.debug("early handshake with %s failed: %s", target.agent_name, e)
 
     def _connect(self, target: TransferTarget, metadata: bytes, layout: bytes) -> None:
         if self.peers.get(target.agent_name) != target.agent_epoch:

@@ -94,3 +94,31 @@ def test_without_fence_wait_the_grace_still_applies(agents):
         receiver.poll()
         time.sleep(0.01)
     assert all_free(alloc) and time.time() < t.lease_deadline + 1.0
+
+
+def test_an_ack_the_sender_could_not_answer_is_repeated_until_fenced():
+    """The decode side gave a reservation up before the prefill worker had loaded its metadata:
+    that Ack's Fenced reply had nowhere to go. Once the sender knows the receiver, the repeated Ack
+    gets its Fenced, long before the fence wait ends (found by the chaos suite's Redis restart)."""
+    a = Agent("ua", _pools(1), progress_thread=False)
+    b = Agent("ub", _pools(2), progress_thread=False)
+    try:
+        b.add_peer("ua", a.metadata())  # the receiver knows its sender; not the other way yet
+        sender = Sender(a, LAYOUT, post_margin_s=0.02)
+        alloc = PageAllocator(LAYOUT)
+        receiver = Receiver(b, alloc, LAYOUT, grace_s=0.05, fence_wait_s=60.0)
+        t = receiver.reserve("u1", {"c4": 2}, 5.0, sender=a.nixl_name)
+        receiver.abort("u1")
+        for _ in range(50):  # the sender hears the Ack but cannot answer it
+            sender.poll()
+            receiver.poll()
+            time.sleep(0.002)
+        assert receiver.held() == {"u1": "fencing"}
+        sender.handshake("ub", b.metadata(), LAYOUT)
+        freed = pump(sender, receiver, receiver.idle)
+        assert freed < t.lease_deadline and all_free(alloc)
+        with pytest.raises(RequestClosed):  # its answer was a promise to write nothing of it
+            sender.send(t, {"c4": [3, 4]})
+    finally:
+        a.close()
+        b.close()
