@@ -23,6 +23,9 @@ same copy baseline). The path a write actually took is reported per row. Reporte
                       the like-for-like comparison with the copy's GPU time
     torch copy:       one device-to-device copy_ of the same number of bytes, CUDA events
                       (CPU: a memcpy of the same bytes in one process, as a reference)
+    send() call:      host time of the request's send() calls (of it: Begin, posting)
+With --per-layer, the streaming shapes too (see sends_for: one send() per layer and pool, one per
+layer, one send_many() of every layer).
 and for the first size, the whole hand-off as the receiver sees it: reserve -> target to the
 sender (a pipe hop standing in for the Ray call) -> writes -> TransferDone with checksums ->
 verified. Medians over --repeats after --warmup.
@@ -43,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvtransfer import (Agent, LayoutDescriptor, PoolLayout, Receiver, Sender,  # noqa: E402
-                        decode_target, layer_byte_range)
+                        SendPart, decode_target, layer_byte_range)
 
 PAGE_TOKENS, WINDOW, ENTRY, IDX_KEY = 256, 128, 584, 132
 N_C4, N_C128, N_LAYERS = 21, 20, 43
@@ -61,6 +64,32 @@ POOLS = {   # kind: (page bytes, layers per page, pages per request as a functio
 LAYER_MAP = (("swa", tuple(range(N_LAYERS))), ("c4", C4_LAYERS), ("c128", C128_LAYERS),
              ("c4_indexer", C4_LAYERS), ("state_c4", C4_LAYERS),
              ("state_c4_indexer", C4_LAYERS), ("state_c128", C128_LAYERS))
+
+
+STREAM_MODES = ("per_layer_kind", "per_layer", "all_layers")
+
+
+def layer_ranges(layer: int) -> dict[str, tuple[int, int]]:
+    """Per pool, the byte range of `layer` in its pages (pools holding that many layers)."""
+    return {k: layer_byte_range(b, n, layer) for k, (b, n, _) in POOLS.items() if layer < n}
+
+
+def sends_for(mode: str, src_pages: dict) -> list[tuple[str, dict]]:
+    """The Sender calls one request makes, as (method, kwargs):
+    whole_pages     one send() of every pool's whole pages (the hand-off)
+    per_layer_kind  one send() per (layer, pool): the first streaming shape
+    per_layer       one send() per layer, every pool's slice of it (per-pool byte ranges)
+    all_layers      one send_many() of every layer's slices: one write for the request"""
+    if mode == "whole_pages":
+        return [("send", dict(src_pages=src_pages))]
+    if mode == "per_layer_kind":
+        return [("send", dict(src_pages={k: src_pages[k]}, page_byte_range=r))
+                for layer in range(N_LAYERS) for k, r in layer_ranges(layer).items()]
+    per_layer = [dict(src_pages={k: src_pages[k] for k in rs}, page_byte_range=rs)
+                 for rs in map(layer_ranges, range(N_LAYERS))]
+    if mode == "per_layer":
+        return [("send", kw) for kw in per_layer]
+    return [("send_many", dict(parts=[SendPart(**kw) for kw in per_layer]))]
 
 
 def make_layout(max_tokens: int, copies: int) -> LayoutDescriptor:
@@ -179,7 +208,7 @@ def instrument(agent: Agent) -> dict:
 
 
 def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
-                 per_layer: bool, acc: dict) -> dict:
+                 mode: str, acc: dict) -> dict:
     """Reserve on the receiver, write everything, finish, wait for the ack. Seconds per phase."""
     gpu0 = sender.agent.ipc_stats().get("gpu_write_s", 0.0)
     conn.send(("reserve", (rid, counts)))
@@ -187,19 +216,10 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
     acc.update(notify=0.0, write=0.0)
     t0 = time.perf_counter()
     descriptors = nbytes = 0
-    if per_layer:      # streaming shape: one send() per layer, slices of every page
-        for layer in range(N_LAYERS):
-            for kind, ids in src_pages.items():
-                page_bytes, layers, _ = POOLS[kind]
-                if layer < layers:
-                    posted = sender.send(target, {kind: ids},
-                                         page_byte_range=layer_byte_range(page_bytes, layers,
-                                                                          layer))
-                    descriptors += posted.descriptors
-                    nbytes += posted.nbytes
-    else:
-        posted = sender.send(target, src_pages)
-        descriptors, nbytes = posted.descriptors, posted.nbytes
+    for fn, kwargs in sends_for(mode, src_pages):
+        posted = getattr(sender, fn)(target, **kwargs)
+        descriptors += posted.descriptors
+        nbytes += posted.nbytes
     t_sent = time.perf_counter()
     notify_s, post_s = acc["notify"], acc["write"]     # Begin, and posting the write(s)
     while sender.in_flight(rid):
@@ -234,7 +254,9 @@ def main() -> None:
                     help="sender data path: ipc (default; CUDA IPC where possible), ucx "
                          "(force NIXL/UCX), both (report each)")
     ap.add_argument("--per-layer", action="store_true",
-                    help="also time the streaming shape (one send() per layer)")
+                    help="also time the streaming shapes (per_layer_kind: one send() per layer "
+                         "and pool; per_layer: one send() per layer; all_layers: one "
+                         "send_many() of every layer)")
     ap.add_argument("--progress-thread", choices=("on", "off"), default=None,
                     help="NIXL progress thread (default: on for cuda, off for cpu, where it "
                          "would take a core from the other process)")
@@ -288,28 +310,27 @@ def main() -> None:
         counts = counts_for(t)
         src_pages = {k: list(range(n)) for k, n in counts.items()}
         rows = []
-        for per_layer in ([False, True] if args.per_layer else [False]):
+        for mode in ("whole_pages",) + (STREAM_MODES if args.per_layer else ()):
             runs = {path: [] for path in senders}
             for i in range(args.warmup + args.repeats):
                 for path, (_, sender, _, acc) in senders.items():  # alternate: same conditions
                     seq += 1
-                    r = one_transfer(sender, conn, f"bench-{seq}", counts, src_pages,
-                                     per_layer, acc)
+                    r = one_transfer(sender, conn, f"bench-{seq}", counts, src_pages, mode, acc)
                     if i >= args.warmup:
                         runs[path].append(r)
             for path, rs in runs.items():
                 agent, _, taken, _ = senders[path]
                 rows.append((path, taken, agent.ipc_stats().get("modes", {}).get("bench-recv"),
-                             per_layer, rs))
+                             mode, rs))
         nbytes = rows[0][4][0]["nbytes"]
         copy = torch_copy_seconds(nbytes, src_dev, dst_dev, args.warmup, args.repeats)
         copy_s = statistics.median(copy)
-        for path, taken, mode, per_layer, rs in rows:
+        for path, taken, ipc_mode, mode, rs in rows:
             write_s = statistics.median(r["write_s"] for r in rs)
             handoffs = sorted(r["handoff_s"] for r in rs)
             results["sizes"].append({
-                "tokens": t, "mode": "per_layer" if per_layer else "whole_pages",
-                "path": path, "transport": taken, "ipc_mapping": mode,
+                "tokens": t, "mode": mode, "send_calls": len(sends_for(mode, src_pages)),
+                "path": path, "transport": taken, "ipc_mapping": ipc_mode,
                 "bytes": rs[0]["nbytes"], "descriptors": rs[0]["descriptors"],
                 "pool_bytes": {k: n * POOLS[k][0] for k, n in counts.items()},
                 "write_s_median": write_s, "write_GBps": rs[0]["nbytes"] / write_s / 1e9,
@@ -328,13 +349,15 @@ def main() -> None:
                 "finish_to_ack_s_median": statistics.median(r["finish_to_ack_s"] for r in rs),
             })
 
+    # which copy implementation the IPC writes took (copies_memcpy / _torch / _triton)
+    results["ipc_stats"] = {path: a.ipc_stats() for path, (a, _, _, _) in senders.items()}
     for agent, _, _, _ in senders.values():
         agent.close()             # unmap the receiver's pools before it exits
     conn.send(("exit", None))
     conn.recv()
     proc.join(10)
 
-    hdr = (f"{'tokens':>7} {'mode':>11} {'path':>8} {'MB':>8} {'descs':>6} {'write ms':>9} "
+    hdr = (f"{'tokens':>7} {'mode':>14} {'path':>8} {'MB':>8} {'descs':>6} {'write ms':>9} "
            f"{'GB/s':>7} {'copy ms':>8} {'GB/s':>7} {'ratio':>6} {'gpu ms':>7} {'gpu ratio':>9} "
            f"{'hand-off ms':>11}")
     print(f"kvtransfer {src_dev} -> {dst_dev}  (median of {args.repeats}, {args.warmup} warm-up;"
@@ -342,7 +365,7 @@ def main() -> None:
     print(hdr)
     for r in results["sizes"]:
         r["label"] = r["transport"] if r["path"] == "ipc" else "ucx-only"
-        print(f"{r['tokens']:>7} {r['mode']:>11} {r['label']:>8} {r['bytes'] / 1e6:>8.1f} "
+        print(f"{r['tokens']:>7} {r['mode']:>14} {r['label']:>8} {r['bytes'] / 1e6:>8.1f} "
               f"{r['descriptors']:>6} {r['write_s_median'] * 1e3:>9.3f} {r['write_GBps']:>7.1f} "
               f"{r['torch_copy_s_median'] * 1e3:>8.3f} {r['torch_copy_GBps']:>7.1f} "
               f"{r['write_vs_copy']:>6.2f} {r['gpu_write_s_median'] * 1e3:>7.3f} "
@@ -350,7 +373,7 @@ def main() -> None:
     print("phases (ms): send() call (of it: Begin notify, posting the write) | writes landed | "
           "finish() (sender checksums) | finish -> ack (notify, receiver verify, ack)")
     for r in results["sizes"]:
-        print(f"{r['tokens']:>7} {r['mode']:>11} {r['label']:>8}  "
+        print(f"{r['tokens']:>7} {r['mode']:>14} {r['label']:>8}  "
               f"{r['send_call_s_median'] * 1e3:8.3f} ({r['begin_notify_s_median'] * 1e3:6.3f} "
               f"{r['post_s_median'] * 1e3:6.3f}) {r['write_s_median'] * 1e3:8.3f} "
               f"{r['finish_call_s_median'] * 1e3:8.3f} {r['finish_to_ack_s_median'] * 1e3:8.3f}")

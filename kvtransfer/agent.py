@@ -26,14 +26,18 @@ import secrets
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from .cuda_ipc import CudaIpcPath, host_id
-from .regions import Span
+from .regions import Span, SpanBatch, as_batch
 
 log = logging.getLogger(__name__)
+
+
+_FEW_SPANS = 32   # up to this many spans, descriptors are built in Python
 
 
 class TransferError(RuntimeError):
@@ -56,10 +60,17 @@ class RemotePeer:
     uuid: str = ""
 
     def pool(self, kind: str) -> tuple[int, int, int]:
-        for k, region in self.pools:
-            if k == kind:
-                return region
-        raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
+        region = self.regions.get(kind)
+        if region is None:
+            raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
+        return region
+
+    @cached_property
+    def regions(self) -> dict[str, tuple[int, int, int]]:
+        """kind -> (base address, nbytes, device id), looked up on every write. Cached on this
+        incarnation's object: a restarted peer is a new RemotePeer, so nothing derived from an
+        old registration is ever reused for it."""
+        return dict(self.pools)
 
 
 def metadata_epoch(metadata: bytes) -> str:
@@ -103,9 +114,11 @@ class Agent:
         self.epoch = secrets.token_hex(8)
         self.nixl_name = f"{name}#{self.epoch}"
         self.pools: dict[str, torch.Tensor] = dict(pools)
+        self._bases = {k: t.data_ptr() for k, t in self.pools.items()}   # registered once
         device = next(iter(devices)) if devices else torch.device("cpu")
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
+        self._device = device
         self._nixl = nixl_agent(self.nixl_name,
                                 nixl_agent_config(enable_prog_thread=progress_thread,
                                                   backends=["UCX"], num_threads=num_threads))
@@ -191,43 +204,39 @@ class Agent:
 
     # --- writes
 
-    def write(self, peer_name: str, spans: Sequence[tuple[str, Span]],
-              epoch: str | None = None):
-        """Write (kind, span) pairs into peer `peer_name`'s pools: one NIXL WRITE, or for a
-        same-host CUDA peer one peer copy per span on this agent's copy stream (after the work
-        already on the current stream).
+    def write(self, peer_name: str, spans: SpanBatch | Sequence[tuple[str, Span]],
+              epoch: str | None = None, sync_stream: bool = False):
+        """Write spans (a SpanBatch, or (kind, Span) pairs) into peer `peer_name`'s pools: one
+        NIXL WRITE, or for a same-host CUDA peer peer copies on this agent's copy stream (after
+        the work already on the current stream).
 
         epoch: if given, the peer incarnation the caller means; another one is refused.
-        Returns an opaque handle for state()/release(); None when `spans` is empty.
+        sync_stream: the data was produced on the current stream: UCX (which reads CUDA memory
+            behind torch's back) waits for it on the host first; the CUDA IPC copies are ordered
+            after it on the device anyway, with no host wait.
+        Returns an opaque handle for state()/release(); None when there are no spans.
         Raises KeyError for an unknown peer or kind, ValueError for out-of-range spans,
         TransferError when the transfer is refused or cannot be posted.
         """
-        if not spans:
+        batch = as_batch(spans)
+        if not batch.count:
             return None
         peer = self._peers.get(peer_name)
         if peer is None:
             raise KeyError(f"unknown peer {peer_name!r}")
         if epoch is not None and epoch != peer.epoch:
             raise TransferError(f"{peer_name!r} is now epoch {peer.epoch}, not {epoch}")
-        for kind, s in spans:
-            n, r_len = self.pools[kind].numel(), peer.pool(kind)[1]
-            if s.src_offset + s.nbytes > n or s.dst_offset + s.nbytes > r_len:
-                raise ValueError(f"span {s} outside pool {kind!r} (local {n} B, "
-                                 f"remote {r_len} B)")
+        local, remote = self._descriptors(peer, batch)    # checks every span's range
         mapping = self._ipc.mapping(peer) if self._ipc is not None else None
         if mapping is not None:
             try:
-                handle = self._ipc.write(mapping, spans)
+                handle = self._ipc.write(mapping, batch)
             except Exception as e:      # a CUDA error: the context is likely unusable anyway
                 raise TransferError(f"CUDA IPC copy to {peer.nixl_name} failed: {e}") from e
             self.writes_by_path["cuda_ipc"] += 1
             return handle
-        local = np.empty((len(spans), 3), dtype=np.uint64)
-        remote = np.empty((len(spans), 3), dtype=np.uint64)
-        for i, (kind, s) in enumerate(spans):
-            r_addr, _, r_dev = peer.pool(kind)
-            local[i] = (self.pools[kind].data_ptr() + s.src_offset, s.nbytes, self.device_id)
-            remote[i] = (r_addr + s.dst_offset, s.nbytes, r_dev)
+        if sync_stream and self.mem_type == "VRAM":
+            torch.cuda.current_stream(self._device).synchronize()
         try:
             handle = self._nixl.initialize_xfer(
                 "WRITE", self._nixl.get_xfer_descs(local, self.mem_type),
@@ -240,6 +249,36 @@ class Agent:
             raise TransferError(f"WRITE to {peer.nixl_name} failed on post")
         self.writes_by_path["ucx"] += 1
         return handle
+
+    def _descriptors(self, peer: RemotePeer, batch: SpanBatch) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptors (address, length, device) of both sides, uint64 [count, 3]; raises
+        ValueError if a span lies outside its pool on either side. A few spans (a whole-page
+        hand-off) in plain Python: a dozen numpy calls would cost more than the work itself."""
+        regions, kinds = peer.regions, batch.kinds
+        lo = [(self._bases[k], self.pools[k].numel()) for k in kinds]
+        rem = [regions[k] for k in kinds]
+        if batch.count <= _FEW_SPANS:
+            local, remote = [], []
+            for k, s, d, n in batch.rows.tolist():
+                if s < 0 or d < 0 or n < 0 or s + n > lo[k][1] or d + n > rem[k][1]:
+                    raise ValueError(f"span ({s}, {d}, {n}) outside pool {kinds[k]!r} (local "
+                                     f"{lo[k][1]} B, remote {rem[k][1]} B)")
+                local.append((lo[k][0] + s, n, self.device_id))
+                remote.append((rem[k][0] + d, n, rem[k][2]))
+            return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+        rows, k = batch.rows, batch.rows[:, 0]
+        lo_a, re_a = np.array(lo, dtype=np.int64)[k], np.array(rem, dtype=np.int64)[k]
+        if (rows[:, 1:].min() < 0 or (rows[:, 1] + rows[:, 3] > lo_a[:, 1]).any()
+                or (rows[:, 2] + rows[:, 3] > re_a[:, 1]).any()):
+            raise ValueError(f"a span lies outside its pool (kinds {kinds})")
+        local = np.empty((batch.count, 3), dtype=np.uint64)
+        remote = np.empty((batch.count, 3), dtype=np.uint64)
+        local[:, 0] = rows[:, 1] + lo_a[:, 0]
+        remote[:, 0] = rows[:, 2] + re_a[:, 0]
+        local[:, 1] = remote[:, 1] = rows[:, 3]
+        local[:, 2] = self.device_id
+        remote[:, 2] = re_a[:, 2]
+        return local, remote
 
     def state(self, handle) -> str:
         """"DONE" (data landed at the peer), "PROC" or "ERR"."""

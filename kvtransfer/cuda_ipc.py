@@ -31,13 +31,13 @@ import io
 import logging
 import pickle
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from .regions import Span
-from .span_copy import copy_spans
+from .regions import Span, SpanBatch
+from .span_copy import copy_spans, memcpy_available
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class PeerMapping:
     mode: str
     device_index: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    engine: str = "torch"      # large spans: "memcpy" (direct cudaMemcpyAsync, probed) or torch
 
 
 class CudaIpcPath:
@@ -206,11 +207,32 @@ class CudaIpcPath:
             for i, t in enumerate(m.tensors.values()):
                 probe[i:i + 1].copy_(t[:1], non_blocking=True)
         self.stream.synchronize()
+        if mode == "local" and memcpy_available() and m.tensors:
+            m.engine = "memcpy" if self._memcpy_reads_back(m, probe[:1]) else "torch"
         return m
 
-    def write(self, m: PeerMapping, spans: Sequence[tuple[str, Span]]) -> torch.cuda.Event:
+    def _memcpy_reads_back(self, m: PeerMapping, want: torch.Tensor) -> bool:
+        """Whether a direct cudaMemcpyAsync reads the peer's first byte as torch did: the runtime
+        found in the process is usable with torch's streams and this mapping."""
+        kind, t = next(iter(m.tensors.items()))
+        got = torch.empty(1, dtype=torch.uint8, device=self.device)
+        try:
+            with torch.cuda.stream(self.stream):
+                # from the peer's byte into `got`: a read, nothing lands in the peer's pool
+                copy_spans({kind: t}, {kind: got}, [(kind, Span(0, 0, 1))], impl="memcpy")
+            self.stream.synchronize()
+            ok = bool(torch.equal(got, want))
+        except Exception as e:       # a CUDA runtime that does not fit torch's
+            log.warning("direct cudaMemcpyAsync unusable, copying through torch: %s", e)
+            return False
+        if not ok:
+            log.warning("direct cudaMemcpyAsync read back a different byte; copying through torch")
+        return ok
+
+    def write(self, m: PeerMapping, spans: SpanBatch) -> torch.cuda.Event:
         """Copy the spans (ranges already checked) after the current stream's work; the returned
-        event fires once every byte is in the peer's memory."""
+        event fires once every byte is in the peer's memory. No host synchronisation: the copy
+        stream waits for the current stream on the device."""
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -218,12 +240,14 @@ class CudaIpcPath:
             if self.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            copy_spans(self.local, m.tensors, spans, impl="auto" if m.mode == "local" else "torch")
+            impl = copy_spans(self.local, m.tensors, spans,
+                              impl="auto" if m.mode == "local" else "torch", engine=m.engine)
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(stream)
         if start is not None:
             self._timed.append((start, ev))
         self.stats["writes"] += 1
+        self.stats[f"copies_{impl}"] = self.stats.get(f"copies_{impl}", 0) + 1
         return ev
 
     def gpu_seconds(self) -> float:

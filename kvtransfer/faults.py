@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 # Kill points (FaultPlan.kill_at). The process exits with KILL_EXIT_CODE at that point.
-SENDER_BEFORE_WRITE = "sender.before_write"      # Begin sent, no write posted
+SENDER_BEFORE_WRITE = "sender.before_write"      # checks passed, nothing posted or sent yet
 SENDER_AFTER_POST = "sender.after_post"          # writes posted, possibly still in flight
 SENDER_BEFORE_DONE = "sender.before_done"        # writes complete, TransferDone not sent
 RECEIVER_AFTER_RESERVE = "receiver.after_reserve"

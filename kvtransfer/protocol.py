@@ -2,7 +2,7 @@
 
     receiver (D)                                   sender (P)
     reserve() -> TransferTarget  ── out of band ──▶  send(target, pages)      [router / Ray call]
-                                 ◀──── Begin ─────   (before its first WRITE)
+                                 ◀──── Begin ─────   (right after its first WRITE is posted)
                                  ◀═══ WRITEs ═════   one-sided NIXL writes, maybe per layer
                                  ◀─ TransferDone ─   finish(): after all writes completed
     verify checksums
@@ -73,7 +73,8 @@ class TransferTarget:
 
 @dataclass(frozen=True)
 class Begin:
-    """Sender -> receiver before the first write: tells the receiver whom to stop on abort."""
+    """Sender -> receiver with its first write (sent right after posting it, so the bytes start
+    moving first): tells the receiver whom to stop on abort."""
 
     request_id: str
     target_epoch: str

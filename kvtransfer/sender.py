@@ -29,7 +29,8 @@ from .checksum import pool_checksums
 from .layout import LayoutDescriptor
 from .metrics import TransferMetrics
 from .protocol import ACK_OK, Ack, Begin, Fenced, TransferDone, TransferTarget, decode
-from .regions import Span, coalesce, total_bytes, truncate
+from .regions import SpanBatch
+from .write_plan import ByteRange, SendPart, plan_write, target_pages
 
 
 class LayoutMismatch(ValueError):
@@ -80,9 +81,10 @@ class _Outgoing:
     target: TransferTarget
     peer: RemotePeer
     started: float                                   # perf_counter at first send()
+    dst: dict = field(default_factory=dict)          # kind -> target page ids (np.int64)
     src_pages: dict[str, tuple[int, ...]] = field(default_factory=dict)
     inflight: list = field(default_factory=list)     # NIXL handles
-    queued: list = field(default_factory=list)       # (cuda event, [(kind, Span)])
+    queued: list = field(default_factory=list)       # (cuda event, SpanBatch)
     nbytes: int = 0                                  # bytes of the current attempt
     attempt: int = 0
     began: bool = False
@@ -111,13 +113,12 @@ class Sender:
         layout.check_pools(agent.pools)
         self.agent = agent
         self.layout = layout
+        self._pools = {p.kind: p for p in layout.pools}
         self.metrics = TransferMetrics()
         self.post_margin_s = post_margin_s
         self.stuck_s = stuck_s
         self._faults = faults
         self._notifier = F.Notifier(agent, faults, self.metrics)
-        # Source data must be complete before NIXL reads it behind torch's back.
-        self._device = next((t.device for t in agent.pools.values() if t.is_cuda), None)
         self._peers: dict[str, tuple[str, LayoutDescriptor]] = {}   # name -> (epoch, layout)
         # name -> epochs a later handshake replaced: a restarted peer never comes back as its
         # old self, so a target or metadata of a retired incarnation is refused, not reloaded
@@ -190,7 +191,7 @@ class Sender:
         return peer, peer_layout, key, out
 
     def send(self, target: TransferTarget, src_pages: Mapping[str, Sequence[int]],
-             page_byte_range: tuple[int, int] | None = None,
+             page_byte_range: ByteRange | Mapping[str, ByteRange | None] | None = None,
              ready: torch.cuda.Event | None = None,
              first_page: Mapping[str, int] | None = None) -> Posted:
         """WRITE src_pages[kind][i] -> target page i of kind, for each kind given.
@@ -201,32 +202,30 @@ class Sender:
             request's pages in pieces as they become final (e.g. per prefill chunk); finish()
             then needs the full source lists (its src_pages) for the checksums.
         page_byte_range: (offset_in_page, length) to write only that slice of every page
-            (e.g. one layer; see regions.layer_byte_range); None = whole pages.
+            (e.g. one layer; see regions.layer_byte_range), or per kind (kind -> range, or None
+            for whole pages; every kind given must be named); None = whole pages.
         ready: CUDA event after which the source data is complete; the write is posted by a
-            later poll() once it has fired. None on CUDA: the current stream is synchronised.
+            later poll() once it has fired. None on CUDA: the write is ordered after the current
+            stream (the CUDA IPC path on the device; UCX by synchronising the stream).
         Raises NotConnected / StaleTarget / LayoutMismatch / RequestClosed / LeaseExpired /
         ValueError before any byte moves.
+        """
+        return self.send_many(target, (SendPart(src_pages, page_byte_range, first_page),), ready)
+
+    def send_many(self, target: TransferTarget, parts: Sequence[SendPart],
+                  ready: torch.cuda.Event | None = None) -> Posted:
+        """send() of several parts as ONE write (e.g. every layer's slices of a chunk, each
+        layer its own byte ranges): all parts are checked first, and nothing is posted unless
+        all pass. Same errors and `ready` as send().
+
+        Order: checks, then the write is posted, then (first write of the request) the Begin
+        notice and the bookkeeping, so the bytes start moving as early as possible.
         """
         peer, peer_layout, key, out = self._open(target)
         if out is not None and out.pending_done is not None:
             raise RuntimeError(f"finish() of {target.request_id!r} is still pending")
-        dst = target.pages()
-        spans: list[tuple[str, Span]] = []
-        offsets = first_page or {}
-        for kind, ids in src_pages.items():
-            if kind not in dst:
-                raise ValueError(f"target of {target.request_id!r} has no pool {kind!r}")
-            start = offsets.get(kind)
-            to = dst[kind] if start is None else dst[kind][start:start + len(ids)]
-            if len(ids) != len(to) or (start is not None and start < 0):
-                raise ValueError(f"pool {kind!r}: {len(ids)} source pages for "
-                                 f"{len(dst[kind])} target pages (first page {start})")
-            mine, theirs = self.layout.pool(kind), peer_layout.pool(kind)
-            if ids and (min(ids) < 0 or max(ids) >= mine.num_pages):
-                raise ValueError(f"pool {kind!r}: source page id out of range")
-            if to and max(to) >= theirs.num_pages:
-                raise ValueError(f"pool {kind!r}: target page id out of range")
-            spans += [(kind, s) for s in coalesce(ids, to, mine.page_bytes, page_byte_range)]
+        dst = out.dst if out is not None and out.dst else target_pages(target, peer_layout)
+        batch, full_lists = plan_write(target.request_id, parts, dst, self._pools)
         faults = self._faults
         if faults is not None:
             if faults.stall_before_write_s:
@@ -234,33 +233,34 @@ class Sender:
                 time.sleep(faults.stall_before_write_s)
             if faults.truncate_write is not None:
                 self.metrics.inject("truncate_write")
-                spans = _truncate_pairs(spans, faults.truncate_write)
+                batch = batch.prefix(faults.truncate_write)
         if time.time() >= target.lease_deadline - self.post_margin_s:
             self.metrics.failed("lease_expired")
             raise LeaseExpired(f"lease of {target.request_id!r} ends at "
                                f"{target.lease_deadline:.3f}; not posting")
         if out is None:
             out = self._out[key] = _Outgoing(target, peer, time.perf_counter())
+        out.dst = dst
         if out.done_sent and out.pending_done is None:     # resend after a reported mismatch
             out.done_sent, out.nbytes = False, 0
-        for kind, ids in src_pages.items():
-            if kind not in offsets:  # a partial run is not the full list finish() checksums
-                out.src_pages[kind] = tuple(map(int, ids))
         if not out.began:
-            out.began = True
-            self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
             F.kill_point(faults, F.SENDER_BEFORE_WRITE)
-        nbytes = sum(s.nbytes for _, s in spans)
-        if ready is not None and not ready.query():
-            out.queued.append((ready, spans))
-        else:
-            if ready is None and self._device is not None:
-                torch.cuda.current_stream(self._device).synchronize()
-            self._post(out, spans)
+        try:
+            if ready is not None and not ready.query():
+                out.queued.append((ready, batch))
+            else:
+                self._post(out, batch, sync_stream=ready is None)
+        finally:
+            # After the post, even a failed one (part of it may be under way): the receiver
+            # learns whom to wait for, and poll() will fence this request with the receiver.
+            if not out.began:
+                out.began = True
+                self._notifier.send(peer.nixl_name, Begin(target.request_id, target.agent_epoch))
+            out.src_pages.update(full_lists)
         F.kill_point(faults, F.SENDER_AFTER_POST)
-        return Posted(len(spans), nbytes)
+        return Posted(batch.count, batch.nbytes)
 
-    def _post(self, out: _Outgoing, spans: list[tuple[str, Span]]) -> None:
+    def _post(self, out: _Outgoing, batch: SpanBatch, sync_stream: bool = False) -> None:
         current = self.agent.peer(out.peer.name)
         if current is None or current.epoch != out.target.agent_epoch:
             # A write queued behind a CUDA event while the peer restarted and was handshaken
@@ -268,14 +268,15 @@ class Sender:
             out.answer = out.answer or "peer_restarted"
             return
         try:
-            handle = self.agent.write(out.peer.name, spans, epoch=out.target.agent_epoch)
+            handle = self.agent.write(out.peer.name, batch, epoch=out.target.agent_epoch,
+                                      sync_stream=sync_stream)
         except TransferError:
             self.metrics.failed("xfer_error")
             out.answer = out.answer or "xfer_error"
             raise
         if handle is not None:
             out.inflight.append(handle)
-        out.nbytes += sum(s.nbytes for _, s in spans)
+        out.nbytes += batch.nbytes
 
     def finish(self, target: TransferTarget, header: bytes,
                src_pages: Mapping[str, Sequence[int]] | None = None) -> None:
@@ -358,14 +359,14 @@ class Sender:
                 out.queued, out.answer = [], "lease_expired"
             else:
                 waiting = []
-                for ev, spans in out.queued:
+                for ev, batch in out.queued:
                     if ev.query():
                         try:
-                            self._post(out, spans)
+                            self._post(out, batch)
                         except TransferError:
                             break
                     else:
-                        waiting.append((ev, spans))
+                        waiting.append((ev, batch))
                 out.queued = waiting if out.answer is None else []
         stuck = bool(out.inflight) and time.time() > out.target.lease_deadline + self.stuck_s
         still = []
@@ -415,13 +416,3 @@ class Sender:
         """Request ids whose source pages are still held."""
         return sorted({k[0] for k in self._out})
 
-
-def _truncate_pairs(spans: list[tuple[str, Span]], fraction: float) -> list[tuple[str, Span]]:
-    """Keep the first `fraction` of the bytes of (kind, span) pairs, in order (fault injection)."""
-    keep = int(sum(s.nbytes for _, s in spans) * fraction)
-    out: list[tuple[str, Span]] = []
-    for kind, s in spans:
-        part = truncate([s], keep)
-        out += [(kind, p) for p in part]
-        keep -= total_bytes(part)
-    return out

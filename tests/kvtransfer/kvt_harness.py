@@ -62,6 +62,27 @@ class PageAllocator:
         return len(self._free[kind])
 
 
+def random_pools(layout: LayoutDescriptor, seed: int) -> dict[str, torch.Tensor]:
+    """CPU pools of random bytes for `layout` (in-process tests)."""
+    g = torch.Generator().manual_seed(seed)
+    return {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
+                                  generator=g) for p in layout.pools}
+
+
+def pump(sender, receiver, until, timeout=5.0):
+    """Poll both sides (one process) until until(sender_events, receiver_events) is true;
+    return the events."""
+    s_ev, r_ev = [], []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s_ev += sender.poll()
+        r_ev += receiver.poll()
+        if until(s_ev, r_ev):
+            return s_ev, r_ev
+        time.sleep(0.001)
+    raise AssertionError(f"timed out: sender {s_ev} receiver {r_ev}")
+
+
 def digest(pool: torch.Tensor, ids) -> str:
     if not len(ids):
         return hashlib.sha256(b"").hexdigest()

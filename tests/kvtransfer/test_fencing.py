@@ -11,14 +11,14 @@ import time
 import pytest
 
 from kvtransfer import Agent, Receiver, RequestClosed, Sender
-from kvt_harness import PageAllocator
-from test_inprocess import LAYOUT, _pools
+from kvt_harness import PageAllocator, random_pools
+from test_inprocess import LAYOUT
 
 
 @pytest.fixture(scope="module")
 def agents():
-    a = Agent("fa", _pools(1), progress_thread=False)
-    b = Agent("fb", _pools(2), progress_thread=False)
+    a = Agent("fa", random_pools(LAYOUT, 1), progress_thread=False)
+    b = Agent("fb", random_pools(LAYOUT, 2), progress_thread=False)
     a.add_peer("fb", b.metadata())
     b.add_peer("fa", a.metadata())
     yield a, b

@@ -11,55 +11,9 @@ import torch
 from kvtransfer import (Agent, FaultPlan, LeaseExpired, OutOfPages, Receiver, RequestClosed,
                         Sender, StaleTarget)
 from kvtransfer.protocol import Ack
-from kvt_harness import PageAllocator, make_layout
+from kvt_harness import PageAllocator, make_layout, pump, random_pools
 
 LAYOUT = make_layout(num_pages=16)
-
-
-def _pools(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
-                                  generator=g) for p in LAYOUT.pools}
-
-
-@pytest.fixture(scope="module")
-def agents():
-    a = Agent("pa", _pools(1), progress_thread=False)
-    b = Agent("pb", _pools(2), progress_thread=False)
-    a.add_peer("pb", b.metadata())
-    b.add_peer("pa", a.metadata())
-    yield a, b
-    a.close()
-    b.close()
-
-
-@pytest.fixture
-def sides(agents):
-    a, b = agents
-    sender = Sender(a, LAYOUT, post_margin_s=0.02)
-    alloc = PageAllocator(LAYOUT)
-    receiver = Receiver(b, alloc, LAYOUT, grace_s=0.1)
-    sender.handshake("pb", b.metadata(), LAYOUT)
-    yield sender, receiver, alloc
-    for rid in list(receiver.held()):
-        receiver.abort(rid)
-    for rid in sender.holding():
-        sender.abort(rid)
-    pump(sender, receiver, lambda s, r: receiver.idle() and not sender.holding(), timeout=3)
-    assert all(alloc.num_free(k) == alloc.total[k] for k in alloc.total)
-
-
-def pump(sender, receiver, until, timeout=5.0):
-    """Poll both sides until until(sender_events, receiver_events) is true; return the events."""
-    s_ev, r_ev = [], []
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s_ev += sender.poll()
-        r_ev += receiver.poll()
-        if until(s_ev, r_ev):
-            return s_ev, r_ev
-        time.sleep(0.001)
-    raise AssertionError(f"timed out: sender {s_ev} receiver {r_ev}")
 
 
 def has(events, rid, kind):
