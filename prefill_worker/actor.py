@@ -12,6 +12,11 @@ stay *parked* for another lease: the router re-targets the request and the new d
 `repull`s them — the KV is delivered again, not recomputed. A re-pull also takes over a request
 still prefilling or still shipping to the lost worker. Requests are keyed by their id here (the
 engine id); a re-pull's target carries the new decode worker's id, mapped back by `engine_id`.
+
+A worker may be one rank of an expert-parallel group (`start(seat)`, prefill_worker/ep_group.py):
+its engine then steps in lockstep with its peers. When the group breaks, the worker fails every
+prefill it has not finished with `ep_group_failed: ...` (the decode side recomputes those), refuses
+new ones the same way, and leaves the registry; KV it already computed is still delivered.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import logging
 import time
 
+import ray
 import torch
 
 from cluster.commands import Commands
@@ -37,6 +43,7 @@ from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
+from prefill_worker.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, listen
 from prefill_worker.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -79,13 +86,30 @@ class PrefillWorker:
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.draining = False
+        self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
+        self._store = None  # rank 0: the group's rendezvous store
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> dict:
+    def ep_listen(self) -> tuple[str, int]:
+        """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
+        self._store = listen(ray.util.get_node_ip_address(), self.options.prefill_ep)
+        return ray.util.get_node_ip_address(), self._store.port
+
+    async def start(self, seat: Seat | None = None) -> dict:
+        """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
+        must be starting: this waits for them, at most the group's timeout)."""
+        if seat is not None and self.group is None:
+            self.group = await asyncio.to_thread(ExpertParallelGroup, seat, ray.util.get_node_ip_address(),
+                                                 self.options.prefill_ep, self.options.device, self.engine.model,
+                                                 self._store)
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._loop()),
-                           asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
+            self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
+            self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+
+    def ep_status(self) -> dict | None:
+        """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
+        return None if self.group is None else self.group.status()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.worker_id, self.agent.name, self.agent.epoch,
@@ -121,6 +145,8 @@ class PrefillWorker:
         rid = req.request_id
         if rid in self.futures or rid in self.targets or rid in self.shipping or rid in self.parked:
             raise ValueError(f"request {rid!r} is already being prefilled")  # ids key all state here
+        if self.group is not None and self.group.state is GroupState.FAILED:
+            raise TransferFailed(f"ep_group_failed: {self.group.failure}")
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = fut
         self.targets[rid] = (decode_target(target), peer_metadata, peer_layout)
@@ -161,7 +187,7 @@ class PrefillWorker:
         self.commands.put(lambda: self._abort(request_id))
         return True
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "aborted") -> None:
         eid = self.engine_id.get(request_id, request_id)
         entry = self.targets.get(eid)
         if entry is not None and entry[0].request_id != request_id:
@@ -175,7 +201,7 @@ class PrefillWorker:
             self.targets.pop(eid, None)
         if eid in self.parked:
             self._release(self.parked.pop(eid)[0])
-        self._answer(eid, TransferFailed("aborted"))
+        self._answer(eid, TransferFailed(reason))
 
     def _answer(self, eid: str, result) -> None:
         fut = self.futures.pop(eid, None)
@@ -200,7 +226,9 @@ class PrefillWorker:
         while True:
             try:
                 self.commands.run()
-                if self.engine.has_work():
+                if self.group is not None and self.group.state is GroupState.ACTIVE:
+                    await self._group_step()
+                elif self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
                     self._stream_progress()
@@ -214,6 +242,42 @@ class PrefillWorker:
             except Exception:
                 log.exception("prefill loop error")
                 await asyncio.sleep(0.1)
+
+    async def _group_step(self) -> None:
+        """One lockstep step of the expert-parallel group; when no rank had work, wait one idle
+        tick (a new request cuts it short), polling transfers in flight meanwhile."""
+        try:
+            finished = await asyncio.to_thread(self.group.step, self.engine)
+        except GroupFailed as e:
+            await self._leave_group(str(e))
+            return
+        if finished is not None:
+            for done in finished:
+                self._ship(done)
+            self._stream_progress()
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.prefill_ep.idle_tick_s
+        while self.shipping and not self.commands and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+            self._poll_sender()
+        if not self.shipping:
+            await self.commands.wait(max(0.0, deadline - loop.time()))
+
+    async def _leave_group(self, reason: str) -> None:
+        """The group broke: fail every prefill not finished here (the decode side recomputes it),
+        stop heart-beating and leave the registry, so routers stop choosing this worker."""
+        jobs = [j.req.request_id for j in list(self.engine.waiting) + list(self.engine.running.values())]
+        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; failing %d prefills, leaving the "
+                  "registry", self.worker_id, self.group.seat.rank, self.group.seat.world, reason, len(jobs))
+        for eid in jobs:  # by the id the current target knows it by (a re-pull's, if any)
+            entry = self.targets.get(eid)
+            self._abort(entry[0].request_id if entry else eid, f"ep_group_failed: {reason}")
+        self._heartbeat.cancel()
+        try:
+            await asyncio.to_thread(self.registry.deregister, self.worker_id)
+        except Exception as e:  # Redis down: the key expires by itself
+            log.warning("deregistering %s failed: %s", self.worker_id, e)
 
     async def _publish_events(self) -> None:
         """KV events of the prefix cache → registry stream (the routers' prefix index)."""
