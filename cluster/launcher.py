@@ -90,15 +90,17 @@ class LocalCluster:
         ray.get(self._start_prefill(self.prefill) + [a.start.remote() for a in self.decode])
         return self
 
-    def _start_prefill(self, actors: list) -> list:
-        """Start prefill workers (→ refs of their start); an expert-parallel group's ranks join it."""
+    def _start_prefill(self, actors: list, first: int = 0) -> list:
+        """Start prefill workers prefill-<first>, ... (→ refs of their start); an expert-parallel
+        group's ranks join it."""
         W = self.options.worker.prefill_ep.size
         if W == 1:
             return [a.start.remote() for a in actors]
         refs = []
         for g in range(0, len(actors), W):
             host, port = ray.get(actors[g].ep_listen.remote())
-            refs += [a.start.remote(Seat(host, port, r, W)) for r, a in enumerate(actors[g:g + W])]
+            names = tuple(f"prefill-{first + g + r}" for r in range(W))
+            refs += [a.start.remote(Seat(host, port, r, W, names)) for r, a in enumerate(actors[g:g + W])]
         return refs
 
     def restart_prefill_group(self, group: int) -> None:
@@ -110,7 +112,7 @@ class LocalCluster:
         worker = replace(self.options.worker, registry_url=self.registry_url)
         new = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(group * W, (group + 1) * W)]
         self.prefill[group * W:(group + 1) * W] = new
-        ray.get(self._start_prefill(new))
+        ray.get(self._start_prefill(new, group * W))
 
     def _actor(self, cls, role: str, index: int, worker: WorkerOptions):
         name = f"{role}-{index}"

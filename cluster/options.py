@@ -18,9 +18,10 @@ class ExpertParallelOptions:
     # a collective (step agreement or a MoE exchange) waiting longer than this fails the group:
     # it must exceed the longest prefill step of any rank
     timeout_s: float = 60.0
-    # how often an idle group meets to agree whether anyone has work: the most a new request
-    # waits for its peers, and what an idle group costs (one tiny all_reduce per tick)
-    idle_tick_s: float = 0.01
+    # how often an idle group meets anyway (a rank that gets a request wakes its peers at once):
+    # what an idle group costs (one tiny all_reduce per tick), the most a request waits should a
+    # wake be lost, and how late an idle rank notices a dead peer
+    idle_tick_s: float = 0.5
 
     def __post_init__(self):
         if self.size < 1:

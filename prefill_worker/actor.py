@@ -88,6 +88,9 @@ class PrefillWorker:
         self.draining = False
         self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
         self._store = None  # rank 0: the group's rendezvous store
+        self._peers: list = []  # the group's other ranks (actors), woken when this one gets work
+        self._wake_for = 0  # a peer asked to meet for this meeting number (see ep_wake)
+        self._nudge = asyncio.Event()  # set by ep_wake
         self._tasks: list[asyncio.Task] = []
 
     def ep_listen(self) -> tuple[str, int]:
@@ -102,10 +105,17 @@ class PrefillWorker:
             self.group = await asyncio.to_thread(ExpertParallelGroup, seat, ray.util.get_node_ip_address(),
                                                  self.options.prefill_ep, self.options.device, self.engine.model,
                                                  self._store)
+            self._peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
         if not self._tasks:
             self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
             self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+
+    async def ep_wake(self, meeting: int) -> None:
+        """A peer got work while the group idled: meet now for meeting number `meeting`, not at
+        the next idle tick (ignored if this rank has held that meeting already)."""
+        self._wake_for = max(self._wake_for, meeting)
+        self._nudge.set()
 
     def ep_status(self) -> dict | None:
         """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
@@ -244,8 +254,9 @@ class PrefillWorker:
                 await asyncio.sleep(0.1)
 
     async def _group_step(self) -> None:
-        """One lockstep step of the expert-parallel group; when no rank had work, wait one idle
-        tick (a new request cuts it short), polling transfers in flight meanwhile."""
+        """One lockstep step of the expert-parallel group. When no rank had work, wait for the
+        next meeting (prefill_worker/ep_group.py): the idle tick, a peer's wake, or a command of
+        our own — then wake the peers — polling transfers in flight meanwhile."""
         try:
             finished = await asyncio.to_thread(self.group.step, self.engine)
         except GroupFailed as e:
@@ -256,13 +267,22 @@ class PrefillWorker:
                 self._ship(done)
             self._stream_progress()
             return
-        loop = asyncio.get_running_loop()
+        loop, group = asyncio.get_running_loop(), self.group
         deadline = loop.time() + self.options.prefill_ep.idle_tick_s
-        while self.shipping and not self.commands and loop.time() < deadline:
-            await asyncio.sleep(0.001)
-            self._poll_sender()
-        if not self.shipping:
-            await self.commands.wait(max(0.0, deadline - loop.time()))
+        while not self.commands and self._wake_for <= group.meetings and loop.time() < deadline:
+            if self.shipping:
+                await asyncio.sleep(0.001)
+                self._poll_sender()
+                continue
+            self._nudge.clear()
+            waits = [asyncio.ensure_future(self.commands.wait(deadline - loop.time())),
+                     asyncio.ensure_future(self._nudge.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        if self.commands and self._wake_for <= group.meetings:  # work of our own: the peers meet now too
+            for peer in self._peers:
+                peer.ep_wake.remote(group.meetings + 1)
 
     async def _leave_group(self, reason: str) -> None:
         """The group broke: fail every prefill not finished here (the decode side recomputes it),

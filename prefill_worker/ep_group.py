@@ -11,13 +11,16 @@ rank is an ordinary prefill worker.
                 agreement, and the failure detector) and `moe` (the MoE exchanges: the control
                 group itself on CPU, NCCL on cuda). Neither is torch.distributed's default group,
                 which stays free for anything else in the process.
-    lockstep    each step every rank plans its batch (`PrefillEngine.plan`), then all all_reduce
-                how many of them have one. None: nobody runs anything; the worker waits one idle
-                tick (less when a request arrives: it then meets at once and waits in the
-                collective, which blocks without spinning, for the others' tick) and meets again.
-                Otherwise a rank with a batch runs it and a rank without one runs `idle_step`, so
-                that every MoE layer's exchanges complete. The prefill forward never runs the MTP
-                block, so neither does the idle step.
+    lockstep    each step every rank plans its batch (`PrefillEngine.plan`), then all meet: one
+                all_reduce of how many of them have one. Some: a rank with a batch runs it and a
+                rank without one runs `idle_step`, so that every MoE layer's exchanges complete
+                (the prefill forward never runs the MTP block, so neither does the idle step),
+                and they meet again at once. None: nobody runs anything, and the ranks wait
+                before meeting again — up to `idle_tick_s`, or until a rank gets a request: it
+                then wakes its peers (`PrefillWorker.ep_wake`, naming the meeting it wants, so a
+                late wake is ignored) and all meet at once. An idle group thus costs one meeting
+                per tick, and a request does not wait for the tick. A rank that meets before its
+                peers waits in the collective, which blocks without spinning.
     failure     a collective that errs (a peer died: its sockets closed) or waits past
                 `timeout_s` (a peer hangs) fails the group for good, as does any error inside a
                 step: this rank aborts the group, so that its peers fail at once rather than at
@@ -62,6 +65,7 @@ class Seat:
     port: int
     rank: int
     world: int
+    peers: tuple[str, ...]  # every rank's actor name, by rank (whom to wake)
 
 
 def listen(host: str, options: ExpertParallelOptions) -> dist.TCPStore:
@@ -88,6 +92,7 @@ class ExpertParallelGroup:
             torch.cuda.empty_cache()  # the other ranks' experts were just dropped
         self.state = GroupState.ACTIVE
         self.failure: str | None = None
+        self.meetings = 0  # step agreements completed (the same count on every rank)
         self.steps = 0  # steps this rank ran a batch in
         self.idle_steps = 0  # steps it only joined the exchanges of
 
@@ -100,6 +105,7 @@ class ExpertParallelGroup:
         try:
             busy = torch.tensor([int(planned is not None)])
             dist.all_reduce(busy, group=self.control)  # ranks with a batch this step
+            self.meetings += 1
             if int(busy) == 0:
                 return None
             if planned is None:
@@ -129,7 +135,7 @@ class ExpertParallelGroup:
         return {"state": self.state.value, "rank": self.seat.rank, "world": self.seat.world,
                 "experts": (moes[0].first, moes[0].n_local) if moes else None,
                 "expert_params": sum(p.numel() for m in moes for p in m.experts.parameters()),
-                "steps": self.steps, "idle_steps": self.idle_steps, "failure": self.failure}
+                "meetings": self.meetings, "steps": self.steps, "idle_steps": self.idle_steps, "failure": self.failure}
 
 
 # ---------------------------------------------------------------------------------------
