@@ -46,6 +46,11 @@ class UpOptions:
     autoscale_config: AutoscalerConfig | None = None
     start_timeout_s: float = 120.0
 
+    def __post_init__(self):
+        if self.autoscale != "off" and self.cluster.worker.prefill_ep.size > 1:
+            raise ValueError("autoscaling resizes the prefill pool one worker at a time: it cannot be used with "
+                             "expert-parallel prefill (prefill_ep.size > 1)")
+
 
 @dataclass(frozen=True)
 class RouterOptions:
