@@ -103,6 +103,22 @@ class LocalCluster:
             refs += [a.start.remote(Seat(host, port, r, W, names)) for r, a in enumerate(actors[g:g + W])]
         return refs
 
+    def broken_prefill_groups(self) -> list[int]:
+        """Expert-parallel groups with a rank that is dead, unreachable or out of its group."""
+        W = self.options.worker.prefill_ep.size
+        if W == 1:
+            return []
+        refs = [a.ep_status.remote() for a in self.prefill]
+        broken = set()
+        for i, ref in enumerate(refs):
+            try:
+                ok = ray.get(ref, timeout=10)["state"] == "active"
+            except Exception:  # dead, or too busy to answer: either way not serving
+                ok = False
+            if not ok:
+                broken.add(i // W)
+        return sorted(broken)
+
     def restart_prefill_group(self, group: int) -> None:
         """Replace expert-parallel group `group` (prefill-gW .. prefill-(g+1)W-1) by a fresh one
         under the same names (blocks until it serves). Its ranks are new peers: new NIXL epochs."""

@@ -127,7 +127,9 @@ def test_killed_rank_fails_the_other_ranks_prefill_with_a_reason(cluster, tiny_o
     assert "prefill-0" not in {w.worker_id for w in Registry(cluster.registry_url).workers()}
     assert_idle(survivor, prefill=True)
 
+    assert cluster.broken_prefill_groups() == [0]
     cluster.restart_prefill_group(0)
+    assert cluster.broken_prefill_groups() == []
     assert [s["state"] for s in status(cluster)] == ["active", "active"]
     reqs = requests("again", 2, seed=4)
     for r, tokens in zip(reqs, serve(cluster, reqs, [0, 1])):
