@@ -88,34 +88,31 @@ class PrefillWorker:
         self.draining = False
         self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
         self._store = None  # rank 0: the group's rendezvous store
-        self._peers: list = []  # the group's other ranks (actors), woken when this one gets work
-        self._wake_for = 0  # a peer asked to meet for this meeting number (see ep_wake)
-        self._nudge = asyncio.Event()  # set by ep_wake
         self._tasks: list[asyncio.Task] = []
 
     def ep_listen(self) -> tuple[str, int]:
         """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
-        self._store = listen(ray.util.get_node_ip_address(), self.options.prefill_ep)
-        return ray.util.get_node_ip_address(), self._store.port
+        host = ray.util.get_node_ip_address()
+        self._store = listen(host, self.options.prefill_ep)
+        return host, self._store.port
 
     async def start(self, seat: Seat | None = None) -> dict:
         """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
         must be starting: this waits for them, at most the group's timeout)."""
         if seat is not None and self.group is None:
+            peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
             self.group = await asyncio.to_thread(ExpertParallelGroup, seat, ray.util.get_node_ip_address(),
                                                  self.options.prefill_ep, self.options.device, self.engine.model,
-                                                 self._store)
-            self._peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
+                                                 peers, self._store)
         if not self._tasks:
             self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
             self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
 
     async def ep_wake(self, meeting: int) -> None:
-        """A peer got work while the group idled: meet now for meeting number `meeting`, not at
-        the next idle tick (ignored if this rank has held that meeting already)."""
-        self._wake_for = max(self._wake_for, meeting)
-        self._nudge.set()
+        """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
+        if self.group is not None:  # else still joining: its first meeting comes at once anyway
+            self.group.woken(meeting)
 
     def ep_status(self) -> dict | None:
         """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
@@ -238,6 +235,8 @@ class PrefillWorker:
                 self.commands.run()
                 if self.group is not None and self.group.state is GroupState.ACTIVE:
                     await self._group_step()
+                elif self.group is not None and self.engine.has_work():  # queued as the group broke
+                    self._fail_unfinished(f"ep_group_failed: {self.group.failure}")
                 elif self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
@@ -254,50 +253,41 @@ class PrefillWorker:
                 await asyncio.sleep(0.1)
 
     async def _group_step(self) -> None:
-        """One lockstep step of the expert-parallel group. When no rank had work, wait for the
-        next meeting (prefill_worker/ep_group.py): the idle tick, a peer's wake, or a command of
-        our own — then wake the peers — polling transfers in flight meanwhile."""
+        """One lockstep step of the expert-parallel group; when no rank had work, wait until the
+        next meeting is due, polling transfers in flight meanwhile."""
         try:
             finished = await asyncio.to_thread(self.group.step, self.engine)
         except GroupFailed as e:
             await self._leave_group(str(e))
             return
-        if finished is not None:
-            for done in finished:
-                self._ship(done)
-            self._stream_progress()
+        if finished is None:
+            await self.group.wait_idle(self.commands, self._transfers_in_flight)
             return
-        loop, group = asyncio.get_running_loop(), self.group
-        deadline = loop.time() + self.options.prefill_ep.idle_tick_s
-        while not self.commands and self._wake_for <= group.meetings and loop.time() < deadline:
-            if self.shipping:
-                await asyncio.sleep(0.001)
-                self._poll_sender()
-                continue
-            self._nudge.clear()
-            waits = [asyncio.ensure_future(self.commands.wait(deadline - loop.time())),
-                     asyncio.ensure_future(self._nudge.wait())]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-        if self.commands and self._wake_for <= group.meetings:  # work of our own: the peers meet now too
-            for peer in self._peers:
-                peer.ep_wake.remote(group.meetings + 1)
+        for done in finished:
+            self._ship(done)
+        self._stream_progress()
+
+    def _transfers_in_flight(self) -> bool:
+        self._poll_sender()
+        return bool(self.shipping)
 
     async def _leave_group(self, reason: str) -> None:
         """The group broke: fail every prefill not finished here (the decode side recomputes it),
         stop heart-beating and leave the registry, so routers stop choosing this worker."""
-        jobs = [j.req.request_id for j in list(self.engine.waiting) + list(self.engine.running.values())]
-        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; failing %d prefills, leaving the "
-                  "registry", self.worker_id, self.group.seat.rank, self.group.seat.world, reason, len(jobs))
-        for eid in jobs:  # by the id the current target knows it by (a re-pull's, if any)
-            entry = self.targets.get(eid)
-            self._abort(entry[0].request_id if entry else eid, f"ep_group_failed: {reason}")
+        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; failing its unfinished prefills, "
+                  "leaving the registry", self.worker_id, self.group.seat.rank, self.group.seat.world, reason)
+        self._fail_unfinished(f"ep_group_failed: {reason}")
         self._heartbeat.cancel()
         try:
             await asyncio.to_thread(self.registry.deregister, self.worker_id)
         except Exception as e:  # Redis down: the key expires by itself
             log.warning("deregistering %s failed: %s", self.worker_id, e)
+
+    def _fail_unfinished(self, reason: str) -> None:
+        """Fail every queued or running prefill (their decode workers recompute them)."""
+        for job in list(self.engine.waiting) + list(self.engine.running.values()):
+            entry = self.targets.get(job.req.request_id)  # aborted by the id its target knows (a re-pull's)
+            self._abort(entry[0].request_id if entry else job.req.request_id, reason)
 
     async def _publish_events(self) -> None:
         """KV events of the prefix cache → registry stream (the routers' prefix index)."""

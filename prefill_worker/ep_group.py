@@ -35,13 +35,16 @@ process down: the peers then see the control group's sockets close.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from cluster.commands import Commands
 from cluster.options import ExpertParallelOptions
 from model.ep import ExpertParallelMoE, idle_step, shard_experts
 from model.transformer import Transformer
@@ -77,10 +80,10 @@ def listen(host: str, options: ExpertParallelOptions) -> dist.TCPStore:
 
 class ExpertParallelGroup:
     def __init__(self, seat: Seat, host: str, options: ExpertParallelOptions, device: str, model: Transformer,
-                 store: dist.Store | None = None):
+                 peers: list, store: dist.Store | None = None):
         """Join the group at `seat` (blocks until every rank has joined, at most `timeout_s`) and
         shard `model`'s routed experts over it, in place. `host`: this rank's node address, the one
-        its peers reach it at. Rank 0 passes the store it `listen`s on."""
+        its peers reach it at; `peers`: the other ranks' actors. Rank 0 passes the store it `listen`s on."""
         timeout = timedelta(seconds=options.timeout_s)
         if store is None:
             store = dist.TCPStore(seat.host, seat.port, None, is_master=False, timeout=timeout)
@@ -95,6 +98,9 @@ class ExpertParallelGroup:
         self.meetings = 0  # step agreements completed (the same count on every rank)
         self.steps = 0  # steps this rank ran a batch in
         self.idle_steps = 0  # steps it only joined the exchanges of
+        self.peers = peers
+        self.wake_for = 0  # a peer asked to meet for this meeting number
+        self.nudge = asyncio.Event()  # set by `woken`
 
     def step(self, engine: PrefillEngine) -> list[Prefilled] | None:
         """One lockstep step: this rank's finished prompts, or None when no rank had work (nothing
@@ -117,6 +123,33 @@ class ExpertParallelGroup:
         except Exception as e:  # whatever it was, this rank may be out of lockstep now
             self.fail(f"{type(e).__name__}: {e}")
             raise GroupFailed(self.failure) from e
+
+    # --- when an idle group meets again (on the worker's event loop) ------------------------
+    def woken(self, meeting: int) -> None:
+        """A peer got work while the group idled and asks to hold meeting number `meeting` now."""
+        self.wake_for = max(self.wake_for, meeting)
+        self.nudge.set()
+
+    async def wait_idle(self, commands: Commands, transfers: Callable[[], bool]) -> None:
+        """No rank had work: return when the next meeting is due — the idle tick, a peer's wake
+        (unless it is for a meeting held already), or a command of ours (the peers are then woken).
+        `transfers()` polls the worker's transfers in flight and says whether any are left: they
+        are polled every millisecond meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.idle_tick_s
+        while not commands and self.wake_for <= self.meetings and loop.time() < deadline:
+            if transfers():
+                await asyncio.sleep(0.001)
+                continue
+            self.nudge.clear()
+            waits = [asyncio.ensure_future(commands.wait(deadline - loop.time())),
+                     asyncio.ensure_future(self.nudge.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        if commands and self.wake_for <= self.meetings:  # work of our own: the peers meet now too
+            for peer in self.peers:
+                peer.ep_wake.remote(self.meetings + 1)
 
     def fail(self, reason: str) -> None:
         """Leave the group for good; aborting it closes our connections, so peers fail now."""
