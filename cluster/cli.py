@@ -99,7 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", parents=[serving],
                         help="start the pools (and Ray, Redis unless RAY_ADDRESS, REDIS_URL name them) and "
                              "serve them until SIGINT/SIGTERM")
-    up.add_argument("--prefill", type=_nonnegative, default=1, help="prefill workers (0: decode workers prefill)")
+    up.add_argument("--prefill", type=_nonnegative, default=1,
+                    help="prefill workers (0: decode workers prefill); with --prefill-ep N, a multiple of N")
+    up.add_argument("--prefill-ep", type=_positive, default=1,
+                    help="expert-parallel prefill: the prefill workers form groups of N that step in lockstep, "
+                         "each holding 1/N of the routed experts (N divides the expert count)")
+    up.add_argument("--prefill-ep-fp8-dispatch", action="store_true",
+                    help="send the expert-parallel dispatch as FP8 (e4m3 + scales): fewer bytes, rounded activations")
+    up.add_argument("--prefill-ep-timeout", type=float, default=60.0,
+                    help="seconds an expert-parallel collective may wait (a peer's longest step) before the "
+                         "group is declared failed")
     up.add_argument("--decode", type=_positive, default=1)
     up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
@@ -215,7 +224,7 @@ def _device_options(args: argparse.Namespace) -> dict:
 def cmd_up(args: argparse.Namespace) -> None:
     from cluster import up
     from cluster.launcher import ClusterOptions
-    from cluster.options import WorkerOptions
+    from cluster.options import ExpertParallelOptions, WorkerOptions
     from cluster.settings import from_env
 
     env = from_env()
@@ -231,7 +240,10 @@ def cmd_up(args: argparse.Namespace) -> None:
         except (OSError, ValueError, TypeError) as e:
             raise CliError(f"--autoscale-config: {e}") from None
     worker = WorkerOptions(str(model_dir), "", cluster=args.cluster, kv_dtype=args.kv_dtype,
-                           max_tokens=args.max_model_len, max_seqs=args.max_seqs, **_device_options(args))
+                           max_tokens=args.max_model_len, max_seqs=args.max_seqs,
+                           prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
+                                                            args.prefill_ep_timeout),
+                           **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
                        slots=None if autoscale_config is None else (

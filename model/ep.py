@@ -52,7 +52,9 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, moe: MoE, group: dist.ProcessGroup | None = None, fp8_dispatch: bool = False):
         super().__init__()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        # an explicit group answers for itself: it need not be registered with torch.distributed's
+        # default group (the serving workers build theirs standalone, prefill_worker/ep_group.py)
+        world, rank = (dist.get_world_size(), dist.get_rank()) if group is None else (group.size(), group.rank())
         E = moe.cfg.n_routed_experts
         if E % world:
             raise ValueError(f"{E} routed experts cannot be split evenly over an expert-parallel group of {world}")

@@ -12,6 +12,11 @@ stay *parked* for another lease: the router re-targets the request and the new d
 `repull`s them — the KV is delivered again, not recomputed. A re-pull also takes over a request
 still prefilling or still shipping to the lost worker. Requests are keyed by their id here (the
 engine id); a re-pull's target carries the new decode worker's id, mapped back by `engine_id`.
+
+A worker may be one rank of an expert-parallel group (`start(seat)`, prefill_worker/ep_group.py):
+its engine then steps in lockstep with its peers. When the group breaks, the worker fails every
+prefill it has not finished with `ep_group_failed: ...` (the decode side recomputes those), refuses
+new ones the same way, and leaves the registry; KV it already computed is still delivered.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import logging
 import time
 
+import ray
 import torch
 
 from cluster.commands import Commands
@@ -37,6 +43,7 @@ from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
+from prefill_worker.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, listen
 from prefill_worker.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -79,13 +86,37 @@ class PrefillWorker:
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.draining = False
+        self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
+        self._store = None  # rank 0: the group's rendezvous store
         self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> dict:
+    def ep_listen(self) -> tuple[str, int]:
+        """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
+        host = ray.util.get_node_ip_address()
+        self._store = listen(host, self.options.prefill_ep)
+        return host, self._store.port
+
+    async def start(self, seat: Seat | None = None) -> dict:
+        """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
+        must be starting: this waits for them, at most the group's timeout)."""
+        if seat is not None and self.group is None:
+            peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
+            self.group = await asyncio.to_thread(ExpertParallelGroup, seat, ray.util.get_node_ip_address(),
+                                                 self.options.prefill_ep, self.options.device, self.engine.model,
+                                                 peers, self._store)
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._loop()),
-                           asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
+            self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
+            self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+
+    async def ep_wake(self, meeting: int) -> None:
+        """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
+        if self.group is not None:  # else still joining: its first meeting comes at once anyway
+            self.group.woken(meeting)
+
+    def ep_status(self) -> dict | None:
+        """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
+        return None if self.group is None else self.group.status()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.worker_id, self.agent.name, self.agent.epoch,
@@ -121,6 +152,8 @@ class PrefillWorker:
         rid = req.request_id
         if rid in self.futures or rid in self.targets or rid in self.shipping or rid in self.parked:
             raise ValueError(f"request {rid!r} is already being prefilled")  # ids key all state here
+        if self.group is not None and self.group.state is GroupState.FAILED:
+            raise TransferFailed(f"ep_group_failed: {self.group.failure}")
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = fut
         self.targets[rid] = (decode_target(target), peer_metadata, peer_layout)
@@ -163,7 +196,7 @@ class PrefillWorker:
         self.commands.put(lambda: self._abort(request_id))
         return True
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "aborted") -> None:
         eid = self.engine_id.get(request_id, request_id)
         entry = self.targets.get(eid)
         if entry is not None and entry[0].request_id != request_id:
@@ -177,7 +210,7 @@ class PrefillWorker:
             self.targets.pop(eid, None)
         if eid in self.parked:
             self._release(self.parked.pop(eid)[0])
-        self._answer(eid, TransferFailed("aborted"))
+        self._answer(eid, TransferFailed(reason))
 
     def _answer(self, eid: str, result) -> None:
         fut = self.futures.pop(eid, None)
@@ -202,7 +235,11 @@ class PrefillWorker:
         while True:
             try:
                 self.commands.run()
-                if self.engine.has_work():
+                if self.group is not None and self.group.state is GroupState.ACTIVE:
+                    await self._group_step()
+                elif self.group is not None and self.engine.has_work():  # queued as the group broke
+                    self._fail_unfinished(f"ep_group_failed: {self.group.failure}")
+                elif self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
                     self._stream_progress()
@@ -216,6 +253,43 @@ class PrefillWorker:
             except Exception:
                 log.exception("prefill loop error")
                 await asyncio.sleep(0.1)
+
+    async def _group_step(self) -> None:
+        """One lockstep step of the expert-parallel group; when no rank had work, wait until the
+        next meeting is due, polling transfers in flight meanwhile."""
+        try:
+            finished = await asyncio.to_thread(self.group.step, self.engine)
+        except GroupFailed as e:
+            await self._leave_group(str(e))
+            return
+        if finished is None:
+            await self.group.wait_idle(self.commands, self._transfers_in_flight)
+            return
+        for done in finished:
+            self._ship(done)
+        self._stream_progress()
+
+    def _transfers_in_flight(self) -> bool:
+        self._poll_sender()
+        return bool(self.shipping)
+
+    async def _leave_group(self, reason: str) -> None:
+        """The group broke: fail every prefill not finished here (the decode side recomputes it),
+        stop heart-beating and leave the registry, so routers stop choosing this worker."""
+        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; failing its unfinished prefills, "
+                  "leaving the registry", self.worker_id, self.group.seat.rank, self.group.seat.world, reason)
+        self._fail_unfinished(f"ep_group_failed: {reason}")
+        self._heartbeat.cancel()
+        try:
+            await asyncio.to_thread(self.registry.deregister, self.worker_id)
+        except Exception as e:  # Redis down: the key expires by itself
+            log.warning("deregistering %s failed: %s", self.worker_id, e)
+
+    def _fail_unfinished(self, reason: str) -> None:
+        """Fail every queued or running prefill (their decode workers recompute them)."""
+        for job in list(self.engine.waiting) + list(self.engine.running.values()):
+            entry = self.targets.get(job.req.request_id)  # aborted by the id its target knows (a re-pull's)
+            self._abort(entry[0].request_id if entry else job.req.request_id, reason)
 
     async def _publish_events(self) -> None:
         """KV events of the prefix cache → registry stream (the routers' prefix index)."""

@@ -1,6 +1,6 @@
 """The prefill engine: chunked prefill of several requests per step within a token budget.
 
-    step():  admit → schedule → run → postprocess
+    step():  admit → schedule → run → postprocess     (= plan() then run())
 
 * admit: queued requests get their prompt pages (FIFO; a request that does not fit waits); with a
   prefix store, the longest cached resumable prefix is reused and only the rest is computed.
@@ -10,6 +10,9 @@
 * postprocess: a request whose prompt is complete samples its first token (position = prompt
   length, the same pure sampling as everywhere) and is returned as `Prefilled`; its pages stay
   held until the owner has shipped them and calls `release`.
+
+`plan` and `run` are the two halves of a step, for an expert-parallel group: its ranks plan, agree
+whether any of them has work, then each runs its batch or joins the exchanges idle.
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ class Prefilled:
     first_token: int
     computed_tokens: int  # prompt tokens this worker actually ran through the model
     job: Job
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One step's work: the batch and, row-segment by row-segment, the job each belongs to."""
+
+    batch: ForwardBatch
+    owners: list[Job]
 
 
 class PrefillEngine:
@@ -105,10 +116,18 @@ class PrefillEngine:
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[Prefilled]:
+        planned = self.plan()
+        return [] if planned is None else self.run(planned)
+
+    def plan(self) -> Planned | None:
+        """admit → schedule: this step's batch, or None when there is nothing to run now."""
         self._admit()
         batch, owners = self._schedule()
-        if batch is None:
-            return []
+        return None if batch is None else Planned(batch, owners)
+
+    def run(self, planned: Planned) -> list[Prefilled]:
+        """run → postprocess a planned step (the forward; with expert parallelism, a collective)."""
+        batch, owners = planned.batch, planned.owners
         logits = self.model(batch, self.pools).float().cpu()  # one copy to the host per step
         batch.commit()
         out = []

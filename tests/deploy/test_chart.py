@@ -55,6 +55,7 @@ CONFIGS = {
     "auth keys": {"auth": {"apiKeys": ["sk-aaaaaaaaaaaaaaaaaaaa", "sk-bbbbbbbbbbbbbbbbbbbb"]}},
     "auth existing secret": {"auth": {"existingSecret": "client-keys", "existingSecretKeys": ["team-a", "team-b", "c"]}},
     "no prefill pool": {"serving": {"prefill": 0, "decode": 2}},
+    "expert-parallel prefill": {"serving": {"prefill": 4, "prefillEp": 2}},
     "per-pool overrides": {"ray": {"workers": {"nodeSelector": {"gpu": "h200"}},
                                    "prefill": {"gpus": 8, "nodeSelector": {"gpu": "h100"}},
                                    "decode": {"gpus": 2, "shmSize": "128Gi"}}},
@@ -546,6 +547,10 @@ BAD_COMBINATIONS = {
                       "minReplicas (4) > maxReplicas (2)"),
     "start size outside bounds": ({"serving": {"decode": 5}, "autoscaling": {"mode": "ray"}},
                                   "serving.decode (5) must lie within"),
+    "partial expert-parallel group": ({"serving": {"prefill": 3, "prefillEp": 2}},
+                                      "serving.prefill (3) must be a multiple of serving.prefillEp (2)"),
+    "expert-parallel prefill autoscaled": ({"serving": {"prefill": 2, "prefillEp": 2}, "autoscaling": {"mode": "ray"}},
+                                           "serving.prefillEp > 1 needs autoscaling.mode none"),
 }
 
 

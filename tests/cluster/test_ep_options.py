@@ -1,0 +1,61 @@
+"""Expert-parallel prefill options: each invalid setting is refused where the options are built,
+with a message naming the field; `v4serve up` reports it as one line, exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster import cli
+from cluster.launcher import ClusterOptions, LocalCluster
+from cluster.options import ExpertParallelOptions, WorkerOptions
+from cluster.settings import Environment
+from cluster.up import UpOptions
+from router.config import RouterConfig
+
+
+def ep_worker(ckpt, size: int) -> WorkerOptions:
+    return WorkerOptions(str(ckpt), "", prefill_ep=ExpertParallelOptions(size=size))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"size": 0}, "prefill_ep.size must be >= 1"),
+    ({"idle_tick_s": 0.0}, "0 < idle_tick_s < timeout_s"),
+    ({"idle_tick_s": 5.0, "timeout_s": 2.0}, "0 < idle_tick_s < timeout_s"),
+])
+def test_bad_group_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ExpertParallelOptions(**kwargs)
+
+
+def test_group_size_must_divide_the_routed_experts(tiny_official_ckpt):
+    with pytest.raises(ValueError, match="prefill_ep.size 3 must divide the model's 8 routed experts"):
+        ep_worker(tiny_official_ckpt, 3)
+    assert ep_worker(tiny_official_ckpt, 4).prefill_ep.size == 4
+
+
+def test_prefill_workers_come_in_whole_groups(tiny_official_ckpt):
+    worker = ep_worker(tiny_official_ckpt, 2)
+    with pytest.raises(ValueError, match=r"prefill \(3 workers\) must be a multiple of prefill_ep.size \(2\)"):
+        ClusterOptions(worker, prefill=3)
+    cluster = ClusterOptions(worker, prefill=4)
+    with pytest.raises(ValueError, match="cannot be used with expert-parallel prefill"):
+        UpOptions(cluster, RouterConfig(), autoscale="policy")
+    with pytest.raises(ValueError, match="whole groups"):
+        LocalCluster(cluster, Environment(None, None, Path("/tmp"))).add_worker("prefill")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill", "3", "--prefill-ep", "2"], "must be a multiple of prefill_ep.size"),
+    (["--prefill", "3", "--prefill-ep", "3"], "must divide the model's 8 routed experts"),
+    (["--prefill-ep", "0"], None),  # argparse: not a positive integer
+])
+def test_up_refuses_bad_prefill_ep_flags(tiny_official_ckpt, capsys, flags, message):
+    try:
+        status = cli.main(["up", "--model", str(tiny_official_ckpt), *flags])
+    except SystemExit as e:  # argparse's own refusal
+        status = e.code
+    assert status == 2
+    if message:
+        assert message in capsys.readouterr().err
