@@ -100,8 +100,8 @@ def test_an_ack_the_sender_could_not_answer_is_repeated_until_fenced():
     """The decode side gave a reservation up before the prefill worker had loaded its metadata:
     that Ack's Fenced reply had nowhere to go. Once the sender knows the receiver, the repeated Ack
     gets its Fenced, long before the fence wait ends (found by the chaos suite's Redis restart)."""
-    a = Agent("ua", _pools(1), progress_thread=False)
-    b = Agent("ub", _pools(2), progress_thread=False)
+    a = Agent("ua", random_pools(LAYOUT, 1), progress_thread=False)
+    b = Agent("ub", random_pools(LAYOUT, 2), progress_thread=False)
     try:
         b.add_peer("ua", a.metadata())  # the receiver knows its sender; not the other way yet
         sender = Sender(a, LAYOUT, post_margin_s=0.02)
