@@ -79,15 +79,18 @@ def case_moe_layers(rank: int, world: int) -> None:
         local = _moe(layer, packed)
         sharded = ep.ExpertParallelMoE(copy.deepcopy(local), fp8_dispatch=fp8)
         assert sharded.experts is not None and sharded.n_local == local.cfg.n_routed_experts // world
-        for step in (0, 1):
-            x, tok = _batch(local.cfg, rank, step, sizes)
-            with torch.no_grad():
-                got, want = sharded(x, tok), local(x, tok)
-            assert got.shape == want.shape
-            if len(x):
-                err = rel(got, want)
-                assert err < (FP8_TOL if fp8 else EXACT_TOL), (layer, packed, fp8, step, err)
-                assert fp8 or err < EXACT_TOL
+        _check_steps(local, sharded, rank, sizes, FP8_TOL if fp8 else EXACT_TOL, (layer, packed, fp8))
+
+
+def _check_steps(local: MoE, sharded: ep.ExpertParallelMoE, rank: int, sizes: dict, tol: float, what) -> None:
+    """Steps 0 and 1 of `sizes` through both layers: the sharded one within `tol` of the local one."""
+    for step in (0, 1):
+        x, tok = _batch(local.cfg, rank, step, sizes)
+        with torch.no_grad():
+            got, want = sharded(x, tok), local(x, tok)
+        assert got.shape == want.shape
+        if len(x):
+            assert rel(got, want) < tol, (what, step, rel(got, want))
 
 
 def _model(cfg) -> Transformer:
@@ -106,24 +109,30 @@ def _run(model: Transformer, pools: KVPools, seqs: list[SeqKV], tokens: list[lis
 def case_transformer(rank: int, world: int) -> None:
     """The whole tiny model, data-parallel attention: rank 0 prefills one prompt, rank 1 two; then
     rank 0 decodes while rank 1 is idle (joins the exchanges with no tokens), then both decode."""
+    _check_model(rank, (37,) if rank == 0 else (20, 9), decode_capacity=0)
+
+
+def _check_model(rank: int, prompt_lens: tuple[int, ...], decode_capacity: int) -> None:
+    """Prefill `prompt_lens` (exact-split exchange), decode a step with rank 1 idle, then one on
+    both ranks (with `decode_capacity` > 0: the fixed-capacity exchange), each against EP 1."""
     cfg = tiny_config(index_topk=128)
     ref = _model(cfg)
     sharded = ep.shard_experts(copy.deepcopy(ref))
     g = torch.Generator().manual_seed(rank)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in ((37,) if rank == 0 else (20, 9))]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
     pools = {name: KVPools(cfg, "fp32", page_size=128, max_tokens=256, max_seqs=4) for name in ("ref", "ep")}
     seqs = {name: [SeqKV() for _ in prompts] for name in pools}
     for name in pools:
         for seq, p in zip(seqs[name], prompts):
             pools[name].reserve(seq, len(p) + 3)
-    steps = [prompts, [[5]] * len(prompts) if rank == 0 else None, [[7]] * len(prompts)]
-    for tokens in steps:
+    for step, tokens in enumerate([prompts, [[5]] * len(prompts) if rank == 0 else None, [[7]] * len(prompts)]):
+        ep.set_capacity(sharded, 0 if step == 0 else decode_capacity)
         if tokens is None:
             ep.idle_step(sharded)
             continue
         want = _run(ref, pools["ref"], seqs["ref"], tokens)
         got = _run(sharded, pools["ep"], seqs["ep"], tokens)
-        assert rel(got, want) < EXACT_TOL, rel(got, want)
+        assert rel(got, want) < EXACT_TOL, (step, decode_capacity, rel(got, want))
 
 
 def case_capped(rank: int, world: int) -> None:
@@ -136,34 +145,11 @@ def case_capped(rank: int, world: int) -> None:
         local = _moe(layer, packed)
         sharded = ep.ExpertParallelMoE(copy.deepcopy(local))
         sharded.capacity = cap
-        for step in (0, 1):
-            x, tok = _batch(local.cfg, rank, step, sizes)
-            with torch.no_grad():
-                got, want = sharded(x, tok), local(x, tok)
-            assert got.shape == want.shape
-            if len(x):
-                assert rel(got, want) < EXACT_TOL, (layer, packed, step, rel(got, want))
+        _check_steps(local, sharded, rank, sizes, EXACT_TOL, (layer, packed))
         x, tok = _batch(local.cfg, 0, 0, {(0, 0): cap + 1})
         with pytest.raises(ValueError, match="exceed the expert-parallel capacity of 6"):
             sharded(x, tok)
-    cfg = tiny_config(index_topk=128)
-    ref = _model(cfg)
-    sharded = ep.shard_experts(copy.deepcopy(ref))
-    g = torch.Generator().manual_seed(rank)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in ((30, 12) if rank == 0 else (25,))]
-    pools = {name: KVPools(cfg, "fp32", page_size=128, max_tokens=256, max_seqs=4) for name in ("ref", "ep")}
-    seqs = {name: [SeqKV() for _ in prompts] for name in pools}
-    for name in pools:
-        for seq, p in zip(seqs[name], prompts):
-            pools[name].reserve(seq, len(p) + 3)
-    for step, tokens in enumerate([prompts, [[5]] * len(prompts) if rank == 0 else None, [[7]] * len(prompts)]):
-        ep.set_capacity(sharded, 0 if step == 0 else 2)  # prefill: exact splits; decode: capped
-        if tokens is None:
-            ep.idle_step(sharded)
-            continue
-        want = _run(ref, pools["ref"], seqs["ref"], tokens)
-        got = _run(sharded, pools["ep"], seqs["ep"], tokens)
-        assert rel(got, want) < EXACT_TOL, (step, rel(got, want))
+    _check_model(rank, (30, 12) if rank == 0 else (25,), decode_capacity=2)
 
 
 CASES = {"moe_layers": case_moe_layers, "transformer": case_transformer, "capped": case_capped}
