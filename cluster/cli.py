@@ -109,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-ep-timeout", type=float, default=60.0,
                     help="seconds an expert-parallel collective may wait (a peer's longest step) before the "
                          "group is declared failed")
-    up.add_argument("--decode", type=_positive, default=1)
+    up.add_argument("--decode", type=_positive, default=1, help="decode workers; with --decode-ep N, a multiple of N")
+    up.add_argument("--decode-ep", type=_positive, default=1,
+                    help="expert-parallel decode: the decode workers form groups of N that step in lockstep, "
+                         "each holding 1/N of the routed experts")
+    up.add_argument("--decode-ep-timeout", type=float, default=60.0,
+                    help="seconds an expert-parallel decode collective may wait before the group is declared failed")
     up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
     up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
@@ -243,6 +248,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                            max_tokens=args.max_model_len, max_seqs=args.max_seqs,
                            prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
                                                             args.prefill_ep_timeout),
+                           decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
                            **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,

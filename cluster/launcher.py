@@ -11,10 +11,11 @@ the same name that prefixes their registry keys. That is how a router in another
 turns their names into actor handles. A second owner of the same cluster name on one Ray cluster
 is refused (the names are taken) instead of starting a second set of pools under the same ids.
 
-With expert-parallel prefill (`WorkerOptions.prefill_ep.size` W > 1) the prefill workers form
-groups of W consecutive ids (prefill-0..W-1, prefill-W..2W-1, ...): for each, rank 0 hosts the
-rendezvous store and every rank starts with its `Seat` (prefill_worker/ep_group.py). A broken
-group is replaced as a whole, under the same names (`restart_prefill_group`).
+With expert parallelism in a pool (`WorkerOptions.prefill_ep` / `decode_ep`, size W > 1) its
+workers form groups of W consecutive ids (prefill-0..W-1, prefill-W..2W-1, ...; the same for
+decode): for each, rank 0 hosts the rendezvous store and every
+rank starts with its `Seat` (cluster/ep_group.py). A broken group is replaced as a whole, under
+the same names (`restart_group`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cluster.options import WorkerOptions
 from cluster.settings import Environment
 from decode_worker.actor import DecodeWorker
 from prefill_worker.actor import PrefillWorker
-from prefill_worker.ep_group import Seat
+from cluster.ep_group import Seat
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,14 @@ class ClusterOptions:
     slots: tuple[int, int] | None = None
 
     def __post_init__(self):
-        ep = self.worker.prefill_ep.size
-        if self.prefill % ep:
-            raise ValueError(f"prefill ({self.prefill} workers) must be a multiple of prefill_ep.size ({ep}): "
-                             f"the prefill workers form expert-parallel groups of {ep}")
+        for role, n in (("prefill", self.prefill), ("decode", self.decode)):
+            ep = self.ep_size(role)
+            if n % ep:
+                raise ValueError(f"{role} ({n} workers) must be a multiple of {role}_ep.size ({ep}): "
+                                 f"the {role} workers form expert-parallel groups of {ep}")
+
+    def ep_size(self, role: str) -> int:
+        return (self.worker.prefill_ep if role == "prefill" else self.worker.decode_ep).size
 
 
 def ray_namespace(cluster: str) -> str:
@@ -87,28 +92,28 @@ class LocalCluster:
         worker = replace(self.options.worker, registry_url=self.registry_url)
         self.prefill = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(self.options.prefill)]
         self.decode = [self._actor(DecodeWorker, "decode", i, worker) for i in range(self.options.decode)]
-        ray.get(self._start_prefill(self.prefill) + [a.start.remote() for a in self.decode])
+        ray.get(self._start("prefill", self.prefill) + self._start("decode", self.decode))
         return self
 
-    def _start_prefill(self, actors: list, first: int = 0) -> list:
-        """Start prefill workers prefill-<first>, ... (→ refs of their start); an expert-parallel
+    def _start(self, role: str, actors: list, first: int = 0) -> list:
+        """Start `role` workers from index `first` on (→ refs of their start); an expert-parallel
         group's ranks join it."""
-        W = self.options.worker.prefill_ep.size
+        W = self.options.ep_size(role)
         if W == 1:
             return [a.start.remote() for a in actors]
         refs = []
         for g in range(0, len(actors), W):
             host, port = ray.get(actors[g].ep_listen.remote())
-            names = tuple(f"prefill-{first + g + r}" for r in range(W))
+            names = tuple(f"{role}-{first + g + r}" for r in range(W))
             refs += [a.start.remote(Seat(host, port, r, W, names)) for r, a in enumerate(actors[g:g + W])]
         return refs
 
-    def broken_prefill_groups(self) -> list[int]:
-        """Expert-parallel groups with a rank that is dead, unreachable or out of its group."""
-        W = self.options.worker.prefill_ep.size
+    def broken_groups(self, role: str) -> list[int]:
+        """`role`'s expert-parallel groups with a rank that is dead, unreachable or out of its group."""
+        W = self.options.ep_size(role)
         if W == 1:
             return []
-        refs = [a.ep_status.remote() for a in self.prefill]
+        refs = [a.ep_status.remote() for a in getattr(self, role)]
         broken = set()
         for i, ref in enumerate(refs):
             try:
@@ -119,16 +124,19 @@ class LocalCluster:
                 broken.add(i // W)
         return sorted(broken)
 
-    def restart_prefill_group(self, group: int) -> None:
-        """Replace expert-parallel group `group` (prefill-gW .. prefill-(g+1)W-1) by a fresh one
-        under the same names (blocks until it serves). Its ranks are new peers: new NIXL epochs."""
-        W = self.options.worker.prefill_ep.size
-        old = self.prefill[group * W:(group + 1) * W]
-        self._stop_actors(old)
+    def restart_group(self, role: str, group: int) -> None:
+        """Replace `role`'s expert-parallel group `group` (its gW-th .. (g+1)W-1-th workers) by a
+        fresh one under the same names (blocks until it serves). Its ranks are new peers: new NIXL
+        epochs."""
+        W = self.options.ep_size(role)
+        pool = getattr(self, role)
+        self._stop_actors(pool[group * W:(group + 1) * W])
         worker = replace(self.options.worker, registry_url=self.registry_url)
-        new = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(group * W, (group + 1) * W)]
-        self.prefill[group * W:(group + 1) * W] = new
-        ray.get(self._start_prefill(new, group * W))
+        first = group * W
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        new = [self._actor(cls, role, first + r, worker) for r in range(W)]
+        pool[group * W:(group + 1) * W] = new
+        ray.get(self._start(role, new, first))
 
     def _actor(self, cls, role: str, index: int, worker: WorkerOptions):
         name = f"{role}-{index}"
@@ -145,8 +153,8 @@ class LocalCluster:
     def add_worker(self, role: str) -> str:
         """Start one more `role` worker (blocks until it is up); returns its id. Ids are never
         reused: routers cache actor handles by id. For the autoscaler's actuator."""
-        if role == "prefill" and self.options.worker.prefill_ep.size > 1:
-            raise ValueError("expert-parallel prefill workers come in whole groups: the pool is not resized "
+        if self.options.ep_size(role) > 1:
+            raise ValueError(f"expert-parallel {role} workers come in whole groups: the pool is not resized "
                              "one worker at a time")
         self._added += 1
         index = self.options.prefill + self.options.decode + self._added - 1

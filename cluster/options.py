@@ -10,13 +10,13 @@ KERNELS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class ExpertParallelOptions:
-    """Expert-parallel prefill (prefill_worker/ep_group.py): groups of `size` prefill workers, each
-    holding 1/size of the routed experts, stepping in lockstep."""
+    """Expert parallelism of one pool (cluster/ep_group.py): groups of `size` workers of the pool,
+    each holding 1/size of the routed experts, stepping in lockstep."""
 
-    size: int = 1  # prefill workers per group; 1: every prefill worker holds all experts
+    size: int = 1  # workers per group; 1: every worker holds all experts
     fp8_dispatch: bool = False  # dispatch activations as e4m3 + scales (half of bf16's bytes)
     # a collective (step agreement or a MoE exchange) waiting longer than this fails the group:
-    # it must exceed the longest prefill step of any rank
+    # it must exceed the longest step of any rank
     timeout_s: float = 60.0
     # how often an idle group meets anyway (a rank that gets a request wakes its peers at once):
     # what an idle group costs (one tiny all_reduce per tick), the most a request waits should a
@@ -25,9 +25,10 @@ class ExpertParallelOptions:
 
     def __post_init__(self):
         if self.size < 1:
-            raise ValueError(f"prefill_ep.size must be >= 1, got {self.size}")
+            raise ValueError(f"expert-parallel group size must be >= 1, got {self.size}")
         if not 0 < self.idle_tick_s < self.timeout_s:
-            raise ValueError(f"prefill_ep needs 0 < idle_tick_s < timeout_s, got idle_tick_s {self.idle_tick_s}, "
+            raise ValueError(f"an expert-parallel group needs 0 < idle_tick_s < timeout_s, got idle_tick_s "
+                             f"{self.idle_tick_s}, "
                              f"timeout_s {self.timeout_s}")
 
 
@@ -57,6 +58,7 @@ class WorkerOptions:
     # requests replays the smallest bucket >= n; larger or mixed steps run eagerly
     decode_graphs: tuple[int, ...] = ()
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
+    decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
 
     def __post_init__(self):
         if self.router_grace_s <= 0:
@@ -73,10 +75,11 @@ class WorkerOptions:
                                  f"got device {self.device!r}, kernels {self.kernels!r}")
             if any(b <= 0 for b in self.decode_graphs) or list(self.decode_graphs) != sorted(set(self.decode_graphs)):
                 raise ValueError(f"decode_graphs must be increasing positive batch sizes, got {self.decode_graphs}")
-        if self.prefill_ep.size > 1:
-            from model.checkpoint import read_config  # only then: the checkpoint names the expert count
+        for name in ("prefill_ep", "decode_ep"):
+            size = getattr(self, name).size
+            if size > 1:
+                from model.checkpoint import read_config  # only then: the checkpoint names the expert count
 
-            experts = read_config(self.model_dir).n_routed_experts
-            if experts % self.prefill_ep.size:
-                raise ValueError(f"prefill_ep.size {self.prefill_ep.size} must divide the model's "
-                                 f"{experts} routed experts")
+                experts = read_config(self.model_dir).n_routed_experts
+                if experts % size:
+                    raise ValueError(f"{name}.size {size} must divide the model's {experts} routed experts")

@@ -18,6 +18,7 @@ from cluster.options import WorkerOptions
 from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
 from model.cuda_graph import DecodeGraph
+from model.ep import set_capacity
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.transformer import Transformer
@@ -39,12 +40,24 @@ def load_replica(options: WorkerOptions) -> tuple[ModelConfig, Transformer, KVPo
 
 class DecodeGraphs:
     """The CUDA graphs of a decode worker, one per batch-size bucket, sharing one scratch request
-    (the pages their padding rows write). Captured once at start, before any request."""
+    (the pages their padding rows write). Captured once at start, before any request.
 
-    def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int):
+    In an expert-parallel group (`expert_parallel`) every rank captures every bucket at once (the
+    captures' collectives pair up), each with the fixed-capacity exchange of that bucket's size
+    (`model.ep.set_capacity`); eager steps then use the exact-split exchange again. A rank with no
+    request replays the agreed bucket's graph on padding rows alone, so its exchanges match."""
+
+    def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int,
+                 expert_parallel: bool = False):
         self.scratch = SeqKV()
         pools.reserve(self.scratch, max_context)
-        self.graphs = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch) for b in buckets]
+        self.graphs = []
+        for b in buckets:
+            if expert_parallel:
+                set_capacity(model, b)
+            self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch))
+        if expert_parallel:
+            set_capacity(model, 0)
         self.replays = 0  # decode steps served by a graph
 
     def for_batch(self, batch) -> DecodeGraph | None:
@@ -52,9 +65,13 @@ class DecodeGraphs:
         segs = batch.segments
         if any(s.length != 1 for s in segs):
             return None
-        graph = next((g for g in self.graphs if g.B >= len(segs)), None)
+        graph = self.for_rows(len(segs))
         self.replays += graph is not None
         return graph
+
+    def for_rows(self, rows: int) -> DecodeGraph | None:
+        """The smallest graph of at least `rows` rows, or None."""
+        return next((g for g in self.graphs if g.B >= rows), None)
 
     def held_pages(self) -> dict[str, int]:
         """Pages the scratch request holds for good (not free when the worker is idle)."""

@@ -51,9 +51,10 @@ class UpOptions:
     start_timeout_s: float = 120.0
 
     def __post_init__(self):
-        if self.autoscale != "off" and self.cluster.worker.prefill_ep.size > 1:
-            raise ValueError("autoscaling resizes the prefill pool one worker at a time: it cannot be used with "
-                             "expert-parallel prefill (prefill_ep.size > 1)")
+        for role in ("prefill", "decode"):
+            if self.autoscale != "off" and self.cluster.ep_size(role) > 1:
+                raise ValueError(f"autoscaling resizes the pools one worker at a time: it cannot be used with "
+                                 f"expert-parallel {role} ({role}_ep.size > 1)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
                                  worker.page_size, options.router)
         await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
         actuator = _actuator(options, cluster)
-        if worker.prefill_ep.size > 1:
+        if options.cluster.ep_size("prefill") > 1 or options.cluster.ep_size("decode") > 1:
             supervisor = asyncio.create_task(_restart_broken_groups(cluster))
         handle = await serve(options.router, backend, backend.metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
@@ -130,15 +131,16 @@ async def run_router(options: RouterOptions, env: Environment, ready_line=print)
 
 
 async def _restart_broken_groups(cluster: LocalCluster, interval_s: float = 5.0) -> None:
-    """Replace every expert-parallel prefill group that broke (a rank died or left it) as a whole."""
+    """Replace every expert-parallel group that broke (a rank died or left it) as a whole."""
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            for group in await asyncio.to_thread(cluster.broken_prefill_groups):
-                log.error("expert-parallel prefill group %d broke: restarting it", group)
-                await asyncio.to_thread(cluster.restart_prefill_group, group)
-        except Exception:  # Ray hiccup: the next round retries
-            log.exception("restarting expert-parallel prefill groups failed")
+        for role in ("prefill", "decode"):
+            try:
+                for group in await asyncio.to_thread(cluster.broken_groups, role):
+                    log.error("expert-parallel %s group %d broke: restarting it", role, group)
+                    await asyncio.to_thread(cluster.restart_group, role, group)
+            except Exception:  # Ray hiccup: the next round retries
+                log.exception("restarting expert-parallel %s groups failed", role)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -12,7 +12,12 @@ migration of running requests in and out.
     loop: apply commands → poll transfers in and out → engine.step() (in a thread) → route chunks
 
 Only the loop mutates the engine and the pools (calls from the event loop queue commands), so the
-model step can run off the event loop without locks. A transfer that fails (corrupt, lease expired,
+model step can run off the event loop without locks.
+
+A worker may be one rank of an expert-parallel decode group (`start(seat)`, cluster/ep_group.py):
+its engine then steps in lockstep with its peers. When the group breaks, the worker leaves the
+registry and ends its process: to the routers it is a dead decode worker, and they move its
+requests on (re-pull or recompute) as for any other; the group is restarted as a whole. A transfer that fails (corrupt, lease expired,
 prefill worker gone) falls back to prefilling locally: the request is recomputed, never lost, never
 decoded from unverified pages.
 """
@@ -22,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 import ray
 import torch
 
 from cluster.commands import Commands
+from cluster.ep_group import ExpertParallelGroup, GroupFailed, Seat, join, listen
 from cluster.heartbeat import heartbeat_loop
 from cluster.kv_link import layout_of, pool_buffers
 from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk
@@ -56,8 +63,9 @@ class DecodeWorker:
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
         cfg, model, self.pools = load_replica(options)
+        # a rank of an expert-parallel group captures its graphs with its peers, once the group formed
         graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens)
-                  if options.decode_graphs else None)
+                  if options.decode_graphs and options.decode_ep.size == 1 else None)
         tokenizer = load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
@@ -83,13 +91,37 @@ class DecodeWorker:
         self.router_lost = 0  # requests aborted so
         self._tasks: list[asyncio.Task] = []
         self._sender_check: asyncio.Future | None = None
+        self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
+        self._store = None  # rank 0: the group's rendezvous store
 
     # --- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> dict:
+    def ep_listen(self) -> tuple[str, int]:
+        """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
+        self._store, host = listen(self.options.decode_ep)
+        return host, self._store.port
+
+    async def start(self, seat: Seat | None = None) -> dict:
+        """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
+        must be starting: this waits for them, at most the group's timeout)."""
+        if seat is not None and self.group is None:
+            self.group = await asyncio.to_thread(join, seat, self.options.decode_ep, self.options.device,
+                                                 self.engine.model, self._store)
+            if self.options.decode_graphs:  # every rank captures the same buckets now: their exchanges pair up
+                self.engine.graphs = await asyncio.to_thread(DecodeGraphs, self.engine.model, self.pools,
+                                                             self.options.decode_graphs, self.options.max_tokens, True)
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch_routers()),
                            asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
         return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+
+    async def ep_wake(self, meeting: int) -> None:
+        """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
+        if self.group is not None:
+            self.group.woken(meeting)
+
+    def ep_status(self) -> dict | None:
+        """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
+        return None if self.group is None else self.group.status()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "decode", self.worker_id, self.agent.name, self.agent.epoch,
@@ -296,7 +328,9 @@ class DecodeWorker:
                 self._route(self.outbound.poll())
                 self._expire_unattached()
                 self._check_senders()
-                if self.engine.has_work():
+                if self.group is not None:
+                    await self._group_step()
+                elif self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
                 elif self.inbound or self.outbound:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
@@ -308,6 +342,40 @@ class DecodeWorker:
                     self._route([TokenChunk(rid, (), error=ErrorInfo(ErrorCode.INTERNAL, "decode worker error"))])
                     self._abort(rid)
                 await asyncio.sleep(0.1)
+
+    async def _group_step(self) -> None:
+        """One lockstep step of the expert-parallel group; when no rank had work, wait until the
+        next meeting is due, polling transfers meanwhile."""
+        try:
+            out = await asyncio.to_thread(self.group.step, self.engine)
+        except GroupFailed as e:
+            await self._leave_group(str(e))
+            return
+        self._route(self.engine.take_failed() + (out or []))
+        if out is None:
+            await self.group.wait_idle(self.commands, self._poll_transfers)
+
+    def _poll_transfers(self) -> bool:
+        """While the group idles: poll transfers in and out, → whether any are still in flight. KV
+        that arrived gives this rank work, which must bring the group together as a command does."""
+        self._route(self.inbound.poll())
+        self._route(self.outbound.poll())
+        if self.engine.has_work():
+            self.commands.put(lambda: None)
+        return bool(self.inbound or self.outbound)
+
+    async def _leave_group(self, reason: str) -> None:
+        """The group broke. Its requests hold KV no other rank can decode in lockstep again, and
+        the routers already know how to move the requests of a dead decode worker (re-pull or
+        recompute, one continuous stream): so leave the registry and end the process."""
+        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; leaving the registry and exiting",
+                  self.worker_id, self.group.seat.rank, self.group.seat.world, reason)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.registry.deregister, self.worker_id), 5.0)
+        except Exception as e:  # Redis down: the key expires by itself
+            log.warning("deregistering %s failed: %s", self.worker_id, e)
+        logging.shutdown()
+        os._exit(1)
 
     def _route(self, chunks: list[TokenChunk]) -> None:
         for chunk in chunks:

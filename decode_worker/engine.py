@@ -1,6 +1,6 @@
 """The decode engine: continuous batching of every admitted request over one model replica.
 
-    step():  admit → schedule → run → postprocess
+    step():  admit → schedule → run → postprocess      (= plan() then run(planned))
 
 * admit: waiting requests (FIFO) get all their pages up front (prompt + max_tokens), so a
   running request never runs out mid-decode; a request that does not fit waits.
@@ -24,11 +24,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.ep_group import StepShape
 from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, TokenChunk, Usage,
                               WorkerLoad)
 from cluster.replica import DecodeGraphs
 from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch
+from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample
 from model.transformer import Transformer
@@ -56,6 +58,14 @@ class Running:
         return len(self.req.prompt_ids) + self.req.max_tokens - 1
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One step's forward: the batch, and owners[i] = (request, whether row i yields a token)."""
+
+    batch: ForwardBatch
+    owners: list[tuple[Running, bool]]
+
+
 class DecodeEngine:
     def __init__(self, model: Transformer, pools: KVPools, tokenizer, worker_id: str,
                  config: DecodeConfig = DecodeConfig(), graphs: DecodeGraphs | None = None):
@@ -64,6 +74,7 @@ class DecodeEngine:
         self.eos_id = model.cfg.eos_token_id
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
+        self.failed: list[TokenChunk] = []  # admission failures not returned yet
 
     # --- admission ------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> None:
@@ -175,12 +186,43 @@ class DecodeEngine:
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
-        out = self._admit()
+        planned = self.plan()
+        return self.run(planned) if planned is not None else self.take_failed()
+
+    def plan(self) -> Planned | None:
+        """Admit, then this step's batch (None: no forward to run). Admission failures wait in
+        `failed` for the next `run` or `take_failed`. With `run`: the steps of an
+        expert-parallel group (cluster/ep_group.py), which must agree before running."""
+        self.failed += self._admit()
         batch, owners = self._schedule()
-        if batch is not None:
-            logits = self._run(batch)
-            batch.commit()
-            out += self._postprocess(owners, logits)
+        return None if batch is None else Planned(batch, owners)
+
+    def run(self, planned: Planned, agreed: StepShape | None = None) -> list[TokenChunk]:
+        """run → postprocess; `agreed`: the step an expert-parallel group settled on (its graph
+        bucket, or eager), else the graph is this engine's own choice."""
+        logits = self._run(planned.batch, agreed)
+        planned.batch.commit()
+        return self.take_failed() + self._postprocess(planned.owners, logits)
+
+    # --- a rank of an expert-parallel group (cluster/ep_group.py) ---------------------------
+    def shape(self, planned: Planned | None) -> StepShape:
+        if planned is None:
+            return StepShape(busy=0, rows=0, eager=0)
+        segs = planned.batch.segments
+        graphable = (self.graphs is not None and all(s.length == 1 for s in segs)
+                     and self.graphs.for_rows(len(segs)) is not None)
+        return StepShape(busy=1, rows=len(segs), eager=int(not graphable))
+
+    def join_idle(self, agreed: StepShape) -> None:
+        """Join the group's step with no rows: its graph on padding rows, or the eager exchanges."""
+        if agreed.eager:
+            idle_step(self.model)
+        else:
+            self.graphs.for_rows(agreed.rows).run_padding()
+            self.graphs.replays += 1
+
+    def take_failed(self) -> list[TokenChunk]:
+        out, self.failed = self.failed, []
         return out
 
     def _schedule(self) -> tuple[ForwardBatch | None, list[tuple[Running, bool]]]:
@@ -202,9 +244,15 @@ class DecodeEngine:
             return None, []
         return ForwardBatch.build(items, device=self.pools.device), owners
 
-    def _run(self, batch: ForwardBatch):
+    def _run(self, batch: ForwardBatch, agreed: StepShape | None = None):
         """Logits [rows, vocab] on the host (one copy per step, not one per sampled row)."""
-        graph = self.graphs.for_batch(batch) if self.graphs else None
+        if agreed is None:
+            graph = self.graphs.for_batch(batch) if self.graphs else None
+        elif not agreed.eager:  # every rank of the group replays the same bucket
+            graph = self.graphs.for_rows(agreed.rows)
+            self.graphs.replays += 1
+        else:
+            graph = None
         logits = graph.run(batch) if graph is not None else self.model(batch, self.pools)
         return logits.float().cpu()
 

@@ -69,6 +69,12 @@ class DecodeGraph:
         self.graph.replay()
         return self.logits[: len(segs)]
 
+    def run_padding(self) -> None:
+        """Replay with padding rows alone: a rank of an expert-parallel group without a request
+        joins its peers' captured exchanges this way."""
+        self._load([], [])
+        self.graph.replay()
+
     def _load(self, segs, ids: list[int]) -> None:
         """Copy a batch into the static buffers (one host→device copy), padding with the scratch."""
         rows = [(s.seq, s.start) for s in segs] + [(self.scratch, 0)] * (self.B - len(segs))

@@ -53,7 +53,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, group: dist.ProcessGroup | None = None, fp8_dispatch: bool = False):
         super().__init__()
         # an explicit group answers for itself: it need not be registered with torch.distributed's
-        # default group (the serving workers build theirs standalone, prefill_worker/ep_group.py)
+        # default group (the serving workers build theirs standalone, cluster/ep_group.py)
         world, rank = (dist.get_world_size(), dist.get_rank()) if group is None else (group.size(), group.rank())
         E = moe.cfg.n_routed_experts
         if E % world:

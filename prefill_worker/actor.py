@@ -13,7 +13,7 @@ stay *parked* for another lease: the router re-targets the request and the new d
 still prefilling or still shipping to the lost worker. Requests are keyed by their id here (the
 engine id); a re-pull's target carries the new decode worker's id, mapped back by `engine_id`.
 
-A worker may be one rank of an expert-parallel group (`start(seat)`, prefill_worker/ep_group.py):
+A worker may be one rank of an expert-parallel group (`start(seat)`, cluster/ep_group.py):
 its engine then steps in lockstep with its peers. When the group breaks, the worker fails every
 prefill it has not finished with `ep_group_failed: ...` (the decode side recomputes those), refuses
 new ones the same way, and leaves the registry; KV it already computed is still delivered.
@@ -43,7 +43,7 @@ from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
-from prefill_worker.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, listen
+from cluster.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, join, listen
 from prefill_worker.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -92,18 +92,15 @@ class PrefillWorker:
 
     def ep_listen(self) -> tuple[str, int]:
         """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
-        host = ray.util.get_node_ip_address()
-        self._store = listen(host, self.options.prefill_ep)
+        self._store, host = listen(self.options.prefill_ep)
         return host, self._store.port
 
     async def start(self, seat: Seat | None = None) -> dict:
         """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
         must be starting: this waits for them, at most the group's timeout)."""
         if seat is not None and self.group is None:
-            peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
-            self.group = await asyncio.to_thread(ExpertParallelGroup, seat, ray.util.get_node_ip_address(),
-                                                 self.options.prefill_ep, self.options.device, self.engine.model,
-                                                 peers, self._store)
+            self.group = await asyncio.to_thread(join, seat, self.options.prefill_ep, self.options.device,
+                                                 self.engine.model, self._store)
         if not self._tasks:
             self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
             self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]

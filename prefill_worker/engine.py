@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from cluster.ep_group import StepShape
 from cluster.messages import GenerateRequest, RequestState, WorkerLoad
 from model.batch import ForwardBatch
+from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample
 from model.transformer import Transformer
@@ -125,7 +127,15 @@ class PrefillEngine:
         batch, owners = self._schedule()
         return None if batch is None else Planned(batch, owners)
 
-    def run(self, planned: Planned) -> list[Prefilled]:
+    # --- a rank of an expert-parallel group (cluster/ep_group.py) ---------------------------
+    def shape(self, planned: Planned | None) -> StepShape:
+        """Prefill steps always run eagerly."""
+        return StepShape(busy=int(planned is not None))
+
+    def join_idle(self, agreed: StepShape) -> None:
+        idle_step(self.model)
+
+    def run(self, planned: Planned, agreed: StepShape | None = None) -> list[Prefilled]:
         """run → postprocess a planned step (the forward; with expert parallelism, a collective)."""
         batch, owners = planned.batch, planned.owners
         logits = self.model(batch, self.pools).float().cpu()  # one copy to the host per step

@@ -1,4 +1,4 @@
-"""Expert-parallel prefill options: each invalid setting is refused where the options are built,
+"""Expert-parallel prefill and decode options: each invalid setting is refused where the options are built,
 with a message naming the field; `v4serve up` reports it as one line, exit status 2."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def ep_worker(ckpt, size: int) -> WorkerOptions:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"size": 0}, "prefill_ep.size must be >= 1"),
+    ({"size": 0}, "group size must be >= 1"),
     ({"idle_tick_s": 0.0}, "0 < idle_tick_s < timeout_s"),
     ({"idle_tick_s": 5.0, "timeout_s": 2.0}, "0 < idle_tick_s < timeout_s"),
 ])
@@ -59,3 +59,25 @@ def test_up_refuses_bad_prefill_ep_flags(tiny_official_ckpt, capsys, flags, mess
     assert status == 2
     if message:
         assert message in capsys.readouterr().err
+
+
+def test_decode_groups_are_checked_like_prefill_groups(tiny_official_ckpt):
+    with pytest.raises(ValueError, match="decode_ep.size 3 must divide the model's 8 routed experts"):
+        WorkerOptions(str(tiny_official_ckpt), "", decode_ep=ExpertParallelOptions(size=3))
+    worker = WorkerOptions(str(tiny_official_ckpt), "", decode_ep=ExpertParallelOptions(size=2))
+    with pytest.raises(ValueError, match=r"decode \(3 workers\) must be a multiple of decode_ep.size \(2\)"):
+        ClusterOptions(worker, decode=3)
+    cluster = ClusterOptions(worker, decode=4)
+    with pytest.raises(ValueError, match="cannot be used with expert-parallel decode"):
+        UpOptions(cluster, RouterConfig(), autoscale="policy")
+    with pytest.raises(ValueError, match="expert-parallel decode workers come in whole groups"):
+        LocalCluster(cluster, Environment(None, None, Path("/tmp"))).add_worker("decode")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--decode", "3", "--decode-ep", "2"], "must be a multiple of decode_ep.size"),
+    (["--decode", "3", "--decode-ep", "3"], "must divide the model's 8 routed experts"),
+])
+def test_up_refuses_bad_decode_ep_flags(tiny_official_ckpt, capsys, flags, message):
+    assert cli.main(["up", "--model", str(tiny_official_ckpt), *flags]) == 2
+    assert message in capsys.readouterr().err

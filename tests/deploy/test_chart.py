@@ -56,6 +56,7 @@ CONFIGS = {
     "auth existing secret": {"auth": {"existingSecret": "client-keys", "existingSecretKeys": ["team-a", "team-b", "c"]}},
     "no prefill pool": {"serving": {"prefill": 0, "decode": 2}},
     "expert-parallel prefill": {"serving": {"prefill": 4, "prefillEp": 2}},
+    "expert-parallel decode on GPUs": {"serving": {"decode": 2, "decodeEp": 2, "device": "cuda"}},
     "per-pool overrides": {"ray": {"workers": {"nodeSelector": {"gpu": "h200"}},
                                    "prefill": {"gpus": 8, "nodeSelector": {"gpu": "h100"}},
                                    "decode": {"gpus": 2, "shmSize": "128Gi"}}},
@@ -551,6 +552,10 @@ BAD_COMBINATIONS = {
                                       "serving.prefill (3) must be a multiple of serving.prefillEp (2)"),
     "expert-parallel prefill autoscaled": ({"serving": {"prefill": 2, "prefillEp": 2}, "autoscaling": {"mode": "ray"}},
                                            "serving.prefillEp > 1 needs autoscaling.mode none"),
+    "partial expert-parallel decode group": ({"serving": {"decode": 3, "decodeEp": 2}},
+                                             "serving.decode (3) must be a multiple of serving.decodeEp (2)"),
+    "expert-parallel decode autoscaled": ({"serving": {"decode": 2, "decodeEp": 2}, "autoscaling": {"mode": "ray"}},
+                                          "serving.decodeEp > 1 needs autoscaling.mode none"),
 }
 
 

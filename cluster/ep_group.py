@@ -1,9 +1,12 @@
-"""An expert-parallel prefill group, seen from one rank: rendezvous, lockstep steps, failure.
+"""An expert-parallel group of workers, seen from one rank: rendezvous, lockstep steps, failure.
 
-W prefill workers (Ray actors; one GPU each on GPUs) form a group. Each keeps its own worker id,
-registry entry, KV pools and requests (attention is data-parallel), and holds 1/W of the routed
-experts (`model.ep.shard_experts`). To the router, the decode workers and the transfer layer a
-rank is an ordinary prefill worker.
+W workers of one role (Ray actors; one GPU each on GPUs) form a group: prefill workers
+(`WorkerOptions.prefill_ep`) or decode workers (`WorkerOptions.decode_ep`). Each keeps its own
+worker id, registry entry, KV pools and requests (attention is data-parallel), and holds 1/W of
+the routed experts (`model.ep.shard_experts`). To the router, the other role and the transfer
+layer a rank is an ordinary worker. The group steps the rank's engine, whichever role it has:
+`plan()` → this step's batch or None, `shape(batch)` → what it needs (`StepShape`), `run(batch,
+agreed)` → that step's outputs, `join_idle(agreed)` → join the step with no rows.
 
     rendezvous  the launcher asks rank 0 to `listen` (a TCPStore on a free port of its node) and
                 hands every rank its `Seat` (that address, its rank, W). Each rank builds two
@@ -11,13 +14,15 @@ rank is an ordinary prefill worker.
                 agreement, and the failure detector) and `moe` (the MoE exchanges: the control
                 group itself on CPU, NCCL on cuda). Neither is torch.distributed's default group,
                 which stays free for anything else in the process.
-    lockstep    each step every rank plans its batch (`PrefillEngine.plan`), then all meet: one
-                all_reduce of how many of them have one. Some: a rank with a batch runs it and a
-                rank without one runs `idle_step`, so that every MoE layer's exchanges complete
-                (the prefill forward never runs the MTP block, so neither does the idle step),
+    lockstep    each step every rank plans its batch (`engine.plan`), then all meet: one
+                all_reduce (max) of what the step needs (`StepShape`: any batch, the most decode
+                rows, whether it must run eagerly). Some work: a rank with a batch runs it
+                (`engine.run`) and a rank without one joins every MoE layer's exchanges with no
+                rows (`engine.join_idle`: `idle_step`, or its decode graph of the agreed bucket);
+                neither role's forward runs the MTP block, so neither does the idle step;
                 and they meet again at once. None: nobody runs anything, and the ranks wait
                 before meeting again — up to `idle_tick_s`, or until a rank gets a request: it
-                then wakes its peers (`PrefillWorker.ep_wake`, naming the meeting it wants, so a
+                then wakes its peers (the workers' `ep_wake`, naming the meeting it wants, so a
                 late wake is ignored) and all meet at once. An idle group thus costs one meeting
                 per tick, and a request does not wait for the tick. A rank that meets before its
                 peers waits in the collective, which blocks without spinning.
@@ -25,9 +30,11 @@ rank is an ordinary prefill worker.
                 `timeout_s` (a peer hangs) fails the group for good, as does any error inside a
                 step: this rank aborts the group, so that its peers fail at once rather than at
                 their timeout, and never calls it again — a rank out of lockstep would pair its
-                collectives with the wrong ones of its peers. The worker then fails its prefills
-                with a reason code and leaves the registry (prefill_worker/actor.py); the group
-                is restarted as a whole (`LocalCluster.restart_prefill_group`).
+                collectives with the wrong ones of its peers. A prefill worker then fails its
+                prefills with a reason code and leaves the registry (prefill_worker/actor.py); a
+                decode worker leaves like a dead one, so that the routers move its requests on
+                (decode_worker/actor.py); the group is restarted as a whole
+                (`LocalCluster.restart_group`).
 
 On NCCL a hung exchange is ended by NCCL's watchdog after `timeout_s`, which by default takes the
 process down: the peers then see the control group's sockets close.
@@ -37,23 +44,43 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import ray
 import torch
 import torch.distributed as dist
 
 from cluster.commands import Commands
 from cluster.options import ExpertParallelOptions
-from model.ep import ExpertParallelMoE, idle_step, shard_experts
+from model.ep import ExpertParallelMoE, shard_experts
 from model.transformer import Transformer
-from prefill_worker.engine import PrefillEngine, Prefilled
+
+
+ABORT_WAIT_S = 5.0  # how long `fail` waits for each process group's abort
 
 
 class GroupState(enum.Enum):
     ACTIVE = "active"  # in lockstep with every peer
     FAILED = "failed"  # broken for good: never called again
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank's step needs, and (taken as the maximum over the ranks) what every rank of
+    the group runs: a step at all; the most decode rows of any rank; whether any rank needs the
+    eager exact-split exchange (a prefill, a prompt chunk, or more rows than the largest CUDA
+    graph). A step with `eager` 0 replays, on every rank, the decode graph of the smallest bucket
+    that holds `rows` — captured with that fixed exchange capacity on every rank alike."""
+
+    busy: int
+    rows: int = 0
+    eager: int = 1
+
+    def as_list(self) -> list[int]:
+        return [self.busy, self.rows, self.eager]
 
 
 class GroupFailed(RuntimeError):
@@ -71,11 +98,19 @@ class Seat:
     peers: tuple[str, ...]  # every rank's actor name, by rank (whom to wake)
 
 
-def listen(host: str, options: ExpertParallelOptions) -> dist.TCPStore:
-    """Rank 0: the group's rendezvous store on a free port of `host` (its `.port`); it must stay
-    alive while the group forms."""
+def listen(options: ExpertParallelOptions) -> tuple[dist.TCPStore, str]:
+    """Rank 0, in its actor: the group's rendezvous store on a free port of this node (its `.port`)
+    and this node's address; the store must stay alive while the group forms."""
+    host = ray.util.get_node_ip_address()
     return dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=options.timeout_s),
-                         wait_for_workers=False)
+                         wait_for_workers=False), host
+
+
+def join(seat: Seat, options: ExpertParallelOptions, device: str, model: Transformer,
+         store: dist.Store | None = None) -> "ExpertParallelGroup":
+    """A rank, in its actor: join the group at `seat` (its peers found by actor name) from this node."""
+    peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
+    return ExpertParallelGroup(seat, ray.util.get_node_ip_address(), options, device, model, peers, store)
 
 
 class ExpertParallelGroup:
@@ -102,24 +137,26 @@ class ExpertParallelGroup:
         self.wake_for = 0  # a peer asked to meet for this meeting number
         self.nudge = asyncio.Event()  # set by `woken`
 
-    def step(self, engine: PrefillEngine) -> list[Prefilled] | None:
-        """One lockstep step: this rank's finished prompts, or None when no rank had work (nothing
-        ran). A collective: every rank must call it. Raises GroupFailed."""
+    def step(self, engine) -> list | None:
+        """One lockstep step of `engine` (a PrefillEngine or a DecodeEngine): its outputs of this
+        step, or None when no rank had work (nothing ran). A collective: every rank must call it.
+        Raises GroupFailed."""
         if self.state is not GroupState.ACTIVE:
             raise GroupFailed(self.failure)
         planned = engine.plan()
         try:
-            busy = torch.tensor([int(planned is not None)])
-            dist.all_reduce(busy, group=self.control)  # ranks with a batch this step
+            shape = torch.tensor(engine.shape(planned).as_list())
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.control)  # the step every rank runs
+            agreed = StepShape(*shape.tolist())
             self.meetings += 1
-            if int(busy) == 0:
+            if not agreed.busy:
                 return None
             if planned is None:
-                idle_step(self.model)
+                engine.join_idle(agreed)
                 self.idle_steps += 1
                 return []
             self.steps += 1
-            return engine.run(planned)
+            return engine.run(planned, agreed)
         except Exception as e:  # whatever it was, this rank may be out of lockstep now
             self.fail(f"{type(e).__name__}: {e}")
             raise GroupFailed(self.failure) from e
@@ -152,15 +189,16 @@ class ExpertParallelGroup:
                 peer.ep_wake.remote(self.meetings + 1)
 
     def fail(self, reason: str) -> None:
-        """Leave the group for good; aborting it closes our connections, so peers fail now."""
+        """Leave the group for good; aborting it closes our connections, so peers fail now. Each
+        abort runs on a thread of its own, waited for at most ABORT_WAIT_S: an NCCL abort can
+        block on a peer's state, and the caller must get on with failing its requests."""
         if self.state is GroupState.FAILED:
             return
         self.state, self.failure = GroupState.FAILED, reason
         for group in {id(g): g for g in (self.control, self.moe)}.values():
-            try:
-                group.abort()
-            except Exception:  # already torn down by the error that failed it
-                pass
+            aborting = threading.Thread(target=_abort, args=(group,), daemon=True)
+            aborting.start()
+            aborting.join(ABORT_WAIT_S)
 
     def status(self) -> dict:
         """What this rank is and holds: its routed experts [first, first + n) and their parameters."""
@@ -169,6 +207,13 @@ class ExpertParallelGroup:
                 "experts": (moes[0].first, moes[0].n_local) if moes else None,
                 "expert_params": sum(p.numel() for m in moes for p in m.experts.parameters()),
                 "meetings": self.meetings, "steps": self.steps, "idle_steps": self.idle_steps, "failure": self.failure}
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    try:
+        group.abort()
+    except Exception:  # already torn down by the error that failed it
+        pass
 
 
 # ---------------------------------------------------------------------------------------
