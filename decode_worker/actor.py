@@ -30,7 +30,6 @@ import logging
 import os
 import time
 
-import ray
 import torch
 
 from cluster.commands import Commands
@@ -44,8 +43,9 @@ from cluster.replica import DecodeGraphs, load_replica
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
+from decode_worker.peers import migration_targets, sender_gone
 from decode_worker.router_leases import RouterLeases
-from kvtransfer.agent import Agent, split_nixl_name
+from kvtransfer.agent import Agent
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
@@ -258,28 +258,11 @@ class DecodeWorker:
         ids = [rid for rid in ids if rid not in self.outbound][:limit]
         if not ids:
             return []
-        targets = await self._targets(to)
+        targets = await migration_targets(self.registry, self.worker_id, to)
         if not targets:
             return [{"request_id": rid, "moved": False, "reason": "no target"} for rid in ids]
         return list(await asyncio.gather(*(self._migrate_one(rid, *targets[i % len(targets)])
                                            for i, rid in enumerate(ids))))
-
-    async def _targets(self, to: str | None) -> list[tuple[str, object]]:
-        """(worker id, actor) of the decode workers to migrate to, least loaded first."""
-        if to is None:
-            workers = await asyncio.to_thread(self.registry.workers, "decode")
-            workers = [w for w in workers if w.worker_id != self.worker_id and not w.load.draining]
-            names = [w.worker_id for w in sorted(workers, key=lambda w: (w.load.running + w.load.waiting,
-                                                                           -w.load.free_pages))]
-        else:
-            names = [to]
-        out = []
-        for name in names:
-            try:
-                out.append((name, ray.get_actor(name)))
-            except ValueError:  # gone since its last heartbeat
-                continue
-        return out
 
     async def _migrate_one(self, request_id: str, worker_id: str, actor) -> dict:
         r = await self.commands.call(lambda: self.engine.pause(request_id))
@@ -405,15 +388,7 @@ class DecodeWorker:
 
     async def _gone(self, senders: set[str]) -> None:
         for nixl_name in senders:
-            name, epoch = split_nixl_name(nixl_name)  # agent name = worker id = actor name
-            try:
-                actor = await asyncio.to_thread(ray.get_actor, name)
-                gone = (await asyncio.wait_for(actor.peer_info.remote(), 5.0))[1] != epoch
-            except (ValueError, ray.exceptions.RayActorError):
-                gone = True
-            except Exception:  # unreachable (a partition): it may still write, keep its pages
-                gone = False
-            if gone:
+            if await sender_gone(nixl_name):
                 self.commands.put(lambda n=nixl_name: self.receiver.sender_gone(n))
         await asyncio.sleep(1.0)  # at most one round a second
 
