@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,11 +39,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.ep_full_bench import ISL, LAYERS, OSL, WORLD, IdleGraph, build, idle_layers  # noqa: E402
+from benchmarks.ep_full_bench import (ISL, LAYERS, OSL, WORLD, IdleGraph, build, idle_layers,  # noqa: E402
+                                      join_ranks, spawn_ranks)
 from benchmarks.flash_model import _tile_random  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
@@ -74,8 +73,10 @@ class RankPools:
         probe = KVPools(sub, "fp8_pack", max_tokens=MAX_CONTEXT, max_seqs=1, device="meta")
         full = probe.pages_needed(SeqKV(), MAX_CONTEXT)["swa"]
         live = full - probe.first_live_swa_page(ISL)
+        # SWA: each running request's live window on, plus the graph's scratch and up to three
+        # admissions at once at full length (they are trimmed after their prefill)
         self.pools = KVPools(sub, "fp8_pack", max_tokens=MAX_CONTEXT, max_seqs=n + 3, device=dev,
-                             swa_pages=n * live + 2 * full * 2)
+                             swa_pages=n * live + 4 * full)
         _tile_random(self.pools)
         self.seqs = []
         for _ in range(n):  # the initial requests: context ISL, KV random but valid
@@ -200,11 +201,7 @@ def serve(model, dev: str, c: int, window: int) -> dict | None:
 
 
 def worker(rank: int, args, port: int) -> None:
-    torch.cuda.set_device(rank)
-    dev = f"cuda:{rank}"
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            device_id=torch.device(dev))
-    torch.manual_seed(rank)
+    dev = join_ranks(rank, port)
     t0 = time.perf_counter()
     model = build(rank, dev, args.layers)
     result = {"layers": args.layers, "build_s": time.perf_counter() - t0, "isl": ISL, "osl": OSL,
@@ -227,12 +224,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers to build (43: the whole model)")
     ap.add_argument("--window", type=int, default=256, help="iterations measured at concurrency > 2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    args = ap.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        sys.exit(f"ep_aggregated_bench needs {WORLD} GPUs, found {torch.cuda.device_count()}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(worker, args=(args, 29000 + os.getpid() % 1000), nprocs=WORLD, join=True)
-    print(Path(args.out).read_text())
+    spawn_ranks(worker, ap.parse_args())
 
 
 if __name__ == "__main__":

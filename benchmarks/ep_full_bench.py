@@ -151,12 +151,27 @@ def decode(model: LayerStack, dev: str, layers: int, c: int, steps: int, graphs:
     return itl
 
 
-def worker(rank: int, args, port: int) -> None:
+def join_ranks(rank: int, port: int) -> str:
+    """In a spawned rank: its GPU, the NCCL group, its seed; → the device name."""
     torch.cuda.set_device(rank)
     dev = f"cuda:{rank}"
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             device_id=torch.device(dev))
     torch.manual_seed(rank)
+    return dev
+
+
+def spawn_ranks(worker, args) -> None:
+    """Run `worker(rank, args, port)` on each of the WORLD GPUs, then print what rank 0 wrote to `args.out`."""
+    if torch.cuda.device_count() < WORLD:
+        sys.exit(f"{Path(sys.argv[0]).stem} needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.spawn(worker, args=(args, 29000 + os.getpid() % 1000), nprocs=WORLD, join=True)
+    print(Path(args.out).read_text())
+
+
+def worker(rank: int, args, port: int) -> None:
+    dev = join_ranks(rank, port)
     t0 = time.perf_counter()
     model = build(rank, dev, args.layers)
     result = {"layers": args.layers, "build_s": time.perf_counter() - t0,
@@ -205,12 +220,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--handoff-ms", type=float, default=4.2,
                     help="KV hand-off per request added to TTFT (the 2x H200 slice measured 4.2 ms at ISL 8192)")
-    args = ap.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        sys.exit(f"ep_full_bench needs {WORLD} GPUs, found {torch.cuda.device_count()}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(worker, args=(args, 29000 + os.getpid() % 1000), nprocs=WORLD, join=True)
-    print(Path(args.out).read_text())
+    spawn_ranks(worker, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -167,14 +167,17 @@ class ExpertParallelGroup:
         self.wake_for = max(self.wake_for, meeting)
         self.nudge.set()
 
-    async def wait_idle(self, commands: Commands, transfers: Callable[[], bool]) -> None:
+    async def wait_idle(self, commands: Commands, transfers: Callable[[], bool],
+                        has_work: Callable[[], bool] = lambda: False) -> None:
         """No rank had work: return when the next meeting is due — the idle tick, a peer's wake
-        (unless it is for a meeting held already), or a command of ours (the peers are then woken).
-        `transfers()` polls the worker's transfers in flight and says whether any are left: they
-        are polled every millisecond meanwhile."""
+        (unless it is for a meeting held already), or work of ours: a command, or `has_work()`
+        turning true (the peers are then woken). `transfers()` polls the worker's transfers in
+        flight and says whether any are left: they are polled every millisecond meanwhile (KV
+        arriving is how a decode rank gets work without a command)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.idle_tick_s
-        while not commands and self.wake_for <= self.meetings and loop.time() < deadline:
+        mine = lambda: bool(commands) or has_work()  # noqa: E731
+        while not mine() and self.wake_for <= self.meetings and loop.time() < deadline:
             if transfers():
                 await asyncio.sleep(0.001)
                 continue
@@ -184,7 +187,7 @@ class ExpertParallelGroup:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        if commands and self.wake_for <= self.meetings:  # work of our own: the peers meet now too
+        if mine() and self.wake_for <= self.meetings:  # work of our own: the peers meet now too
             for peer in self.peers:
                 peer.ep_wake.remote(self.meetings + 1)
 

@@ -336,15 +336,12 @@ class DecodeWorker:
             return
         self._route(self.engine.take_failed() + (out or []))
         if out is None:
-            await self.group.wait_idle(self.commands, self._poll_transfers)
+            await self.group.wait_idle(self.commands, self._poll_transfers, self.engine.has_work)
 
     def _poll_transfers(self) -> bool:
-        """While the group idles: poll transfers in and out, → whether any are still in flight. KV
-        that arrived gives this rank work, which must bring the group together as a command does."""
+        """While the group idles: poll transfers in and out, → whether any are still in flight."""
         self._route(self.inbound.poll())
         self._route(self.outbound.poll())
-        if self.engine.has_work():
-            self.commands.put(lambda: None)
         return bool(self.inbound or self.outbound)
 
     async def _leave_group(self, reason: str) -> None:
