@@ -58,16 +58,14 @@ class DecodeGraphs:
             self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch))
         if expert_parallel:
             set_capacity(model, 0)
-        self.replays = 0  # decode steps served by a graph
+        self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
 
     def for_batch(self, batch) -> DecodeGraph | None:
         """The smallest graph that runs `batch`, or None (a prefill chunk in it, or too many rows)."""
         segs = batch.segments
         if any(s.length != 1 for s in segs):
             return None
-        graph = self.for_rows(len(segs))
-        self.replays += graph is not None
-        return graph
+        return self.for_rows(len(segs))
 
     def for_rows(self, rows: int) -> DecodeGraph | None:
         """The smallest graph of at least `rows` rows, or None."""

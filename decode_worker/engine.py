@@ -208,10 +208,8 @@ class DecodeEngine:
     def shape(self, planned: Planned | None) -> StepShape:
         if planned is None:
             return StepShape(busy=0, rows=0, eager=0)
-        segs = planned.batch.segments
-        graphable = (self.graphs is not None and all(s.length == 1 for s in segs)
-                     and self.graphs.for_rows(len(segs)) is not None)
-        return StepShape(busy=1, rows=len(segs), eager=int(not graphable))
+        graphable = self.graphs is not None and self.graphs.for_batch(planned.batch) is not None
+        return StepShape(busy=1, rows=len(planned.batch.segments), eager=int(not graphable))
 
     def join_idle(self, agreed: StepShape) -> None:
         """Join the group's step with no rows: its graph on padding rows, or the eager exchanges."""
@@ -250,10 +248,13 @@ class DecodeEngine:
             graph = self.graphs.for_batch(batch) if self.graphs else None
         elif not agreed.eager:  # every rank of the group replays the same bucket
             graph = self.graphs.for_rows(agreed.rows)
-            self.graphs.replays += 1
         else:
             graph = None
-        logits = graph.run(batch) if graph is not None else self.model(batch, self.pools)
+        if graph is None:
+            logits = self.model(batch, self.pools)
+        else:
+            logits = graph.run(batch)
+            self.graphs.replays += 1
         return logits.float().cpu()
 
     def _postprocess(self, owners: list[tuple[Running, bool]], logits) -> list[TokenChunk]:
