@@ -44,6 +44,16 @@ def _prefill_batch(pools, tokens: int, start: int = 0) -> ForwardBatch:
     return ForwardBatch.build([(seq, [1] * tokens)], device="cuda")
 
 
+def prefill_picks(T: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """One T-token request on a CSA layer: random causal picks [T, 512] (-1 padded) and the number of
+    (query, entry) pairs it attends (window of 128 + picks)."""
+    pos = torch.arange(T, device="cuda")
+    nv = (pos + 1) // 4
+    picks = (torch.rand(T, 512, device="cuda", generator=g) * nv.clamp_min(1)[:, None]).long()
+    picks = torch.where(torch.arange(512, device="cuda")[None, :] < nv[:, None], picks, -1).int()
+    return picks, (torch.clamp(pos + 1, max=128) + torch.clamp((pos + 1) // 4, max=512)).sum().item()
+
+
 def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     """(name, {impl: thunk}, bytes, flops) for each kernel."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,10 +80,7 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
                         B * entries * ENTRY + B * H * D * (2 + 4), B * H * entries * D * 4))
     qp = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
     pos = torch.arange(T, device="cuda")
-    nv = (pos + 1) // 4
-    ppicks = (torch.rand(T, 512, device="cuda", generator=g) * nv.clamp_min(1)[:, None]).long()
-    ppicks = torch.where(torch.arange(512, device="cuda")[None, :] < nv[:, None], ppicks, -1).int()
-    vis = (torch.clamp(pos + 1, max=128) + torch.clamp((pos + 1) // 4, max=512)).sum().item()
+    ppicks, vis = prefill_picks(T, g)
     rope = Rope.for_layer(CFG, True)
     for bh in (None, 16, 32):
         out.append((f"sparse_attention prefill ratio 4 T={T}" + (f" BH={bh}" if bh else ""),

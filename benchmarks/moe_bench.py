@@ -7,7 +7,8 @@ Layer: hidden 4096, 256 routed experts top-6 (FP4 e2m1 + UE8M0/32 by default, `-
 (`MoE.random_packed`), score routing on fresh random bf16 inputs per case.
 
 Cases: T = 1, 64, 256 through the fused decode path and the grouped path (same routing), and
-T = 8192 through the grouped path. Times are `triton.testing.do_bench` medians of the experts
+T = 8192 through the grouped path and the FP4 prefill path (kernels/moe_prefill.py). Times are
+`triton.testing.do_bench` medians of the experts
 (sort + kernels, given the routing); decode cases also time a CUDA-graph replay of the fused
 path and of the whole layer (gate + experts), which is what a captured decode step sees.
 
@@ -34,7 +35,7 @@ from dataclasses import asdict, replace
 import torch
 
 from model.config import ModelConfig
-from model.kernels import moe_fused, moe_grouped
+from model.kernels import moe_fused, moe_grouped, moe_prefill
 from model.kernels.moe_grouped import Tiles
 from model.moe import MoE
 from model.tiny import tiny_config
@@ -62,6 +63,16 @@ SWEEP = {
         (replace(moe_grouped.GROUPED_GATEUP, BK=128, num_stages=2),
          replace(moe_grouped.GROUPED_DOWN, BK=128, num_stages=2)),
         (replace(moe_grouped.GROUPED_GATEUP, num_stages=4), replace(moe_grouped.GROUPED_DOWN, num_stages=4)),
+    ],
+    "prefill": [
+        (moe_prefill.PREFILL_GATEUP, moe_prefill.PREFILL_DOWN),
+        (replace(moe_prefill.PREFILL_GATEUP, BN=64, num_warps=4), moe_prefill.PREFILL_DOWN),
+        (moe_prefill.PREFILL_GATEUP, replace(moe_prefill.PREFILL_DOWN, BN=128)),
+        (moe_prefill.PREFILL_GATEUP, replace(moe_prefill.PREFILL_DOWN, BT=256)),
+        (replace(moe_prefill.PREFILL_GATEUP, num_stages=4), replace(moe_prefill.PREFILL_DOWN, num_stages=4)),
+        (replace(moe_prefill.PREFILL_GATEUP, num_stages=2), replace(moe_prefill.PREFILL_DOWN, num_stages=2)),
+        (replace(moe_prefill.PREFILL_GATEUP, BK=64), replace(moe_prefill.PREFILL_DOWN, BK=64)),
+        (replace(moe_prefill.PREFILL_GATEUP, BT=64), replace(moe_prefill.PREFILL_DOWN, BT=64)),
     ],
 }
 
@@ -137,6 +148,8 @@ def _experts_fn(moe: MoE, path: str, x, weights, ids, tiles: tuple[Tiles, Tiles]
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     if path == "fused":
         return lambda: moe_fused.fused_moe(*args, *tiles)
+    if path == "prefill":
+        return lambda: moe_prefill.prefill_moe(*args, *tiles)
     return lambda: moe_grouped.grouped_moe(*args, "triton", *tiles)
 
 
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused-only", action="store_true", help="only the fused decode cases (tile sweep)")
+    ap.add_argument("--prefill-only", action="store_true", help="only T=8192: grouped against the prefill path")
     ap.add_argument("--tokens", default=",".join(map(str, DECODE_TOKENS)), help="decode token counts, comma-separated")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -242,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = [("fused", T) for T in decode]
     if not args.fused_only:
         cases += [("grouped", T) for T in (*decode, PREFILL_TOKENS)]
+    cases.append(("prefill", PREFILL_TOKENS))
+    if args.prefill_only:
+        cases = [("grouped", PREFILL_TOKENS), ("prefill", PREFILL_TOKENS)]
+    elif args.fused_only:
+        cases.pop()
     for path, T in cases:
         seed += 1
         try:

@@ -160,7 +160,7 @@ class Attention(nn.Module):
             self.compressor(x, batch, pools)
         picks = self.indexer(x, qr, batch, pools) if self.indexer is not None else None
         out = sparse_attention.attend(q, batch, pools, self.layer, self.ratio, picks, self.attn_sink,
-                                      self.cfg.sliding_window, self.rope, self.impl).to(x.dtype)
+                                      self.cfg.sliding_window, self.rope, self.impl, out_dtype=x.dtype)
         groups = out.view(T, self.cfg.o_groups, -1)
         return self.wo_b(grouped_linear(groups, self.wo_a).flatten(1))
 

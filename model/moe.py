@@ -28,7 +28,7 @@ from torch import nn
 from model import quant
 from model.config import ModelConfig
 from model.kernels import check_impl
-from model.kernels import moe_fused, moe_grouped
+from model.kernels import moe_fused, moe_grouped, moe_prefill
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK
 
 FORMATS = ("fp4", "fp8")
@@ -193,12 +193,15 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """Σ_k weights · expert_k(x) + shared(x) for x [T, D], weights/ids [T, k] → [T, D] (x.dtype).
 
     Float experts run the torch path whatever `impl` (the kernels need packed weights); packed ones
-    run the reference (impl "torch"), the fused decode path (`fused`) or the grouped path."""
+    run the reference (impl "torch"), the fused decode path (`fused`), the FP4 prefill path (from
+    `moe_prefill.MIN_TOKENS` tokens) or the grouped path."""
     if not isinstance(experts, PackedExperts):
         y = moe_grouped.expert_outputs(x, ids, lambda e, rows: experts[e](rows))
         return moe_grouped.combine(y, weights, shared(x) if shared is not None else None)
     if check_impl(impl) == "triton" and fused:
         return moe_fused.fused_moe(x, weights, ids, experts, shared, limit)
+    if impl == "triton" and experts.fmt == "fp4" and x.shape[0] >= moe_prefill.MIN_TOKENS:
+        return moe_prefill.prefill_moe(x, weights, ids, experts, shared, limit)
     return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl)
 
 

@@ -6,9 +6,12 @@ activation tile), for the kernels of kernels/moe_grouped.py. Two orientations:
 * SWAP (decode): weight rows are the MMA's M side (64 per warpgroup) and the BT >= 16 tokens its
   N side, so a tile of a few tokens still runs wgmma with the weights as the register operand;
   the activations are permuted into `fp4.mma_order` so each thread's fragment is one 32-bit word.
-* not SWAP (prefill): tokens are the M side; activation tiles go from global to shared memory to
-  the tensor cores untouched, and the dequantised weight tile is written to shared memory as the
+* not SWAP: tokens are the M side; activation tiles go from global to shared memory to the
+  tensor cores untouched, and the dequantised weight tile is written to shared memory as the
   B operand, its cost shared by BT (128) tokens.
+* SWAP with XPRE (FP4 prefill, kernels/moe_prefill.py): the activations were laid out in
+  `preorder`'s order beforehand, so their tiles go from global to shared memory untouched (no
+  register permutation per step) while the weights stay the register operand.
 
 Scale bytes are fetched one K step ahead (`_scales`): they are too small for the pipeliner's
 asynchronous copies, and a global load consumed in its own step stalls the warp.
@@ -81,10 +84,10 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 @triton.jit
 def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
           K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False):
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
-    `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask).
-    Only the first product when not TWO."""
+    `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask), in
+    `preorder`'s layout with XPRE (FP4 and SWAP only). Only the first product when not TWO."""
     w_stride: tl.constexpr = K // 2 if FP4 else K
     s_stride: tl.constexpr = K // 32 if FP4 else (K + B8 - 1) // B8
     if SWAP:
@@ -103,10 +106,16 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
         sb_next = sa_next
         if TWO:
             sb_next = _scales(s_ptr, rows_b, srows_b, k_next, s_stride, FP4, BK)
-        xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
-                     mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
-        x_even, x_odd = xt, xt
-        if SWAP:
+        if XPRE:  # even K in the row's first half, odd K in its second, each in mma_order
+            xe = x_ptr + x_rows[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
+            x_even = tl.load(xe, mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
+            x_odd = tl.load(xe + K // 2, mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
+            xt = x_even
+        else:
+            xt = tl.load(x_ptr + x_rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :],
+                         mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
+            x_even, x_odd = xt, xt
+        if SWAP and not XPRE:
             if FP4:
                 if not SCALED_DOT:
                     x_even, x_odd = mma_order_pairs(xt)

@@ -160,13 +160,17 @@ class Launch:
 
 def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                  shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
-                 scaled_dot: bool = False, asm: bool | None = None
+                 scaled_dot: bool = False, asm: bool | None = None, preordered: bool = False
                  ) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
     """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
     sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
     in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots).
-    `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it)."""
+    `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it).
+    `preordered`: x is in kernels/moe_prefill.py's `preorder` layout (FP4, SWAP tiles, no shared
+    expert) and h is written in it too."""
     check_inputs(x, weights, ids, experts, shared)
+    if preordered and (experts.fmt != "fp4" or shared is not None or not (gateup.swap_ab and down.swap_ab)):
+        raise ValueError("preordered activations need FP4 experts, SWAP tiles and no shared expert")
     T, k = ids.shape
     D, I, E = experts.dim, experts.inter, experts.n_experts
     for t, n, kk, what in ((gateup, I, D, "gate/up tiles"), (down, D, I, "down tiles")):
@@ -203,7 +207,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         y = torch.empty(T * kp1, D, dtype=x.dtype, device=x.device)
         out = cnt = y
     common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
-                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I)
+                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I,
+                  XPRE=preordered)
     launches += [
         Launch(_gateup_kernel, (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN),
                (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
@@ -297,7 +302,7 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
                    ASM: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   XPRE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if ZERO_CNT:  # the fused down kernel's arrival counters, zeroed here to save a memset launch
@@ -325,7 +330,8 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK)
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK,
+                        XPRE)
         else:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
                          D, False, True, SWAP, False, ASM, BN, BT, BK)
@@ -333,7 +339,11 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(tl.bfloat16), mask=rmask[None, :])
+    col = n
+    if XPRE:  # column n's place in `preorder`'s layout (the down product's K order)
+        m = n // 2
+        col = (n % 2) * (I // 2) + (m // 16) * 16 + ((m // 2) % 2) * 8 + ((m % 16) // 4) * 2 + m % 2
+    tl.store(h_ptr + rows[None, :] * I + col[:, None], h.to(tl.bfloat16), mask=rmask[None, :])
 
 
 @triton.jit
@@ -341,7 +351,7 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  T, n_cnt, stride_we, stride_se,
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-                 ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+                 ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr, XPRE: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -367,7 +377,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
-            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK,
+                          XPRE)
         else:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
     y = acc * wgt[None, :]

@@ -69,15 +69,17 @@ def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int,
 
 def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
            window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None,
-           block_n: int | None = None) -> torch.Tensor:
-    """q [T, H, d] (roped) → [T, H, d] float32 de-rotated attention output.
+           block_n: int | None = None, out_dtype: torch.dtype = torch.float32, num_warps: int | None = None,
+           num_stages: int | None = None) -> torch.Tensor:
+    """q [T, H, d] (roped) → [T, H, d] de-rotated attention output in `out_dtype` (fp32 inside;
+    the kernel stores the rounded result itself, which saves a pass over [T, H, d] in prefill).
 
     picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
-    the launch heuristics (tests and tuning), as does `block_n` (entries per step)."""
+    the launch heuristics (tests and tuning), as do `block_n` (entries per step) and the launch options."""
     if check_impl(impl) == "torch":
-        return reference(q, batch, pools, layer, ratio, picks, sink, window, rope)
+        return reference(q, batch, pools, layer, ratio, picks, sink, window, rope).to(out_dtype)
     T, H, d = q.shape
-    out = torch.empty(T, H, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, H, d, dtype=out_dtype, device=q.device)
     if T == 0:
         return out
     meta = batch.meta
@@ -85,9 +87,11 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     swa, comp = pools.specs["swa"], pools.specs[kind]
     n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
-    bn = block_n or (32 if d >= 256 else 64)
-    blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     programs = T * triton.cdiv(H, bh)
+    # wide heads: 32 entries per step, 64 once there are programs enough for one split (prefill;
+    # benchmarks/attention_sweep.py, H100, 8K-token CSA layer: 7.7 ms against 8.0)
+    bn = block_n or (64 if d < 256 or programs >= 2 * _num_sms(q.device) else 32)
+    blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     if splits is None:
         splits = 1
         while programs * splits < 2 * _num_sms(q.device) and blocks // (splits * 2) >= 2:
@@ -111,10 +115,10 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
         C_EPP=comp.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
         BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
         C_ALIGN=alignment(pools, kind),
-        num_warps=8 if bh >= 64 else 4, num_stages=2)
+        num_warps=num_warps or (8 if bh >= 64 else 4), num_stages=num_stages or 2)
     if splits == 1:
         return out
-    return _combine(partial, ml, batch.positions, rope)
+    return _combine(partial, ml, batch.positions, rope).to(out_dtype)
 
 
 def _combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -155,6 +159,9 @@ def _sparse_attn_kernel(
     hmask = heads < H
     seq = tl.load(seq_ptr + t)
     pos = tl.load(pos_ptr + t)
+    # (q straight from a load: the compiler keeps it in shared memory as the MMA's A operand; a q
+    # computed in registers here, e.g. the RMS rescale and RoPE fused in, stays in registers and
+    # spills next to the [BH, d] accumulator: 9.8 ms against 7.7 for the 8K CSA prefill on H100)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
                 mask=hmask[:, None] & (cols < d)[None, :], other=0.0).to(tl.bfloat16)
     if split == 0:  # the sink: a logit with a zero value vector
@@ -213,8 +220,8 @@ def _sparse_attn_kernel(
         rot_even = tl.where(in_rope[None, :], even * cos + odd * sin, even)
         rot_odd = tl.where(in_rope[None, :], odd * cos - even * sin, odd)
         o = tl.reshape(tl.join(rot_even, rot_odd), (BH, D))
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], o,
-                 mask=hmask[:, None] & (cols < d)[None, :])
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (cols < d)[None, :])
     else:
         T = tl.num_programs(0)
         row = (split * T + t) * H + heads

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.moe_bench import build_layer, routed_inputs
-from model.kernels import moe_fused, moe_grouped
+from model.kernels import moe_fused, moe_grouped, moe_prefill
 from tests.model.test_moe_kernels import (EMULATED_TOL, EMULATED_TOL_BF16, REFERENCE_TOL, emulate,  # noqa: F401
                                          poisoned, rel)
 
@@ -43,6 +43,8 @@ def run(moe, path, x, weights, ids, **kw):
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     if path == "fused":
         return moe_fused.fused_moe(*args, **kw)
+    if path == "prefill":
+        return moe_prefill.prefill_moe(*args, **kw)
     return moe_grouped.grouped_moe(*args, "triton", **kw)
 
 
@@ -53,9 +55,10 @@ def test_decode_sizes(poisoned, flash_fp4, path, T):
     check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)
 
 
-def test_prefill_8k(poisoned, flash_fp4):
+@pytest.mark.parametrize("path", ["grouped", "prefill"])
+def test_prefill_8k(poisoned, flash_fp4, path):
     x, _, weights, ids = routed_inputs(flash_fp4, 8192, seed=5)
-    check(run(flash_fp4, "grouped", x, weights, ids), x, weights, ids, flash_fp4)
+    check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)
 
 
 def test_scaled_dot_variant(poisoned, flash_fp4):

@@ -30,3 +30,21 @@ def test_fp8_linear_leading_dims():
     x = torch.randn(2, 3, 128).to(torch.bfloat16)
     out = fp8_gemm.fp8_linear(x.to(DEVICE), q.to(DEVICE), s.float().to(DEVICE), "triton")
     assert out.shape == (2, 3, 64)
+
+
+@pytest.mark.parametrize("rows,K", [(130, 300), (256, 128)])
+def test_dequantize_is_the_reference_bit_for_bit(rows, K):
+    """The prefill path's one-pass dequantisation: rows and K not multiples of the tiles."""
+    g = torch.Generator().manual_seed(rows + K)
+    q, s = quant.fp8_quantize_weight(torch.randn(rows, K, generator=g) * 3)
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    want = fp8_gemm.reference_dequantize(q, s, torch.bfloat16)
+    assert torch.equal(fp8_gemm.dequantize(q, s, torch.bfloat16), want)
+
+
+def test_prefill_size_m_uses_the_dequantised_weight():
+    g = torch.Generator().manual_seed(3)
+    q, s = quant.fp8_quantize_weight(torch.randn(2 * 64, 256, generator=g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = torch.randn(fp8_gemm.KERNEL_MAX_M + 1, 2, 256, generator=g).to(DEVICE, torch.bfloat16)
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", 2), fp8_gemm.fp8_linear(x, q, s, "torch", 2))

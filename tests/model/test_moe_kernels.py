@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import moe_fused, moe_grouped
+from model.kernels import moe_fused, moe_grouped, moe_prefill
 from model.moe import MoE, PackedExperts
 from model.tiny import tiny_config
 
@@ -237,3 +237,35 @@ def test_kernels_compile_for_hopper_without_spills(path, fmt, T, scaled_dot):
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_preorder_layout():
+    """Row t → [even K | odd K], each half in mma_order (16i + 4q + 2h + r → 16i + 8h + 2q + r)."""
+    x = torch.randn(3, 64)
+    got = moe_prefill.preorder(x)
+    for parity in (0, 1):
+        half = x[:, parity::2]
+        for src in range(32):
+            i, q, h, r = src // 16, (src % 16) // 4, (src // 2) % 2, src % 2
+            assert torch.equal(got[:, parity * 32 + 16 * i + 8 * h + 2 * q + r], half[:, src])
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_prefill_path_matches_reference(poisoned, skew):
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=61 + skew, device=DEVICE)
+    x, weights, ids = (skewed if skew else routed)(moe, T=40, seed=11)
+    tiles = moe_grouped.Tiles(BT=16, BN=16, BK=32, swap_ab=True)  # expert 1 (skewed): 3 token tiles
+    out = moe_prefill.prefill_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles)
+    check(out, x, weights, ids, moe)
+    plain = moe_prefill.prefill_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0)  # default tiles, fitted
+    check(plain, x, weights, ids, moe)
+
+
+def test_preordered_launch_needs_fp4_swap_and_no_shared():
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=71, device=DEVICE)
+    x, weights, ids = routed(moe, T=4, seed=12)
+    swap = moe_grouped.Tiles(BT=16, BN=16, BK=32, swap_ab=True)
+    for shared, tiles in ((moe.shared_experts, swap), (None, moe_grouped.Tiles(BT=16, BN=16, BK=32))):
+        with pytest.raises(ValueError, match="preordered"):
+            moe_grouped.plan_kernels(x, weights, ids, moe.experts, shared, 10.0, tiles, tiles,
+                                     fuse_combine=False, preordered=True)
