@@ -41,7 +41,7 @@ def main() -> None:
     flops = H * vis * D * 4
     ref = sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton", out_dtype=torch.bfloat16)
     rows = []
-    for bn, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+    for bn, warps, stages in itertools.product((32, 64), (4, 8, 16), (1, 2, 3)):
         row = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         try:
             fn = lambda: sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton",  # noqa: E731
