@@ -28,6 +28,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--block-h", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
     T = args.tokens
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -41,11 +45,13 @@ def main() -> None:
     flops = H * vis * D * 4
     ref = sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton", out_dtype=torch.bfloat16)
     rows = []
-    for bn, warps, stages in itertools.product((32, 64), (4, 8, 16), (1, 2, 3)):
-        row = {"block_n": bn, "num_warps": warps, "num_stages": stages}
+    for bh, bn, warps, stages in itertools.product(args.block_h, args.block_n, args.warps, args.stages):
+        if bh == 32 and warps == 16:
+            continue
+        row = {"block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages}
         try:
             fn = lambda: sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton",  # noqa: E731
-                                                 block_n=bn, num_warps=warps, num_stages=stages,
+                                                 block_h=bh, block_n=bn, num_warps=warps, num_stages=stages,
                                                  out_dtype=torch.bfloat16)
             out = fn()
             row["max_diff"] = float((out.float() - ref.float()).abs().max())

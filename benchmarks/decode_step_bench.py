@@ -43,17 +43,21 @@ def experts_hit(model, batch, pools) -> list[int]:
     return seen
 
 
-def profile(fn, label: str, out_dir: Path, rows: int = 18) -> None:
-    """CUDA time per kernel of one eager call (torch.profiler), printed and saved: where a step goes."""
+def profile(fn, label: str, out_dir: Path, rows: int = 18, by_op: bool = False) -> None:
+    """CUDA time per kernel of one eager call (torch.profiler), printed and saved: where a step goes.
+    `by_op`: per torch op and input shapes instead (the op that launched each kernel)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if by_op else [ProfilerActivity.CUDA]
+    with torch_profile(activities=activities, record_shapes=by_op) as prof:
         fn()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+    events = prof.key_averages(group_by_input_shape=by_op)
+    table = events.table(sort_by="self_cuda_time_total" if by_op else "cuda_time_total", row_limit=rows,
+                         max_name_column_width=60, max_shapes_column_width=80)
     print(f"--- profile: {label}\n{table}", flush=True)
     (out_dir / f"profile_{label.replace(' ', '_').replace('=', '')}.txt").write_text(table)
 
@@ -91,6 +95,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--skip-decode", action="store_true", help="prefill only")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="also profile the prefill by torch op and input shape (what the small kernels are)")
     args = ap.parse_args()
     ceil = ceilings()
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
@@ -104,7 +111,7 @@ def main() -> None:
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", flush=True)
     result = {"ceilings": ceil, "layers": n, "decode": [], "prefill": None}
 
-    for context in args.contexts:
+    for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:
             pools, seqs = decode_pools(cfg, n, batch, context)
             fb = decode_batch(seqs)
@@ -140,6 +147,8 @@ def main() -> None:
 
     t = bench(run_prefill, warmup=1, reps=3)
     profile(run_prefill, f"prefill T={T}", Path(args.out).parent)
+    if args.profile_ops:
+        profile(run_prefill, f"prefill ops T={T}", Path(args.out).parent, rows=60, by_op=True)
     result["prefill"] = {"tokens": T, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n, "flops": flops,
                          "TFLOPs": flops / t / 1e12, "fraction_of_matmul": flops / t / rate}
     print(f"prefill T={T}: {t * 1e3:.1f} ms ({t * 1e3 / n:.2f}/layer), {flops / t / 1e12:.0f} TFLOP/s "

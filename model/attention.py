@@ -23,7 +23,6 @@ pure-torch reference, walking the batch's segments; "triton": the GPU kernels).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.batch import ForwardBatch
@@ -31,7 +30,7 @@ from model.config import ModelConfig
 from model.kernels import compressor, indexer, rmsnorm, sparse_attention
 from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
-from model.quantized import Fp8Linear
+from model.quantized import Fp8Linear, linear_fp32_out
 from model.rope import Rope
 
 
@@ -47,13 +46,6 @@ class RMSNorm(nn.Module):
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
-
-
-def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x · weightᵀ accumulated and returned in fp32 (bf16 operands stay bf16 on the GPU)."""
-    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
 
 
 # ---------------------------------------------------------------------------------------
@@ -77,7 +69,7 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
         self.wkv = linear(cfg.hidden_size, coff * head_dim)
         self.wgate = linear(cfg.hidden_size, coff * head_dim)
-        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps, impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
@@ -133,10 +125,10 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.attn_sink = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, impl)
         self.wq_b = linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.head_dim)
         self.wkv = linear(cfg.hidden_size, cfg.head_dim)
-        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, impl)
         group_in = cfg.num_attention_heads * cfg.head_dim // cfg.o_groups
         self.wo_a = linear(group_in, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)

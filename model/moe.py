@@ -30,6 +30,7 @@ from model.config import ModelConfig
 from model.kernels import check_impl
 from model.kernels import moe_fused, moe_grouped, moe_prefill
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK
+from model.quantized import linear_fp32_out
 
 FORMATS = ("fp4", "fp8")
 MAX_SCALE_BYTE = {"fp4": 128, "fp8": 134}  # UE8M0 bytes the kernels dequantise exactly
@@ -58,7 +59,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], input_ids [T] → (weights [T, k] float32, expert ids [T, k] int64)."""
-        scores = score_fn(self.cfg.scoring_func, F.linear(x.float(), self.weight.float()))
+        scores = score_fn(self.cfg.scoring_func, linear_fp32_out(x, self.weight))
         if self.hashed:
             ids = self.tid2eid[input_ids].long()
         else:
@@ -244,7 +245,8 @@ class MoE(nn.Module):
         # (the meta device, for shapes only, has no generator)
         g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-        moe.gate.weight = nn.Parameter(torch.randn(E, D, device=device, generator=g) / math.sqrt(D))
+        # bf16, as `quantized.quantize_model` leaves a checkpoint's gate
+        moe.gate.weight = nn.Parameter((torch.randn(E, D, device=device, generator=g) / math.sqrt(D)).bfloat16())
         if moe.gate.hashed:
             moe.gate.tid2eid = nn.Parameter(torch.randint(0, E, (cfg.vocab_size, cfg.num_experts_per_tok),
                                                           device=device, generator=g, dtype=torch.int32),

@@ -67,6 +67,15 @@ class Fp8Linear(nn.Module):
         return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, groups=x.shape[1])
 
 
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] · weight [N, K]ᵀ accumulated and returned in fp32. bf16 operands stay bf16 on the
+    GPU: their products are exact in fp32, so this equals the fp32 GEMM of the upcast operands up
+    to the order of the sums, at the tensor cores' bf16 rate and without the fp32 copies."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
                    dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Convert a float model (on its target device) to the device format (table above), in place."""

@@ -30,8 +30,8 @@ class Block(nn.Module):
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
         self.attn = Attention(cfg, layer, ratio, impl)
         self.ffn = MoE(cfg, layer, impl)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, impl)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, impl)
         self.hc_attn_fn = nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size))
         self.hc_attn_base = nn.Parameter(torch.zeros(mix))
         self.hc_attn_scale = nn.Parameter(torch.ones(3))
@@ -63,9 +63,9 @@ class MTPBlock(Block):
         D = cfg.hidden_size
         self.e_proj = nn.Linear(D, D, bias=False)
         self.h_proj = nn.Linear(D, D, bias=False)
-        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
-        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, impl)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, impl)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, impl)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i, r, impl) for i, r in enumerate(cfg.compress_ratios))
-        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, impl)
         self.head = nn.Linear(D, cfg.vocab_size, bias=False)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))

@@ -6,6 +6,10 @@ keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32), q [T, 
 w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
 entries of the longest request), -1 where a query sees fewer than K entries.
 
+`_topk_kernel` selects from a row by a bitonic top-k over (score, entry) packed into int64 keys:
+the float's bits made order-preserving as a signed int in the high half, N - 1 - entry in the low
+half (ties: the lower entry first), so one integer sort carries the indices along.
+
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
 write -inf and read nothing. The logits of a chunk of queries are materialised [T_chunk, N] for
@@ -78,10 +82,43 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
     chunk = max(1, max_logit_bytes // (4 * n_max))
     for lo in range(0, T, chunk):
         rows = slice(lo, min(T, lo + chunk))
-        scores = logits(q, w, batch, pools, layer, rows, n_max)
-        values, idx = scores.topk(K, dim=-1)
-        picks[rows] = torch.where(values == float("-inf"), -1, idx).int()
+        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max), K)
     return picks
+
+
+# The sort kernel holds a row in registers (N ≤ 8192 entries: a 32K-token context); it pays over
+# torch's radix select for prefill-sized row counts (H100, 8K-token prefill, 8192 × 2048 scores:
+# see docs/benchmarks.md), while a few decode rows keep torch's multi-block select.
+TOPK_KERNEL_MAX_N = 8192
+TOPK_KERNEL_MIN_ROWS = 256
+
+
+def top_k(scores: torch.Tensor, K: int) -> torch.Tensor:
+    """scores [R, n] float32 (-inf = not causal) → the K best entry ids [R, K] int32 by descending
+    score, -1 where fewer than K scores are finite."""
+    R, n = scores.shape
+    if n > TOPK_KERNEL_MAX_N or R < TOPK_KERNEL_MIN_ROWS:
+        values, idx = scores.topk(K, dim=-1)
+        return torch.where(values == float("-inf"), -1, idx).int()
+    out = torch.empty(R, K, dtype=torch.int32, device=scores.device)
+    N = triton.next_power_of_2(n)
+    _topk_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), n, K, N=N, KP=triton.next_power_of_2(K),
+                       num_warps=8 if N >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _topk_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, N)
+    bits = tl.load(s_ptr + t * stride_s + j, mask=j < n, other=float("-inf")).to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped → signed int order
+    top = tl.topk((key.to(tl.int64) << 32) | (N - 1 - j).to(tl.int64), KP)  # [KP] descending
+    key = (top >> 32).to(tl.int32)
+    value = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the map is its own inverse
+    idx = (N - 1) - (top & 0xFFFFFFFF).to(tl.int32)
+    r = tl.arange(0, KP)
+    tl.store(out_ptr + t * stride_o + r, tl.where(value == float("-inf"), -1, idx), mask=r < K)
 
 
 @triton.jit

@@ -21,6 +21,8 @@ reference rounds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -67,12 +69,30 @@ def reference_post(out, x, post, comb):
 # ops
 # ---------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class MixTiles:
+    """Launch shape of `_mix_kernel`: tokens per program, K per step, warps, K splits (None: enough
+    programs for ~2 waves)."""
+    bt: int
+    bk: int = 128
+    num_warps: int = 4
+    split: int | None = None
+
+
+def mix_tiles(tokens: int) -> MixTiles:
+    # every program loads and splits the fn tile of each K step: 64 tokens share it in prefill
+    # (benchmarks/mhc_sweep.py, H100, T = 8192: hc_pre 0.39 ms against 0.45 with 32 tokens and the
+    # fn split hoisted out of the kernel, 0.60 before); decode keeps 16-token programs, K split
+    return MixTiles(bt=16 if tokens <= 2048 else 64)
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-           hc_eps: float, rms_eps: float, impl: str):
-    """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)."""
+           hc_eps: float, rms_eps: float, impl: str, tiles: MixTiles | None = None):
+    """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32).
+    `tiles` overrides `mix_tiles` (tuning)."""
     if check_impl(impl) == "torch":
         return reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
-    return _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head=False)
+    return _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head=False, tiles=tiles)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
@@ -98,7 +118,7 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
     return new
 
 
-def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
+def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tiles: MixTiles | None = None):
     T, _, D = x.shape
     x = x.contiguous()
     collapsed = torch.empty(T, D, dtype=x.dtype, device=x.device)
@@ -107,16 +127,18 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool):
     if T:
         if hc * hc != 16:
             raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
-        bt, bk = (16 if T <= 2048 else 32), 128
-        blocks, k_steps = triton.cdiv(T, bt), triton.cdiv(hc * D, bk)
-        split = 1  # decode: spread K over programs until ~2 waves of the GPU
-        while blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
-            split *= 2
+        tiles = tiles or mix_tiles(T)
+        fn = fn.float().contiguous()
+        blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
+        split = tiles.split or 1
+        while tiles.split is None and blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
+            split *= 2  # decode: spread K over programs until ~2 waves of the GPU
         partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=x.device)  # mixes | Σx²
-        _mix_kernel[(blocks, split)](x, fn.float().contiguous(), partial, T, D, HC=hc, BT=bt, BK=bk, NP=16, SPLIT=split,
-                                     HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=4)
+        _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
+                                     HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
         mixes = partial.sum(0) if split > 1 else partial[0]  # fixed order: deterministic
-        _pre_kernel[(blocks,)](
+        bt = 16 if T <= 2048 else 32
+        _pre_kernel[(triton.cdiv(T, bt),)](
             x, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
             T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, NP=16, BD=min(256, triton.next_power_of_2(D)),
             HEAD=head, num_warps=4)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from model.kernels import moe_combine
 from model.kernels.fp4 import FP8_BLOCK, check_fp4_block, check_fp8_block
 from model.kernels.moe_gemm import w_xt
 
@@ -160,17 +161,20 @@ class Launch:
 
 def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                  shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
-                 scaled_dot: bool = False, asm: bool | None = None, preordered: bool = False
-                 ) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
+                 scaled_dot: bool = False, asm: bool | None = None, preordered: bool = False,
+                 add: torch.Tensor | None = None) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
     """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
     sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
-    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots).
+    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots, plus `add`
+    [T, D] fp32 (an output computed outside the kernels) before the one rounding).
     `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it).
     `preordered`: x is in kernels/moe_prefill.py's `preorder` layout (FP4, SWAP tiles, no shared
     expert) and h is written in it too."""
     check_inputs(x, weights, ids, experts, shared)
     if preordered and (experts.fmt != "fp4" or shared is not None or not (gateup.swap_ab and down.swap_ab)):
         raise ValueError("preordered activations need FP4 experts, SWAP tiles and no shared expert")
+    if add is not None and fuse_combine:
+        raise ValueError("add joins the unfused combine; the fused one has no place for it")
     T, k = ids.shape
     D, I, E = experts.dim, experts.inter, experts.n_experts
     for t, n, kk, what in ((gateup, I, D, "gate/up tiles"), (down, D, I, "down tiles")):
@@ -222,7 +226,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     ]
     if fuse_combine:
         return launches, lambda: out
-    return launches, lambda: y.view(T, kp1, D).sum(1, dtype=torch.float32).to(x.dtype)
+    return launches, lambda: moe_combine.sum_slots(y.view(T, kp1, D), add, x.dtype)
 
 
 def _tile_meta(t: Tiles) -> dict:

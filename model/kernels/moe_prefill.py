@@ -23,9 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from model.kernels import fp8_gemm
+from model.kernels.fp4 import FP8_BLOCK
 from model.kernels.moe_grouped import Tiles, fit, run_kernels
+from model.quantized import linear_fp32_out
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -50,30 +54,57 @@ def preorder(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 5, 1, 3, 2, 4).reshape(T, K)
 
 
-def _mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [M, K] · w [N, K]ᵀ → [M, N] float32 from bf16 operands (products exact, fp32 sums)."""
-    if a.is_cuda:
-        return torch.mm(a, w.t(), out_dtype=torch.float32)
-    return F.linear(a.float(), w.float())
+def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 shared expert → (w13 [2I, D], w2 [D, I]) bf16, exact (e4m3 times a power of two), in
+    one pass per matrix."""
+    if shared.fmt != "fp8":
+        w1, w3, w2 = (w.to(torch.bfloat16) for w in shared.dequantize(0))
+        return torch.cat([w1, w3]), w2
+    I, ib = shared.inter, -(-shared.inter // FP8_BLOCK)
+
+    def dq(w: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+        return fp8_gemm.dequantize(w, torch.exp2(scale_bytes.float() - 127), torch.bfloat16)
+
+    w1, w3 = dq(shared.w13[0, :I], shared.w13_scale[0, :ib]), dq(shared.w13[0, I:], shared.w13_scale[0, ib:])
+    return torch.cat([w1, w3]), dq(shared.w2[0], shared.w2_scale[0])
 
 
 def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float) -> torch.Tensor:
     """x [T, D] → the shared expert's output [T, D] float32 (x and h rounded to bf16, as the kernels)."""
-    w1, w3, w2 = (w.to(torch.bfloat16) for w in shared.dequantize(0))  # FP8 values: exact in bf16
-    gate, up = _mm_f32(x.to(torch.bfloat16), torch.cat([w1, w3])).chunk(2, dim=-1)
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return _mm_f32((F.silu(gate) * up).to(torch.bfloat16), w2)
+    w13, w2 = _bf16_weights(shared)
+    return linear_fp32_out(swiglu_bf16(linear_fp32_out(x.to(torch.bfloat16), w13), limit), w2)
+
+
+def swiglu_bf16(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate_up [T, 2I] float32 (gate | up) → h = silu(min(gate, L)) · clamp(up, ±L) [T, I] bf16, one
+    pass (torch's clamps, silu, product and cast took five over the fp32 [T, 2I])."""
+    T, two_i = gate_up.shape
+    h = torch.empty(T, two_i // 2, dtype=torch.bfloat16, device=gate_up.device)
+    if T:
+        bi = min(1024, triton.next_power_of_2(two_i // 2))
+        _swiglu_kernel[(T, triton.cdiv(two_i // 2, bi))](gate_up, gate_up.stride(0), h, two_i // 2, float(limit),
+                                                         CLAMP=limit > 0, BI=bi, num_warps=4)
+    return h
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, stride_gu, h_ptr, I, limit, CLAMP: tl.constexpr, BI: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BI + tl.arange(0, BI)
+    mask = offs < I
+    gate = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    tl.store(h_ptr + t * I + offs, (gate * tl.sigmoid(gate) * up).to(tl.bfloat16), mask=mask)
 
 
 def prefill_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                 shared: "PackedExperts | None", limit: float, gateup: Tiles = PREFILL_GATEUP,
                 down: Tiles = PREFILL_DOWN) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype (FP4 routed experts)."""
-    T, k = ids.shape
-    y = run_kernels(preorder(x.contiguous()), weights, ids, experts, None, limit,
-                    fit(gateup, experts.inter, experts.dim), fit(down, experts.dim, experts.inter),
-                    fuse_combine=False, preordered=True)  # Σ over slots, x.dtype
-    if shared is None:
-        return y
-    return (y.float() + shared_expert(x, shared, limit)).to(x.dtype)
+    s = shared_expert(x, shared, limit) if shared is not None else None
+    return run_kernels(preorder(x.contiguous()), weights, ids, experts, None, limit,
+                       fit(gateup, experts.inter, experts.dim), fit(down, experts.dim, experts.inter),
+                       fuse_combine=False, preordered=True, add=s)  # Σ over slots + s, rounded once

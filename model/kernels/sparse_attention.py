@@ -7,8 +7,9 @@ of `ratio` tokens; CSA: the indexer's picks, -1 = none), one shared K = V head.
 then the rope channels of the output are rotated back by -position (the output de-rotation).
 
 Kernel: one program per (token, block of BH heads, KV split). Entries are gathered through the
-page tables and decoded to bf16 in registers (exact for bf16 and fp8_pack pools), scores and the
-P·V product run on the tensor cores with fp32 accumulation, softmax is online in base 2. The sink
+page tables and decoded to bf16 in registers (exact for bf16 and fp8_pack pools) a quarter of
+the head dim at a time, once for the scores and again for P·V (see the kernel); both products
+run on the tensor cores with fp32 accumulation, softmax is online in base 2. The sink
 seeds the running max and denominator of split 0 (m = sink, l = 1, acc = 0), so no -inf ever
 reaches an exponent. With one split the kernel also de-rotates and writes the final output;
 with several (decode with few tokens, to fill the GPU) it writes partial (acc, m, l) that
@@ -89,7 +90,7 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
     programs = T * triton.cdiv(H, bh)
     # wide heads: 32 entries per step, 64 once there are programs enough for one split (prefill;
-    # benchmarks/attention_sweep.py, H100, 8K-token CSA layer: 7.7 ms against 8.0)
+    # benchmarks/attention_sweep.py, H100, 8K-token CSA layer: 4.7 ms against 11.1)
     bn = block_n or (64 if d < 256 or programs >= 2 * _num_sms(q.device) else 32)
     blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     if splits is None:
@@ -140,6 +141,76 @@ def _num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
+def _load_chunk(row_ptr, valid, c0: tl.constexpr, DC: tl.constexpr, d, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                PACK: tl.constexpr):
+    """Columns [c0, c0 + DC) of the entries at `row_ptr` [BN] (byte pointers) → bf16 [BN, DC]
+    (`pool_io.load_entries` for a column chunk; exact for bf16 and fp8_pack pools)."""
+    cols = c0 + tl.arange(0, DC)
+    mask = valid[:, None] & (cols < d)[None, :]
+    if PACK == 0:
+        x = tl.load((row_ptr[:, None] + 4 * cols[None, :]).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+    elif PACK == 1:
+        x = tl.load((row_ptr[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=mask,
+                    other=0.0).to(tl.float32)
+    else:  # fp8_pack: e4m3 nope with a UE8M0 byte per 64 columns, then bf16 rope
+        nope = (cols < NOPE)[None, :]
+        x = tl.zeros((row_ptr.shape[0], DC), tl.float32)
+        if c0 < NOPE:
+            q = tl.load((row_ptr[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope,
+                        other=0.0).to(tl.float32)
+            NB: tl.constexpr = (DC + 63) // 64
+            blk = tl.arange(0, NB)
+            e = tl.load(row_ptr[:, None] + (NOPE + 2 * ROPE + c0 // 64) + blk[None, :],
+                        mask=valid[:, None] & (c0 // 64 + blk < NOPE // 64)[None, :], other=127)
+            scale = tl.exp2(e.to(tl.float32) - 127.0)  # [BN, NB]
+            if NB == 1:
+                scale = tl.broadcast_to(scale, (row_ptr.shape[0], DC))
+            else:
+                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (row_ptr.shape[0], NB, 64)),
+                                   (row_ptr.shape[0], DC))
+            x = q * scale
+        if c0 + DC > NOPE:
+            r = tl.load((row_ptr[:, None] + NOPE + 2 * (cols[None, :] - NOPE)).to(tl.pointer_type(tl.bfloat16)),
+                        mask=mask & ~nope, other=0.0).to(tl.float32)
+            x = tl.where(nope, x, r)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _pv(acc, alpha, p, row_ptr, valid, c0: tl.constexpr, DC: tl.constexpr, d, NOPE: tl.constexpr,
+        ROPE: tl.constexpr, PACK: tl.constexpr):
+    return acc * alpha[:, None] + tl.dot(p, _load_chunk(row_ptr, valid, c0, DC, d, NOPE, ROPE, PACK))
+
+
+@triton.jit
+def _finish(acc, l, c0: tl.constexpr, DC: tl.constexpr, pos, inv_freq_ptr, heads, hmask, t, split, H, d,
+            out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr, m, BH: tl.constexpr, ROPE: tl.constexpr,
+            SPLITS: tl.constexpr):
+    """Store output columns [c0, c0 + DC): normalised and de-rotated (one split) or the partial."""
+    cols = c0 + tl.arange(0, DC)
+    cmask = hmask[:, None] & (cols < d)[None, :]
+    if SPLITS == 1:
+        o = acc / l[:, None]
+        if c0 + DC > d - ROPE:  # de-rotate the rope channels: pairs (2i, 2i+1) by -pos·inv_freq[i]
+            even, odd = tl.split(tl.reshape(o, (BH, DC // 2, 2)))
+            half = c0 // 2 + tl.arange(0, DC // 2)
+            in_rope = (half >= (d - ROPE) // 2) & (half < d // 2)
+            freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half - (d - ROPE) // 2, mask=in_rope, other=0.0)
+            cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
+            rot_even = tl.where(in_rope[None, :], even * cos + odd * sin, even)
+            rot_odd = tl.where(in_rope[None, :], odd * cos - even * sin, odd)
+            o = tl.reshape(tl.join(rot_even, rot_odd), (BH, DC))
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        row = (split * tl.num_programs(0) + t) * H + heads
+        tl.store(partial_ptr + row[:, None] * d + cols[None, :], acc, mask=cmask)
+        if c0 == 0:
+            tl.store(ml_ptr + row * 2, m, mask=hmask)
+            tl.store(ml_ptr + row * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
 def _sparse_attn_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr,
         seq_ptr, pos_ptr, sink_ptr, inv_freq_ptr,
@@ -151,26 +222,38 @@ def _sparse_attn_kernel(
         C_EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SWA_ALIGN: tl.constexpr,
         C_ALIGN: tl.constexpr):
+    # The head dim is worked in 4 column chunks: K is decoded chunk by chunk for q·kᵀ and again for
+    # p·k (an L1/L2 hit), so the decoded tile never holds a whole [BN, D] in registers beside the
+    # [BH, D] accumulator (which, whole, made the kernel spill).
+    DC: tl.constexpr = D // 4
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
-    cols = tl.arange(0, D)
     offs = tl.arange(0, BN)
     hmask = heads < H
     seq = tl.load(seq_ptr + t)
     pos = tl.load(pos_ptr + t)
-    # (q straight from a load: the compiler keeps it in shared memory as the MMA's A operand; a q
+    # (q straight from loads: the compiler keeps them in shared memory as the MMA's A operands; a q
     # computed in registers here, e.g. the RMS rescale and RoPE fused in, stays in registers and
-    # spills next to the [BH, d] accumulator: 9.8 ms against 7.7 for the 8K CSA prefill on H100)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=hmask[:, None] & (cols < d)[None, :], other=0.0).to(tl.bfloat16)
+    # spills next to the accumulator: 9.8 ms against 7.7 for the 8K CSA prefill on H100)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    c = tl.arange(0, DC)
+    q0 = tl.load(q_row + c[None, :], mask=hmask[:, None] & (c < d)[None, :], other=0.0).to(tl.bfloat16)
+    q1 = tl.load(q_row + DC + c[None, :], mask=hmask[:, None] & (DC + c < d)[None, :], other=0.0).to(tl.bfloat16)
+    q2 = tl.load(q_row + 2 * DC + c[None, :], mask=hmask[:, None] & (2 * DC + c < d)[None, :],
+                 other=0.0).to(tl.bfloat16)
+    q3 = tl.load(q_row + 3 * DC + c[None, :], mask=hmask[:, None] & (3 * DC + c < d)[None, :],
+                 other=0.0).to(tl.bfloat16)
     if split == 0:  # the sink: a logit with a zero value vector
         m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
         l = tl.full((BH,), 1.0, tl.float32)
     else:
         m = tl.full((BH,), -1e30, tl.float32)
         l = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, D), tl.float32)
+    acc0 = tl.zeros((BH, DC), tl.float32)
+    acc1 = tl.zeros((BH, DC), tl.float32)
+    acc2 = tl.zeros((BH, DC), tl.float32)
+    acc3 = tl.zeros((BH, DC), tl.float32)
 
     lo = tl.maximum(pos - WINDOW + 1, 0)
     n_win_blocks = tl.cdiv(WINDOW, BN)
@@ -184,9 +267,8 @@ def _sparse_attn_kernel(
         if i < n_win_blocks:
             idx = lo + i * BN + offs
             valid = idx <= pos
-            base = entry_base(swa_table, swa_tstride, seq, idx, valid, SWA_EPP, swa_page_bytes, swa_layer_off,
-                              swa_entry_bytes, SWA_ALIGN)
-            k = load_entries(swa_buf, base, valid, cols, d, NOPE, ROPE, PACK)
+            row_ptr = swa_buf + entry_base(swa_table, swa_tstride, seq, idx, valid, SWA_EPP, swa_page_bytes,
+                                           swa_layer_off, swa_entry_bytes, SWA_ALIGN)
         else:
             j = (i - n_win_blocks) * BN + offs
             if HAS_PICKS:
@@ -195,36 +277,26 @@ def _sparse_attn_kernel(
             else:
                 idx = j
                 valid = j < (pos + 1) // RATIO
-            base = entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off, c_entry_bytes,
-                              C_ALIGN)
-            k = load_entries(c_buf, base, valid, cols, d, NOPE, ROPE, PACK)
-        k = k.to(tl.bfloat16)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
+            row_ptr = c_buf + entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off,
+                                         c_entry_bytes, C_ALIGN)
+        s = tl.dot(q0, tl.trans(_load_chunk(row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK)))
+        s += tl.dot(q1, tl.trans(_load_chunk(row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK)))
+        s += tl.dot(q2, tl.trans(_load_chunk(row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK)))
+        s += tl.dot(q3, tl.trans(_load_chunk(row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK)))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        p = p.to(tl.bfloat16)
+        acc0 = _pv(acc0, alpha, p, row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK)
+        acc1 = _pv(acc1, alpha, p, row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK)
+        acc2 = _pv(acc2, alpha, p, row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK)
+        acc3 = _pv(acc3, alpha, p, row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK)
         m = m_new
 
-    if SPLITS == 1:
-        o = acc / l[:, None]
-        # de-rotate the rope channels: pairs (2i, 2i+1) by -pos·inv_freq[i]
-        pairs = tl.reshape(o, (BH, D // 2, 2))
-        even, odd = tl.split(pairs)
-        half = tl.arange(0, D // 2)
-        in_rope = (half >= (d - ROPE) // 2) & (half < d // 2)
-        freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half - (d - ROPE) // 2, mask=in_rope, other=0.0)
-        cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
-        rot_even = tl.where(in_rope[None, :], even * cos + odd * sin, even)
-        rot_odd = tl.where(in_rope[None, :], odd * cos - even * sin, odd)
-        o = tl.reshape(tl.join(rot_even, rot_odd), (BH, D))
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (cols < d)[None, :])
-    else:
-        T = tl.num_programs(0)
-        row = (split * T + t) * H + heads
-        tl.store(partial_ptr + row[:, None] * d + cols[None, :], acc, mask=hmask[:, None] & (cols < d)[None, :])
-        tl.store(ml_ptr + row * 2, m, mask=hmask)
-        tl.store(ml_ptr + row * 2 + 1, l, mask=hmask)
+    args = (pos, inv_freq_ptr, heads, hmask, t, split, H, d, out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr, m)
+    _finish(acc0, l, 0, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc1, l, DC, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc2, l, 2 * DC, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc3, l, 3 * DC, DC, *args, BH, ROPE, SPLITS)

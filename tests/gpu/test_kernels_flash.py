@@ -77,8 +77,9 @@ def test_compressor(pools, layer, ratio, kind):
 
 def test_indexer(pools):
     base = copy.deepcopy(pools)
-    batch = random_batch(CFG, base, DECODE + [(2048, 128)], seed=7, device=DEV)
+    batch = random_batch(CFG, base, DECODE + [(2048, 512)], seed=7, device=DEV)
     T = batch.input_ids.shape[0]
+    assert T >= indexer.TOPK_KERNEL_MIN_ROWS  # the sort kernel selects
     g = torch.Generator(device=DEV).manual_seed(8)
     q = torch.randn(T, 64, 128, device=DEV, generator=g).bfloat16()
     w = torch.randn(T, 64, device=DEV, generator=g) / 8
@@ -89,6 +90,19 @@ def test_indexer(pools):
     overlap = [len(set(o[o >= 0].tolist()) & set(r[r >= 0].tolist())) / max(1, int((r >= 0).sum()))
                for o, r in zip(out.cpu(), ref.cpu())]
     assert min(overlap) > 0.95
+
+
+@pytest.mark.parametrize("n", [2048, 8192])
+def test_top_k_prefill_rows(n):
+    """8K prefill rows (2048 entries at 8K tokens, 8192 at 32K): the kernel picks exactly what
+    torch.topk picks, in its order, causal tails -1."""
+    g = torch.Generator(device=DEV).manual_seed(n)
+    R = 8192
+    scores = torch.randn(R, n, device=DEV, generator=g)
+    visible = (torch.arange(R, device=DEV) * n) // R + 1
+    scores = scores.masked_fill(torch.arange(n, device=DEV)[None, :] >= visible[:, None], float("-inf"))
+    values, idx = scores.topk(512, dim=-1)
+    assert torch.equal(indexer.top_k(scores, 512), torch.where(values == float("-inf"), -1, idx).int())
 
 
 def test_store_kv_and_q_rope(pools):

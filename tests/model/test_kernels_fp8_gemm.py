@@ -43,8 +43,16 @@ def test_dequantize_is_the_reference_bit_for_bit(rows, K):
 
 
 def test_prefill_size_m_uses_the_dequantised_weight():
+    """Prefill-size M: cuBLAS on the dequantised weight; the grouped output's flatten(1) is a view
+    (the next projection reads it without a copy)."""
     g = torch.Generator().manual_seed(3)
     q, s = quant.fp8_quantize_weight(torch.randn(2 * 64, 256, generator=g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
-    x = torch.randn(fp8_gemm.KERNEL_MAX_M + 1, 2, 256, generator=g).to(DEVICE, torch.bfloat16)
-    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", 2), fp8_gemm.fp8_linear(x, q, s, "torch", 2))
+    M = fp8_gemm.KERNEL_MAX_M + 1
+    x = torch.randn(M, 2, 256, generator=g).to(DEVICE, torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x, q, s, "triton", 2)
+    assert out.shape == (M, 2, 64) and out.dtype == torch.bfloat16
+    assert rel_err(out, fp8_gemm.fp8_linear(x.float(), q, s, "torch", 2)) < 6e-3
+    assert out.flatten(1).data_ptr() == out.data_ptr()
+    plain = fp8_gemm.fp8_linear(x[:, 0], q, s, "triton")
+    assert torch.equal(plain, torch.nn.functional.linear(x[:, 0], fp8_gemm.reference_dequantize(q, s, torch.bfloat16)))

@@ -59,3 +59,22 @@ def test_indexer_matches_reference(fmt, topk):
             kth = full[t][ref[t][ref[t] >= 0].long()].min()
             scale = full[t][finite[t]].abs().max()
             assert bool((full[t][real] >= kth - 2e-2 * scale).all())
+
+
+@pytest.mark.parametrize("K", [64, 100])
+def test_top_k_kernel_matches_torch_topk(monkeypatch, K):
+    """The bitonic kernel against torch.topk: same entries in the same (descending) order,
+    negative scores ordered right, -1 exactly where a row has fewer than K finite scores."""
+    monkeypatch.setattr(indexer, "TOPK_KERNEL_MIN_ROWS", 1)  # the kernel for a few rows too
+    g = torch.Generator().manual_seed(91)
+    R, n = 24, 600
+    scores = torch.randn(R, n, generator=g)
+    visible = torch.randint(0, n + 1, (R,), generator=g)
+    visible[:3] = torch.tensor([0, K // 2, n])  # none, fewer than K, all
+    scores = scores.masked_fill(torch.arange(n) >= visible.unsqueeze(1), float("-inf")).to(DEVICE)
+    got = indexer.top_k(scores, K)
+    values, idx = scores.topk(K, dim=-1)
+    ref = torch.where(values == float("-inf"), -1, idx).int()
+    assert got.dtype == torch.int32 and got.shape == (R, K)
+    assert torch.equal(got, ref)
+    assert (got[0] == -1).all() and (got[1, K // 2:] == -1).all() and (got[1, :K // 2] >= 0).all()

@@ -34,6 +34,21 @@ def test_hc_pre_matches_reference(dtype, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [mhc.MixTiles(bt=64), mhc.MixTiles(bt=32, bk=64, split=3),
+                                   mhc.MixTiles(bt=16, split=2, num_warps=8)], ids=str)
+def test_hc_pre_launch_shapes_agree(dtype, tiles):
+    """Every launch shape (tokens per program, K per step, K splits, warps) computes the same mixes: 70 tokens leave a partial token block, D = 200 a partial K step."""
+    g = torch.Generator().manual_seed(45)
+    hc, D, T = 4, 200, 70
+    x = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
+    fn, base, scale = _params(hc, D, (2 + hc) * hc, g)
+    ref = mhc.hc_pre(x, fn, base, scale, hc, 20, 1e-6, 1e-6, impl="torch")
+    out = mhc.hc_pre(x, fn, base, scale, hc, 20, 1e-6, 1e-6, impl="triton", tiles=tiles)
+    assert rel_err(out[1], ref[1]) < 1e-5 and rel_err(out[2], ref[2]) < 1e-5
+    assert rel_err(out[0], ref[0]) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_matches_reference(dtype):
     g = torch.Generator().manual_seed(50)
     T, hc, D = 9, 4, 300

@@ -54,3 +54,15 @@ def test_triton_model_matches_reference():
     assert got.shape == ref.shape and bool(got.isfinite().all())
     assert rel_err(got, ref) < 1e-2
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_modules_built_with_an_impl_all_take_it():
+    """A block (or MTP block) built on its own runs the kernels it was built for: every module that
+    dispatches (norms, projections, MoE) carries the impl, with no `set_impl` pass needed."""
+    from model.transformer import Block, MTPBlock
+
+    cfg = tiny_config()
+    for module in (Block(cfg, 2, cfg.compress_ratios[2], "triton"), MTPBlock(cfg, "triton")):
+        impls = {name: m.impl for name, m in module.named_modules() if hasattr(m, "impl")}
+        assert impls and all(v == "triton" for v in impls.values()), \
+            {k: v for k, v in impls.items() if v != "triton"}

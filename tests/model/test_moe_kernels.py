@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import moe_fused, moe_grouped, moe_prefill
+from model.kernels import moe_combine, moe_fused, moe_grouped, moe_prefill
 from model.moe import MoE, PackedExperts
 from model.tiny import tiny_config
 
@@ -237,6 +237,39 @@ def test_kernels_compile_for_hopper_without_spills(path, fmt, T, scaled_dot):
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("with_add", [False, True])
+def test_sum_slots_matches_reference(poisoned, with_add):
+    """Σ over slots (+ the fp32 shared output) in fp32, rounded once; a partial D block (1100)."""
+    g = torch.Generator().manual_seed(81)
+    y = torch.randn(9, 7, 1100, generator=g).to(DEVICE, torch.bfloat16)
+    add = torch.randn(9, 1100, generator=g).to(DEVICE) if with_add else None
+    for dtype in (torch.float32, torch.bfloat16):
+        got = moe_combine.sum_slots(y, add, dtype)
+        ref = moe_combine.reference(y, add, dtype)
+        assert got.dtype == dtype and got.shape == (9, 1100)
+        assert torch.isfinite(got).all()
+        # fp32 sums of 7-8 terms in another order: last-bit differences at most
+        assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
+    with pytest.raises(ValueError, match="add has shape"):
+        moe_combine.sum_slots(y, torch.zeros(9, 1000, device=DEVICE))
+
+
+@pytest.mark.parametrize("limit", [0.0, 3.0])
+def test_swiglu_bf16_matches_torch(poisoned, limit):
+    """The shared expert's activation: values past ±limit (clamped) and a partial block (I = 1100)."""
+    g = torch.Generator().manual_seed(83)
+    gu = (4 * torch.randn(5, 2200, generator=g)).to(DEVICE)
+    gate, up = gu.chunk(2, dim=-1)
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    ref = (F.silu(gate) * up).bfloat16()
+    got = moe_prefill.swiglu_bf16(gu, limit)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 1100)
+    # an ulp of the GPU's exp may flip a bf16 rounding: at most one bf16 ulp apart, and rarely
+    diff = (got.float() - ref.float()).abs()
+    assert (diff <= ref.float().abs() * 2 ** -7 + 1e-30).all() and (diff > 0).float().mean() < 0.01
 
 
 def test_preorder_layout():
