@@ -41,6 +41,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture
 def poisoned(monkeypatch):
+    # torch's device context (`with torch.device(...)`) caches its set of factory functions on first
+    # use: fill that cache with the real torch.empty before patching it, or every later
+    # `with torch.device("cuda")` in the session would stop placing nn.Module parameters
+    with torch.device("cpu"):
+        torch.zeros(1)
     real = torch.empty
 
     def empty(*size, **kw):
