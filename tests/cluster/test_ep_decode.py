@@ -57,6 +57,18 @@ def status(cluster) -> list[dict]:
     return ray.get([a.ep_status.remote() for a in cluster.decode])
 
 
+def agreed_status(cluster, within_s: float = 10.0) -> list[dict]:
+    """`status` once the ranks' meeting counts agree. An idle group still meets every idle tick, so
+    one snapshot of the ranks (taken one after the other) can straddle a meeting; ranks out of
+    lockstep never agree."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = status(cluster)
+        if len({s["meetings"] for s in got}) == 1 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
 def test_group_outputs_equal_generate(cluster, tiny_official_ckpt):
     one = requests("one", 2, seed=1, max_tokens=(3, 8))  # all on rank 0: rank 1 joins its steps idle
     both = requests("both", 6, seed=2, max_tokens=(3, 8))  # over both ranks, concurrently, half prefilled remotely
@@ -64,7 +76,7 @@ def test_group_outputs_equal_generate(cluster, tiny_official_ckpt):
     got = serve(cluster, one, [0] * len(one), [True, False])
     after_one = status(cluster)
     got += serve(cluster, both, [i % 2 for i in range(len(both))], [i % 3 != 0 for i in range(len(both))])
-    after = status(cluster)
+    after = agreed_status(cluster)
     for r, tokens in zip(one + both, got):
         assert tokens == reference(tiny_official_ckpt, r), r.request_id
     assert after_one[1]["steps"] == before[1]["steps"] and after_one[1]["idle_steps"] > before[1]["idle_steps"]
