@@ -33,13 +33,11 @@ def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch
     return (weight.float() * s).to(dtype)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-              w: torch.Tensor | None = None) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """x [..., K] (or [M, G, K] when grouped), weight e4m3 [G·N, K], scale float [⌈G·N/128⌉, ⌈K/128⌉]
-    → y in x.dtype: [..., N] (or [M, G, N]). `w`: the weight already dequantised to x.dtype."""
+    → y in x.dtype: [..., N] (or [M, G, N])."""
     rows, k = weight.shape
-    if w is None:
-        w = reference_dequantize(weight, scale, x.dtype)
+    w = reference_dequantize(weight, scale, x.dtype)
     if groups == 1:
         return torch.nn.functional.linear(x, w)
     return torch.einsum("mgk,gnk->mgn", x, w.view(groups, rows // groups, k))

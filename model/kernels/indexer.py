@@ -151,7 +151,7 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
                 k = raw.to(tl.bfloat16)
                 key_scale = tl.load((buf + base + c).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
             else:
-                k = load_entries(buf, base, valid, cols, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
+                k = load_entries(buf + base, valid, 0, C, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
                 key_scale = tl.full((BN,), 1.0, tl.float32)
             s = tl.maximum(tl.dot(q, tl.trans(k)) * key_scale[None, :], 0.0) * scale  # [NH, BN]
             score = tl.sum(s * w[:, None], axis=0)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model import quant
 from model.kernels import fp8_gemm
 from model.kernels.fp4 import FP8_BLOCK
 from model.kernels.moe_grouped import Tiles, fit, run_kernels
@@ -63,7 +64,7 @@ def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:
     I, ib = shared.inter, -(-shared.inter // FP8_BLOCK)
 
     def dq(w: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm.dequantize(w, torch.exp2(scale_bytes.float() - 127), torch.bfloat16)
+        return fp8_gemm.dequantize(w, quant.ue8m0_byte_to_scale(scale_bytes), torch.bfloat16)
 
     w1, w3 = dq(shared.w13[0, :I], shared.w13_scale[0, :ib]), dq(shared.w13[0, I:], shared.w13_scale[0, ib:])
     return torch.cat([w1, w3]), dq(shared.w2[0], shared.w2_scale[0])

@@ -62,31 +62,42 @@ def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page
 
 
 @triton.jit
-def load_entries(buf_ptr, base, valid, cols, d, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr):
-    """Decode entries at byte offsets `base` [N] → fp32 [N, C] over columns `cols` [C] (< d)."""
-    ptr = buf_ptr + base[:, None] + cols[None, :]
+def load_entries(rows, valid, c0: tl.constexpr, C: tl.constexpr, d, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                 PACK: tl.constexpr):
+    """Decode columns [c0, c0 + C) (those < d) of the entries at byte pointers `rows` [N] → fp32 [N, C].
+    A chunk wholly in an fp8_pack entry's nope or rope part loads only that part."""
+    cols = c0 + tl.arange(0, C)
     mask = valid[:, None] & (cols < d)[None, :]
     if PACK == 0:
-        x = tl.load((buf_ptr + base[:, None] + 4 * cols[None, :]).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+        x = tl.load((rows[:, None] + 4 * cols[None, :]).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
     elif PACK == 1:
-        x = tl.load((buf_ptr + base[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=mask,
+        x = tl.load((rows[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=mask,
                     other=0.0).to(tl.float32)
-    elif PACK == 2:
+    elif PACK == 2:  # e4m3 nope with a UE8M0 byte per 64 columns, then bf16 rope
         nope = (cols < NOPE)[None, :]
-        q = tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope, other=0.0).to(tl.float32)
-        # one UE8M0 byte per 64 columns, loaded once per block and broadcast over its columns
-        C: tl.constexpr = cols.shape[0]
-        blk = tl.arange(0, C // 64)
-        e = tl.load(buf_ptr + base[:, None] + (NOPE + 2 * ROPE) + blk[None, :],
-                    mask=valid[:, None] & (blk < NOPE // 64)[None, :], other=127)
-        scale = tl.exp2(e.to(tl.float32) - 127.0)  # [N, C/64]
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (base.shape[0], C // 64, 64)), (base.shape[0], C))
-        rope_ptr = buf_ptr + base[:, None] + NOPE + 2 * (cols[None, :] - NOPE)
-        r = tl.load(rope_ptr.to(tl.pointer_type(tl.bfloat16)), mask=mask & ~nope, other=0.0).to(tl.float32)
-        x = tl.where(nope, q * scale, r)
+        x = tl.zeros((rows.shape[0], C), tl.float32)
+        if c0 < NOPE:
+            q = tl.load((rows[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope,
+                        other=0.0).to(tl.float32)
+            # one scale byte per 64 columns, loaded once per block and broadcast over its columns
+            NB: tl.constexpr = (C + 63) // 64
+            blk = tl.arange(0, NB)
+            e = tl.load(rows[:, None] + (NOPE + 2 * ROPE + c0 // 64) + blk[None, :],
+                        mask=valid[:, None] & (c0 // 64 + blk < NOPE // 64)[None, :], other=127)
+            scale = tl.exp2(e.to(tl.float32) - 127.0)  # [N, NB]
+            if NB == 1:
+                scale = tl.broadcast_to(scale, (rows.shape[0], C))
+            else:
+                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (rows.shape[0], NB, 64)), (rows.shape[0], C))
+            x = q * scale
+        if c0 + C > NOPE:
+            r = tl.load((rows[:, None] + NOPE + 2 * (cols[None, :] - NOPE)).to(tl.pointer_type(tl.bfloat16)),
+                        mask=mask & ~nope, other=0.0).to(tl.float32)
+            x = tl.where(nope, x, r)
     else:
-        q = tl.load(ptr.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
-        s = tl.load((buf_ptr + base + d).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        q = tl.load((rows[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask,
+                    other=0.0).to(tl.float32)
+        s = tl.load((rows + d).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
         x = q * s[:, None]
     return x
 

@@ -116,6 +116,20 @@ def _rotate_cols(x, partner, pos, inv_freq_ptr, cols, d, R: tl.constexpr, INVERS
 
 
 @triton.jit
+def rotate_pairs(even, odd, c0: tl.constexpr, pos, inv_freq_ptr, d, R: tl.constexpr, INVERSE: tl.constexpr):
+    """RoPE on split pairs: even / odd [M, P] hold columns c0 + 2i and c0 + 2i + 1; pairs in the
+    trailing R of d columns rotate by pos·inv_freq (by -pos when INVERSE), the others pass."""
+    half = c0 // 2 + tl.arange(0, even.shape[1])
+    in_rope = (half >= (d - R) // 2) & (half < d // 2)
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half - (d - R) // 2, mask=in_rope, other=0.0)
+    cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
+    if INVERSE:
+        sin = -sin
+    in_rope = in_rope[None, :]
+    return tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, odd * cos + even * sin, odd)
+
+
+@triton.jit
 def _rope_rows_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, stride_xh, stride_ot, stride_oh, eps,
                       BH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RMS: tl.constexpr, INVERSE: tl.constexpr,
                       ROUND_BF16: tl.constexpr):
@@ -132,14 +146,8 @@ def _rope_rows_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, st
         factor = _round(tl.rsqrt(tl.sum(x * x, axis=1) / d + eps), ROUND_BF16)[:, None]
         x = _round(x * factor, ROUND_BF16)
     even, odd = tl.split(tl.reshape(x, (BH, D // 2, 2)))
-    half = tl.arange(0, D // 2)
-    in_rope = (half >= (d - R) // 2) & (half < d // 2)
-    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + half - (d - R) // 2, mask=in_rope, other=0.0)
-    cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
-    in_rope = in_rope[None, :]
-    if INVERSE:
-        sin = -sin
-    y = tl.join(tl.where(in_rope, even * cos - odd * sin, even), tl.where(in_rope, odd * cos + even * sin, odd))
+    even, odd = rotate_pairs(even, odd, 0, tl.load(pos_ptr + t), inv_freq_ptr, d, R, INVERSE)
+    y = tl.join(even, odd)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
              tl.reshape(y, (BH, D)).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from model.kernels import check_impl
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
+from model.kernels.rope import rotate_pairs
 from model.rope import Rope
 
 LOG2E = 1.4426950408889634
@@ -141,45 +142,10 @@ def _num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_chunk(row_ptr, valid, c0: tl.constexpr, DC: tl.constexpr, d, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                PACK: tl.constexpr):
-    """Columns [c0, c0 + DC) of the entries at `row_ptr` [BN] (byte pointers) → bf16 [BN, DC]
-    (`pool_io.load_entries` for a column chunk; exact for bf16 and fp8_pack pools)."""
-    cols = c0 + tl.arange(0, DC)
-    mask = valid[:, None] & (cols < d)[None, :]
-    if PACK == 0:
-        x = tl.load((row_ptr[:, None] + 4 * cols[None, :]).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
-    elif PACK == 1:
-        x = tl.load((row_ptr[:, None] + 2 * cols[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=mask,
-                    other=0.0).to(tl.float32)
-    else:  # fp8_pack: e4m3 nope with a UE8M0 byte per 64 columns, then bf16 rope
-        nope = (cols < NOPE)[None, :]
-        x = tl.zeros((row_ptr.shape[0], DC), tl.float32)
-        if c0 < NOPE:
-            q = tl.load((row_ptr[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask & nope,
-                        other=0.0).to(tl.float32)
-            NB: tl.constexpr = (DC + 63) // 64
-            blk = tl.arange(0, NB)
-            e = tl.load(row_ptr[:, None] + (NOPE + 2 * ROPE + c0 // 64) + blk[None, :],
-                        mask=valid[:, None] & (c0 // 64 + blk < NOPE // 64)[None, :], other=127)
-            scale = tl.exp2(e.to(tl.float32) - 127.0)  # [BN, NB]
-            if NB == 1:
-                scale = tl.broadcast_to(scale, (row_ptr.shape[0], DC))
-            else:
-                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (row_ptr.shape[0], NB, 64)),
-                                   (row_ptr.shape[0], DC))
-            x = q * scale
-        if c0 + DC > NOPE:
-            r = tl.load((row_ptr[:, None] + NOPE + 2 * (cols[None, :] - NOPE)).to(tl.pointer_type(tl.bfloat16)),
-                        mask=mask & ~nope, other=0.0).to(tl.float32)
-            x = tl.where(nope, x, r)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _pv(acc, alpha, p, row_ptr, valid, c0: tl.constexpr, DC: tl.constexpr, d, NOPE: tl.constexpr,
         ROPE: tl.constexpr, PACK: tl.constexpr):
-    return acc * alpha[:, None] + tl.dot(p, _load_chunk(row_ptr, valid, c0, DC, d, NOPE, ROPE, PACK))
+    k = load_entries(row_ptr, valid, c0, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)
+    return acc * alpha[:, None] + tl.dot(p, k)
 
 
 @triton.jit
@@ -191,15 +157,10 @@ def _finish(acc, l, c0: tl.constexpr, DC: tl.constexpr, pos, inv_freq_ptr, heads
     cmask = hmask[:, None] & (cols < d)[None, :]
     if SPLITS == 1:
         o = acc / l[:, None]
-        if c0 + DC > d - ROPE:  # de-rotate the rope channels: pairs (2i, 2i+1) by -pos·inv_freq[i]
+        if c0 + DC > d - ROPE:  # de-rotate the rope channels (by -pos)
             even, odd = tl.split(tl.reshape(o, (BH, DC // 2, 2)))
-            half = c0 // 2 + tl.arange(0, DC // 2)
-            in_rope = (half >= (d - ROPE) // 2) & (half < d // 2)
-            freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half - (d - ROPE) // 2, mask=in_rope, other=0.0)
-            cos, sin = tl.cos(freq)[None, :], tl.sin(freq)[None, :]
-            rot_even = tl.where(in_rope[None, :], even * cos + odd * sin, even)
-            rot_odd = tl.where(in_rope[None, :], odd * cos - even * sin, odd)
-            o = tl.reshape(tl.join(rot_even, rot_odd), (BH, DC))
+            even, odd = rotate_pairs(even, odd, c0, pos, inv_freq_ptr, d, ROPE, True)
+            o = tl.reshape(tl.join(even, odd), (BH, DC))
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=cmask)
     else:
@@ -279,10 +240,10 @@ def _sparse_attn_kernel(
                 valid = j < (pos + 1) // RATIO
             row_ptr = c_buf + entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off,
                                          c_entry_bytes, C_ALIGN)
-        s = tl.dot(q0, tl.trans(_load_chunk(row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK)))
-        s += tl.dot(q1, tl.trans(_load_chunk(row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK)))
-        s += tl.dot(q2, tl.trans(_load_chunk(row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK)))
-        s += tl.dot(q3, tl.trans(_load_chunk(row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK)))
+        s = tl.dot(q0, tl.trans(load_entries(row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q1, tl.trans(load_entries(row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q2, tl.trans(load_entries(row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q3, tl.trans(load_entries(row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
