@@ -195,7 +195,8 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
     Float experts run the torch path whatever `impl` (the kernels need packed weights); packed ones
     run the reference (impl "torch"), the fused decode path (`fused`), the FP4 prefill path (from
-    `moe_prefill.MIN_TOKENS` tokens) or the grouped path."""
+    `moe_prefill.MIN_TOKENS` tokens) or the grouped path, on the decode tiles up to
+    `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers and the MTP block decode there)."""
     if not isinstance(experts, PackedExperts):
         y = moe_grouped.expert_outputs(x, ids, lambda e, rows: experts[e](rows))
         return moe_grouped.combine(y, weights, shared(x) if shared is not None else None)
@@ -203,13 +204,14 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return moe_fused.fused_moe(x, weights, ids, experts, shared, limit)
     if impl == "triton" and experts.fmt == "fp4" and x.shape[0] >= moe_prefill.MIN_TOKENS:
         return moe_prefill.prefill_moe(x, weights, ids, experts, shared, limit)
-    return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl)
+    tiles = moe_fused.decode_tiles(x.shape[0]) if x.shape[0] <= moe_fused.DECODE_MAX_TOKENS else ()
+    return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl, *tiles)
 
 
 class MoE(nn.Module):
     # Seed 000's MegaMoE bound is 1024 tokens per rank; past a few hundred tokens the grouped path's
     # larger tiles win, so the fused path stops here (benchmarks/moe_bench.py measures both).
-    FUSED_MAX_TOKENS = 256
+    FUSED_MAX_TOKENS = moe_fused.DECODE_MAX_TOKENS
 
     def __init__(self, cfg: ModelConfig, layer: int, impl: str = "torch"):
         super().__init__()

@@ -47,15 +47,23 @@ DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=Tr
 SMALL_T = 4
 SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
 SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
+# Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
+# 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
+DECODE_MAX_TOKENS = 256
+
+
+def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
+    """(gate/up, down) tiles for a step of `tokens` tokens (a graph captures one size, so the
+    choice is fixed per captured step)."""
+    return (SMALL_GATEUP, SMALL_DOWN) if tokens <= SMALL_T else (DECODE_GATEUP, DECODE_DOWN)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
               shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
               down: Tiles | None = None, scaled_dot: bool = False) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
-    Tiles default by T (a graph captures one T, so the choice is fixed per captured step)."""
-    small = x.shape[0] <= SMALL_T
-    gateup = gateup or (SMALL_GATEUP if small else DECODE_GATEUP)
-    down = down or (SMALL_DOWN if small else DECODE_DOWN)
+    Tiles default to `decode_tiles(T)`."""
+    default_gateup, default_down = decode_tiles(x.shape[0])
+    gateup, down = gateup or default_gateup, down or default_down
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                        fit(down, experts.dim, experts.inter), fuse_combine=True, scaled_dot=scaled_dot)

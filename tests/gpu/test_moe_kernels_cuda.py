@@ -45,11 +45,13 @@ def run(moe, path, x, weights, ids, **kw):
         return moe_fused.fused_moe(*args, **kw)
     if path == "prefill":
         return moe_prefill.prefill_moe(*args, **kw)
+    if path == "grouped_decode_tiles":  # hash layers and the MTP block at decode sizes
+        return moe_grouped.grouped_moe(*args, "triton", *moe_fused.decode_tiles(x.shape[0]), **kw)
     return moe_grouped.grouped_moe(*args, "triton", **kw)
 
 
 @pytest.mark.parametrize("T", [1, 64, 256])
-@pytest.mark.parametrize("path", ["fused", "grouped"])
+@pytest.mark.parametrize("path", ["fused", "grouped", "grouped_decode_tiles"])
 def test_decode_sizes(poisoned, flash_fp4, path, T):
     x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 11)
     check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)

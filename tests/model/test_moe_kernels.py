@@ -93,12 +93,12 @@ def check(out, x, weights, ids, moe):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-@pytest.mark.parametrize("path", ["fused", "grouped"])
+@pytest.mark.parametrize("path", ["fused", "grouped", "grouped_decode_tiles"])
 def test_paths_match_reference(poisoned, fmt, path):
     moe = MoE.random_packed(tiny_config(), layer=3, fmt=fmt, seed=hash((fmt, path)) % 1000, device=DEVICE)
     x, weights, ids = routed(moe, T=5, seed=7)
     run = moe_fused.fused_moe if path == "fused" else moe_grouped.grouped_moe
-    extra = () if path == "fused" else ("triton",)
+    extra = {"fused": (), "grouped": ("triton",), "grouped_decode_tiles": ("triton", *moe_fused.decode_tiles(5))}[path]
     out = run(x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit, *extra)
     check(out, x, weights, ids, moe)
 
@@ -142,20 +142,25 @@ def test_sort_by_expert_is_stable_and_counts():
 
 
 def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
-    """Fused: score-routed main layers up to fused_max_tokens; grouped: hash layers, MTP, larger T."""
+    """Fused: score-routed main layers up to fused_max_tokens; grouped: hash layers, MTP, larger T,
+    on the decode tiles up to DECODE_MAX_TOKENS tokens and on its own (prefill) tiles past them."""
     calls = []
     monkeypatch.setattr(moe_fused, "fused_moe", lambda *a, **k: calls.append("fused") or moe_grouped.reference(*a))
     real = moe_grouped.grouped_moe
-    monkeypatch.setattr(moe_grouped, "grouped_moe", lambda *a, **k: calls.append("grouped") or real(*a[:-1], "torch"))
+    monkeypatch.setattr(moe_grouped, "grouped_moe", lambda *a, **k: calls.append(("grouped", a[7:]))
+                        or real(*a[:6], "torch"))
     cfg = tiny_config()
-    for layer, T, want in ((3, 4, "fused"), (0, 4, "grouped"), (cfg.num_hidden_layers, 4, "grouped"),
-                           (3, 9, "grouped")):
+    big = moe_fused.DECODE_MAX_TOKENS + 1
+    for layer, T, want in ((3, 4, "fused"), (0, 4, ("grouped", moe_fused.decode_tiles(4))),
+                           (cfg.num_hidden_layers, 4, ("grouped", moe_fused.decode_tiles(4))),
+                           (3, 9, ("grouped", moe_fused.decode_tiles(9))), (0, big, ("grouped", ()))):
         moe = MoE.random_packed(cfg, layer=layer, impl="triton", seed=layer)
         moe.fused_max_tokens = 8
         x, tok = torch.randn(T, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (T,))
         calls.clear()
         moe(x, tok)
         assert calls == [want], (layer, T)
+    assert moe_fused.decode_tiles(4) != moe_fused.decode_tiles(9)  # the small-step table is its own
 
 
 # ---------------------------------------------------------------------------------------
