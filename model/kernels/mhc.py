@@ -72,11 +72,13 @@ def reference_post(out, x, post, comb):
 @dataclasses.dataclass(frozen=True)
 class MixTiles:
     """Launch shape of `_mix_kernel`: tokens per program, K per step, warps, K splits (None: enough
-    programs for ~2 waves)."""
+    programs for ~2 waves); and of `_pre_kernel`'s collapse: D splits (None: likewise, in chunks
+    of at least 256 columns)."""
     bt: int
     bk: int = 128
     num_warps: int = 4
     split: int | None = None
+    collapse_split: int | None = None
 
 
 def mix_tiles(tokens: int) -> MixTiles:
@@ -136,12 +138,16 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tile
         partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=x.device)  # mixes | Σx²
         _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
                                      HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
-        mixes = partial.sum(0) if split > 1 else partial[0]  # fixed order: deterministic
         bt = 16 if T <= 2048 else 32
-        _pre_kernel[(triton.cdiv(T, bt),)](
-            x, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
-            T, D, iters, hc_eps, rms_eps, HC=hc, BT=bt, NP=16, BD=min(256, triton.next_power_of_2(D)),
-            HEAD=head, num_warps=4)
+        # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
+        # chunks, or 4 programs would read all of x at T = 64 (32 µs instead of ~3)
+        d_split = tiles.collapse_split or max(1, min(264 // triton.cdiv(T, bt), triton.cdiv(D, 256)))
+        chunk = triton.cdiv(D, d_split)
+        bd = min(256, triton.next_power_of_2(chunk))
+        _pre_kernel[(triton.cdiv(T, bt), d_split)](
+            x, partial, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
+            T, D, triton.cdiv(chunk, bd) * bd, iters, hc_eps, rms_eps, HC=hc, BT=bt, NP=16, BD=bd,
+            SPLIT=split, HEAD=head, num_warps=4)
     return collapsed, post, comb
 
 
@@ -207,23 +213,33 @@ def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps,
-                HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr):
-    """From the mixes: pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ."""
+def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, D_CHUNK, iters, hc_eps,
+                rms_eps, HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                HEAD: tl.constexpr):
+    """From the mixes (`_mix_kernel`'s SPLIT partial sums, added here in split order: deterministic):
+    pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ over the D columns
+    [pid1 · D_CHUNK, (pid1 + 1) · D_CHUNK); every D chunk's program derives pre, the first also
+    stores post and comb."""
+    d_first = tl.program_id(1) * D_CHUNK
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = tok < T
     K = HC * D
     cols = tl.arange(0, NP)
-    row = mix_ptr + tok[:, None].to(tl.int64) * (3 * NP + 1)
-    a_pre = tl.load(row + cols[None, :], mask=tmask[:, None], other=0.0)
-    a_post = tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
-    a_comb = tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
-    sq = tl.load(mix_ptr + tok.to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
+    a_pre = tl.zeros((BT, NP), tl.float32)
+    a_post = tl.zeros((BT, NP), tl.float32)
+    a_comb = tl.zeros((BT, NP), tl.float32)
+    sq = tl.zeros((BT,), tl.float32)
+    for part in tl.static_range(SPLIT):
+        row = mix_ptr + (part * T + tok[:, None]).to(tl.int64) * (3 * NP + 1)
+        a_pre += tl.load(row + cols[None, :], mask=tmask[:, None], other=0.0)
+        a_post += tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
+        a_comb += tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
+        sq += tl.load(mix_ptr + (part * T + tok).to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
     r = tl.rsqrt(sq / K + rms_eps)[:, None]
     cols = tl.arange(0, NP)
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
     pre = tl.where((cols < HC)[None, :], pre, 0.0)
-    if not HEAD:
+    if not HEAD and d_first == 0:
         post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
                                                                               other=0.0))
         tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
@@ -240,7 +256,7 @@ def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr
     # collapsed = Σᵢ preᵢ · xᵢ
     streams = tl.arange(0, HC)
     pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
-    for d0 in range(0, D, BD):
+    for d0 in range(d_first, tl.minimum(d_first + D_CHUNK, D), BD):
         offs_d = d0 + tl.arange(0, BD)
         ptr = x_ptr + tok[:, None, None].to(tl.int64) * K + streams[None, :, None] * D + offs_d[None, None, :]
         xs = tl.load(ptr, mask=tmask[:, None, None] & (offs_d < D)[None, None, :], other=0.0).to(tl.float32)

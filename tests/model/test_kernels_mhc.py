@@ -35,9 +35,11 @@ def test_hc_pre_matches_reference(dtype, T):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [mhc.MixTiles(bt=64), mhc.MixTiles(bt=32, bk=64, split=3),
-                                   mhc.MixTiles(bt=16, split=2, num_warps=8)], ids=str)
+                                   mhc.MixTiles(bt=16, split=2, num_warps=8, collapse_split=3)], ids=str)
 def test_hc_pre_launch_shapes_agree(dtype, tiles):
-    """Every launch shape (tokens per program, K per step, K splits, warps) computes the same mixes: 70 tokens leave a partial token block, D = 200 a partial K step."""
+    """Every launch shape (tokens per program, K per step, K splits, warps, D splits of the
+    collapse) computes the same outputs: 70 tokens leave a partial token block, D = 200 a partial
+    K step; 3 collapse splits of D = 200 give a full chunk, a partial one and an empty one."""
     g = torch.Generator().manual_seed(45)
     hc, D, T = 4, 200, 70
     x = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
