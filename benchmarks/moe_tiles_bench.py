@@ -1,0 +1,117 @@
+"""Fused decode MoE tile choices, per kernel, over many full-width V4-Flash layers in turn.
+
+    python benchmarks/moe_tiles_bench.py --out moe_tiles.json [--layers 12] [--variants default,dn_st2]
+
+Unlike benchmarks/moe_bench.py (one layer, replayed), each variant runs a CUDA graph of `--layers`
+different layers (random FP4 experts, each layer routed by its own gate), as a decode step meets
+them, and the same layer `--layers` times for comparison; torch.profiler splits the graph's time
+per kernel (count sort, gate/up, down). Fraction of copy: the hit experts' bytes (and the shared
+expert's) over the time, against a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.moe_bench import build_layer, bytes_read, ceilings, routed_inputs  # noqa: E402
+from model.kernels import moe_fused  # noqa: E402
+from model.kernels.moe_grouped import Launch, Tiles, fit, plan_kernels  # noqa: E402
+from model.kernels.moe_prefill import preorder  # noqa: E402
+
+GU, DN = moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN
+# name → (gate/up tiles, down tiles, with the shared expert, activations in `preorder`'s layout)
+VARIANTS = {
+    "default": (GU, DN, True, False),
+    "no_shared": (GU, DN, False, False),
+    "no_shared_preordered": (GU, DN, False, True),
+    "stages2": (replace(GU, num_stages=2), replace(DN, num_stages=2), True, False),
+    "stages4": (replace(GU, num_stages=4), replace(DN, num_stages=4), True, False),
+    "down_bn64": (GU, replace(DN, BN=64), True, False),
+    "down_bn64_stages2": (GU, replace(DN, BN=64, num_stages=2), True, False),
+    "down_stages2": (GU, replace(DN, num_stages=2), True, False),
+    "gateup_bn32": (replace(GU, BN=32), DN, True, False),
+    "gateup_bn128_w8": (replace(GU, BN=128, num_warps=8), DN, True, False),
+}
+
+
+def plan(moe, T: int, seed: int, gateup: Tiles, down: Tiles, shared: bool, pre: bool) -> tuple[list[Launch], int]:
+    x, _, weights, ids = routed_inputs(moe, T, seed)
+    ex = moe.experts
+    launches, _ = plan_kernels(preorder(x) if pre else x, weights, ids, ex, moe.shared_experts if shared else None,
+                               moe.cfg.swiglu_limit, fit(gateup, ex.inter, ex.dim), fit(down, ex.dim, ex.inter),
+                               fuse_combine=True, preordered=pre)
+    return launches, bytes_read(moe, x, ids)
+
+
+def graph_ms(launches: list[Launch], reps: int = 20) -> tuple[float, dict]:
+    """Median replay time of one graph of `launches`, and its CUDA time per kernel name (one replay)."""
+    from torch.profiler import ProfilerActivity, profile
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for launch in launches:
+            launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time_total / 1e3
+    return sorted(times)[len(times) // 2], per_kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="moe_tiles.json")
+    ap.add_argument("--layers", type=int, default=12, help="distinct layers (3.4 GB each)")
+    ap.add_argument("--tokens", default="64,256")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    ceil = ceilings()
+    layers = [build_layer(seed=i) for i in range(args.layers)]
+    rows = []
+    for T in map(int, args.tokens.split(",")):
+        for name in args.variants.split(","):
+            gateup, down, shared, pre = VARIANTS[name]
+            planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]
+            n = len(layers)
+            rot_ms, rot_k = graph_ms([launch for launches, _ in planned for launch in launches])
+            same_ms, _ = graph_ms([launch for _ in range(n) for launch in planned[0][0]])
+            nbytes = sum(b for _, b in planned) / n
+            row = dict(T=T, variant=name, gateup=asdict(gateup), down=asdict(down), shared=shared, preordered=pre,
+                       ms_per_layer=rot_ms / n, same_layer_ms=same_ms / n,
+                       kernels_ms={k: v / n for k, v in rot_k.items()},
+                       frac_copy=nbytes / (rot_ms / n * 1e-3) / (ceil["copy_GBps"] * 1e9))
+            rows.append(row)
+            print(f"T={T:4d} {name:22s} {row['ms_per_layer']:.3f} ms/layer (same layer {row['same_layer_ms']:.3f})"
+                  f"  {row['frac_copy']:.0%} of copy  " + "  ".join(f"{k} {v:.3f}" for k, v in row["kernels_ms"].items()),
+                  flush=True)
+    Path(args.out).write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
