@@ -140,7 +140,7 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tile
                                      HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
         bt = 16 if T <= 2048 else 32
         # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
-        # chunks, or 4 programs would read all of x at T = 64 (32 µs instead of ~3)
+        # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
         d_split = tiles.collapse_split or max(1, min(264 // triton.cdiv(T, bt), triton.cdiv(D, 256)))
         chunk = triton.cdiv(D, d_split)
         bd = min(256, triton.next_power_of_2(chunk))
