@@ -170,14 +170,14 @@ def _graph_ms(fn, static_inputs: list[torch.Tensor], fresh: list[torch.Tensor]) 
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
-def bench_case(moe: MoE, path: str, T: int, seed: int, ceil: dict, sweep: bool) -> dict:
+def bench_case(moe: MoE, path: str, T: int, seed: int, ceil: dict, n_tiles: int) -> dict:
     from triton.testing import do_bench
     x, tok, weights, ids = routed_inputs(moe, T, seed)
     nbytes, nflop = bytes_read(moe, x, ids), flop(moe, T)
     row = {"path": path, "T": T, "fmt": moe.experts.fmt, "bytes": nbytes, "flop": nflop,
            "hit_experts": int(torch.unique(ids).numel())}
     results = []
-    for tiles in (SWEEP[path] if sweep else SWEEP[path][:1]):
+    for tiles in SWEEP[path][:n_tiles]:
         entry = {"gateup": asdict(tiles[0]), "down": asdict(tiles[1])}
         try:
             fn = _experts_fn(moe, path, x, weights, ids, tiles)
@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="moe_bench.json", help="JSON results path")
     ap.add_argument("--fmt", default="fp4", choices=("fp4", "fp8"), help="routed expert format")
     ap.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
+    ap.add_argument("--tiles", type=int, default=0, help="only the first N tile choices of each sweep")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused-only", action="store_true", help="only the fused decode cases (tile sweep)")
     ap.add_argument("--prefill-only", action="store_true", help="only T=8192: grouped against the prefill path")
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, T in cases:
         seed += 1
         try:
-            row = bench_case(moe, path, T, seed, ceil, sweep=not args.quick)
+            row = bench_case(moe, path, T, seed, ceil, 1 if args.quick else args.tiles or len(SWEEP[path]))
             row["rel_err_vs_reference"] = check_parity(moe, path, min(T, 1024), seed + 1000)
         except Exception:
             row = {"path": path, "T": T, "error": traceback.format_exc()[-2000:]}

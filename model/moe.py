@@ -29,7 +29,7 @@ from model import quant
 from model.config import ModelConfig
 from model.kernels import check_impl
 from model.kernels import moe_fused, moe_grouped, moe_prefill
-from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK
+from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block
 from model.quantized import linear_fp32_out
 
 FORMATS = ("fp4", "fp8")
@@ -87,8 +87,15 @@ class Expert(nn.Module):
 class PackedExperts(nn.Module):
     """E experts stacked and quantised; w13 = [w1; w3] (gate rows, then up rows), D = dim, I = inter.
 
-    fmt "fp4": w13 uint8 [E, 2I, D/2] (e2m1 pairs, low nibble first), w13_scale uint8 [E, 2I, D/32];
-               w2 uint8 [E, D, I/2], w2_scale uint8 [E, D, I/32]  (UE8M0 per 32 along K)
+    fmt "fp4", K-blocked: a matrix of R rows × K (codes [R, K/2]: e2m1 pairs, low nibble first;
+               scales [R, K/32]: UE8M0 per 32 along K) is stored K block by K block,
+               codes [K/2/kb, R, kb] and scales [K/32/sb, R, sb], kb = `fp4_k_block(K/2)` (64 bytes,
+               128 K, at V4 shapes), sb = kb/16: element [b, r, j] is byte b·kb + j of row r.
+               w13 uint8 [E, D/2/kb13, 2I, kb13], w13_scale uint8 [E, D/32/sb13, 2I, sb13];
+               w2 uint8 [E, I/2/kb2, D, kb2], w2_scale uint8 [E, I/32/sb2, D, sb2].
+               Why: a kernel's K step over BN rows is then one contiguous read (BN·64 bytes) instead
+               of BN reads of 64 bytes a row apart, which H100 HBM serves at ~65% of copy bandwidth
+               against ~94% (benchmarks/fp4_layout_bench.py).
     fmt "fp8": w13 e4m3 [E, 2I, D], w13_scale uint8 [E, 2⌈I/128⌉, ⌈D/128⌉] (w1's blocks, then w3's);
                w2 e4m3 [E, D, I], w2_scale uint8 [E, ⌈D/128⌉, ⌈I/128⌉]
     Scales are UE8M0 bytes (scale = 2^(byte - 127)), as the official checkpoint stores them.
@@ -102,8 +109,12 @@ class PackedExperts(nn.Module):
             raise ValueError(f"FP4 experts need hidden ({dim}) and intermediate ({inter}) sizes divisible by 32")
         self.fmt, self.n_experts, self.dim, self.inter = fmt, n_experts, dim, inter
         E, D, I = n_experts, dim, inter
+        # code bytes per row in one K block of w13 and w2 (FP4)
+        self.kb13, self.kb2 = (fp4_k_block(D // 2), fp4_k_block(I // 2)) if fmt == "fp4" else (0, 0)
         if fmt == "fp4":
-            shapes = [(E, 2 * I, D // 2), (E, 2 * I, D // FP4_GROUP), (E, D, I // 2), (E, D, I // FP4_GROUP)]
+            kb13, kb2 = self.kb13, self.kb2
+            shapes = [(E, D // 2 // kb13, 2 * I, kb13), (E, D // 2 // kb13, 2 * I, kb13 // 16),
+                      (E, I // 2 // kb2, D, kb2), (E, I // 2 // kb2, D, kb2 // 16)]
             dtypes = [torch.uint8] * 4
         else:
             ib, db = math.ceil(I / FP8_BLOCK), math.ceil(D / FP8_BLOCK)
@@ -122,8 +133,10 @@ class PackedExperts(nn.Module):
             q1, s1 = _quantize(ex.w1.weight, fmt)
             q3, s3 = _quantize(ex.w3.weight, fmt)
             q2, s2 = _quantize(ex.w2.weight, fmt)
-            packed.w13[e] = torch.cat([q1, q3])
-            packed.w13_scale[e] = torch.cat([s1, s3])
+            q13, s13 = torch.cat([q1, q3]), torch.cat([s1, s3])
+            if fmt == "fp4":
+                (q13, s13), (q2, s2) = _k_blocked(q13, s13, packed.kb13), _k_blocked(q2, s2, packed.kb2)
+            packed.w13[e], packed.w13_scale[e] = q13, s13
             packed.w2[e], packed.w2_scale[e] = q2, s2
         # the kernels' bf16 dequantisation is exact up to these scales (kernels/fp4.py)
         top, limit = int(max(packed.w13_scale.max(), packed.w2_scale.max())), MAX_SCALE_BYTE[fmt]
@@ -152,8 +165,8 @@ class PackedExperts(nn.Module):
         """Expert e → float32 (w1 [I, D], w3 [I, D], w2 [D, I])."""
         I = self.inter
         if self.fmt == "fp4":
-            w13 = quant.fp4_dequantize_weight(self.w13[e], self.w13_scale[e], FP4_GROUP)
-            w2 = quant.fp4_dequantize_weight(self.w2[e], self.w2_scale[e], FP4_GROUP)
+            w13 = quant.fp4_dequantize_weight(*_k_unblocked(self.w13[e], self.w13_scale[e]), FP4_GROUP)
+            w2 = quant.fp4_dequantize_weight(*_k_unblocked(self.w2[e], self.w2_scale[e]), FP4_GROUP)
             return w13[:I], w13[I:], w2
         ib = math.ceil(I / FP8_BLOCK)
         w1 = quant.fp8_dequantize_weight(self.w13[e, :I], self.w13_scale[e, :ib], FP8_BLOCK)
@@ -178,6 +191,18 @@ def _code_rms(fmt: str) -> float:
     byte = torch.arange(256, dtype=torch.uint8)
     values = ((byte & 0x87) | (((byte >> 3) % 7 + 4) << 3)).view(torch.float8_e4m3fn).float()
     return float(values.square().mean().sqrt())
+
+
+def _k_blocked(codes: torch.Tensor, scales: torch.Tensor, kb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 codes [R, K/2] and scales [R, K/32] → `PackedExperts`' K-blocked [K/2/kb, R, kb] and
+    [K/32/sb, R, sb] (sb = kb/16), contiguous."""
+    return (codes.unflatten(-1, (-1, kb)).transpose(0, 1).contiguous(),
+            scales.unflatten(-1, (-1, kb // 16)).transpose(0, 1).contiguous())
+
+
+def _k_unblocked(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_k_blocked`'s inverse: → codes [R, K/2], scales [R, K/32]."""
+    return codes.transpose(0, 1).flatten(1), scales.transpose(0, 1).flatten(1)
 
 
 def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,14 @@ permuted the same way (`mma_order_pairs` / `mma_order`), which leaves the dot pr
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
 FP4_GROUP = 32  # K elements per UE8M0 scale
 FP8_BLOCK = 128  # rows and K elements per FP8 weight scale
+FP4_K_BLOCK = 64  # code bytes (128 K) per row in one K block of a packed FP4 matrix (`fp4_k_block`)
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,6 +146,14 @@ def fp8_to_bf16(q, row_scale, ASM: tl.constexpr):
 # ---------------------------------------------------------------------------------------
 # host-side checks
 # ---------------------------------------------------------------------------------------
+
+def fp4_k_block(row_bytes: int) -> int:
+    """Code bytes per row in one K block of a packed FP4 matrix with `row_bytes` per row (a multiple
+    of 16, the bytes of one scale group): `FP4_K_BLOCK`, or the largest power of two dividing
+    `row_bytes` below it. The matrix is stored K block by K block, all rows of a block contiguous
+    (model/moe.py's `PackedExperts`), so that one K step of a weight tile is one contiguous read."""
+    return math.gcd(row_bytes, FP4_K_BLOCK)
+
 
 def check_fp4_block(block_k: int) -> None:
     """A K tile for FP4 weights: whole 32-element scale groups, and K/2 >= 16 for tl.dot."""

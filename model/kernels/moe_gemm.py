@@ -13,8 +13,14 @@ activation tile), for the kernels of kernels/moe_grouped.py. Two orientations:
   `preorder`'s order beforehand, so their tiles go from global to shared memory untouched (no
   register permutation per step) while the weights stay the register operand.
 
-Scale bytes are fetched one K step ahead (`_scales`): they are too small for the pipeliner's
-asynchronous copies, and a global load consumed in its own step stalls the warp.
+FP4 weights and scales are K-blocked (model/moe.py's `PackedExperts`): a step's tile of BN rows is
+one contiguous read (`_k_step`).
+
+Scale bytes are fetched one K step ahead in registers (`_scales`): a global load consumed in its
+own step stalls the warp. (Gate and up scales loaded as one tile in their own step are large
+enough for the pipeliner's asynchronous copies, which then read them from shared memory straight
+into the MMA layout; on H100 that decode gate/up kernel was no faster, 0.822 against 0.804 ms at
+64 tokens, so it was not kept.)
 """
 
 from __future__ import annotations
@@ -28,10 +34,22 @@ B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 
 
 @triton.jit
-def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, BK: tl.constexpr):
+def _k_step(rows, i, R: tl.constexpr, B: tl.constexpr, N: tl.constexpr):
+    """Offsets [BN, N] of K step i's N bytes of `rows` in a K-blocked matrix of R rows and B bytes per
+    row and block (model/moe.py's `PackedExperts`); N divides B, so a step stays in one block.
+    Written from the step index: the same offsets from the byte offset j (`(j // B)·R·B + j % B`)
+    hide from Triton's alignment analysis that the remainder is a multiple of N, and the weight
+    tile then stops going through asynchronous copies."""
+    per_block: tl.constexpr = B // N
+    return (i // per_block) * (R * B) + (i % per_block) * N + rows[:, None] * B + tl.arange(0, N)[None, :]
+
+
+@triton.jit
+def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
+            BK: tl.constexpr):
     """The scale bytes a K step at k0 needs: FP4 [BN, BK/32] (per row and 32 K), FP8 [BN] (per row's block)."""
     if FP4:
-        s = tl.load(s_ptr + rows[:, None] * s_stride + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+        s = tl.load(s_ptr + _k_step(rows, k0 // BK, R, KB // 16, BK // 32))
     else:
         s = tl.load(s_ptr + srows * s_stride + k0 // 128)
     return s
@@ -39,12 +57,12 @@ def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _operands(w_ptr, s, rows, k0, w_stride, FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-              ASM: tl.constexpr, BK: tl.constexpr):
+              ASM: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BK: tl.constexpr):
     """W[rows, k0:k0+BK] as MMA operand(s), scales `s` from `_scales`: FP4 SWAP → (even, odd) K in
     `mma_order`; FP4 → (bf16 tile, same); FP8 → (bf16 tile, same) (SWAP: `mma_order`);
     SCALED_DOT → (packed bytes, s) for tl.dot_scaled."""
     if FP4:
-        w = tl.load(w_ptr + rows[:, None] * w_stride + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
+        w = tl.load(w_ptr + _k_step(rows, k0 // BK, R, KB, BK // 2))
         if SCALED_DOT:
             a, b = w, s
         elif SWAP:
@@ -84,28 +102,30 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 @triton.jit
 def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
           K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False):
+          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False,
+          R: tl.constexpr = 0, KB: tl.constexpr = 0):
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
     `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask), in
-    `preorder`'s layout with XPRE (FP4 and SWAP only). Only the first product when not TWO."""
-    w_stride: tl.constexpr = K // 2 if FP4 else K
-    s_stride: tl.constexpr = K // 32 if FP4 else (K + B8 - 1) // B8
+    `preorder`'s layout with XPRE (FP4 and SWAP only). Only the first product when not TWO.
+    FP4: W is K-blocked, R rows and KB code bytes per row and block (BK/2 divides KB)."""
+    w_stride: tl.constexpr = K  # FP8
+    s_stride: tl.constexpr = (K + B8 - 1) // B8
     if SWAP:
         acc_a = tl.zeros([BN, BT], dtype=tl.float32)
         acc_b = tl.zeros([BN, BT], dtype=tl.float32)
     else:
         acc_a = tl.zeros([BT, BN], dtype=tl.float32)
         acc_b = tl.zeros([BT, BN], dtype=tl.float32)
-    sa = _scales(s_ptr, rows_a, srows_a, 0, s_stride, FP4, BK)
+    sa = _scales(s_ptr, rows_a, srows_a, 0, s_stride, FP4, R, KB, BK)
     sb = sa
     if TWO:
-        sb = _scales(s_ptr, rows_b, srows_b, 0, s_stride, FP4, BK)
+        sb = _scales(s_ptr, rows_b, srows_b, 0, s_stride, FP4, R, KB, BK)
     for k0 in range(0, K, BK):
         k_next = tl.minimum(k0 + BK, K - BK)
-        sa_next = _scales(s_ptr, rows_a, srows_a, k_next, s_stride, FP4, BK)
+        sa_next = _scales(s_ptr, rows_a, srows_a, k_next, s_stride, FP4, R, KB, BK)
         sb_next = sa_next
         if TWO:
-            sb_next = _scales(s_ptr, rows_b, srows_b, k_next, s_stride, FP4, BK)
+            sb_next = _scales(s_ptr, rows_b, srows_b, k_next, s_stride, FP4, R, KB, BK)
         if XPRE:  # even K in the row's first half, odd K in its second, each in mma_order
             xe = x_ptr + x_rows[:, None] * K + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
             x_even = tl.load(xe, mask=x_mask[:, None], other=0.0).to(tl.bfloat16)
@@ -123,10 +143,10 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
                 xt = mma_order(xt)
         # both weight sets dequantised before either product: the tensor cores then get the two
         # back to back, one wait per step instead of two
-        a1, a2 = _operands(w_ptr, sa, rows_a, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+        a1, a2 = _operands(w_ptr, sa, rows_a, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, R, KB, BK)
         b1, b2 = a1, a2
         if TWO:
-            b1, b2 = _operands(w_ptr, sb, rows_b, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, BK)
+            b1, b2 = _operands(w_ptr, sb, rows_b, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, R, KB, BK)
         acc_a = _accumulate(acc_a, a1, a2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)
         if TWO:
             acc_b = _accumulate(acc_b, b1, b2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)

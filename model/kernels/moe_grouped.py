@@ -25,6 +25,7 @@ prefill tiles and sums y in torch: the sort, 2 kernels, the sum.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import moe_combine
-from model.kernels.fp4 import FP8_BLOCK, check_fp4_block, check_fp8_block
+from model.kernels.fp4 import FP4_K_BLOCK, FP8_BLOCK, check_fp4_block, check_fp8_block
 from model.kernels.moe_gemm import w_xt
 
 if TYPE_CHECKING:
@@ -177,8 +178,11 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         raise ValueError("add joins the unfused combine; the fused one has no place for it")
     T, k = ids.shape
     D, I, E = experts.dim, experts.inter, experts.n_experts
-    for t, n, kk, what in ((gateup, I, D, "gate/up tiles"), (down, D, I, "down tiles")):
+    for t, n, kk, kb, what in ((gateup, I, D, experts.kb13, "gate/up tiles"), (down, D, I, experts.kb2, "down tiles")):
         check_tiles(t, n, kk, experts.fmt, what)
+        if experts.fmt == "fp4" and kb % (t.BK // 2):
+            raise ValueError(f"{what}: BK={t.BK} reads {t.BK // 2} code bytes a row per step, more than the "
+                             f"{kb} of one K block of the packed experts (`fit` picks a BK that fits)")
         if shared is not None:  # the shared expert (FP8) runs in the same programs (BK, or half of it:
             check_fp8_block(t.BK)  # `_shared_bk` halves only BK >= 64, which then still divides 128)
     if T == 0:
@@ -218,11 +222,11 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
                 T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
                dict(ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
-                    SBK=_shared_bk(gateup, experts.fmt), **_tile_meta(gateup), **common)),
+                    SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup), **common)),
         Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN),
                (h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
                 T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
-               dict(FUSE_COMBINE=fuse_combine, **_tile_meta(down), **common)),
+               dict(FUSE_COMBINE=fuse_combine, WKB=experts.kb2, **_tile_meta(down), **common)),
     ]
     if fuse_combine:
         return launches, lambda: out
@@ -262,12 +266,13 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
 
 
 def fit(t: Tiles, n: int, k: int) -> Tiles:
-    """The tile for n weight rows and K = k: BN halved until it divides n (down to 16), BK at most k,
-    so that small test models run the same table (V4-Flash shapes keep it as it is)."""
+    """The tile for n weight rows and K = k: BN halved until it divides n (down to 16), BK at most
+    the largest power of two up to 128 dividing k (within one K block of packed FP4 experts, one
+    FP8 scale block), so that small test models run the same table (V4-Flash shapes keep it)."""
     bn = t.BN
     while n % bn and bn > 16:
         bn //= 2
-    return replace(t, BN=bn, BK=min(t.BK, k))
+    return replace(t, BN=bn, BK=min(t.BK, math.gcd(k, 2 * FP4_K_BLOCK)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +321,8 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
                    ASM: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
-                   XPRE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SBK: tl.constexpr):
+                   XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SBK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     if ZERO_CNT:  # the fused down kernel's arrival counters, zeroed here to save a memset launch
@@ -345,7 +351,7 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK,
-                        XPRE)
+                        XPRE, 2 * I, WKB)
         else:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
                          D, False, True, SWAP, False, ASM, BN, BT, BK)
@@ -365,7 +371,7 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  T, n_cnt, stride_we, stride_se,
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-                 ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr, XPRE: tl.constexpr,
+                 ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -392,7 +398,7 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK,
-                          XPRE)
+                          XPRE, D, WKB)
         else:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
     y = acc * wgt[None, :]

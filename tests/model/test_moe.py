@@ -13,7 +13,9 @@ import copy
 import pytest
 import torch
 
+from model import quant
 from model.kernels import moe_grouped
+from model.kernels.fp4 import fp4_k_block
 from model.moe import MoE, PackedExperts
 from model.tiny import random_weights, tiny_config
 
@@ -22,8 +24,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
-def float_moe(layer: int, seed: int) -> MoE:
-    cfg = tiny_config()
+def float_moe(layer: int, seed: int, **overrides) -> MoE:
+    cfg = tiny_config(**overrides)
     moe = MoE(cfg, layer)
     moe.load_state_dict(random_weights({k: v.shape for k, v in moe.state_dict().items()}, cfg, seed))
     return moe
@@ -69,12 +71,12 @@ def test_packed_reference_equals_float_path_on_dequantised_weights(fmt, layer):
 
 def test_pack_layout_and_float_weights_dropped():
     cfg = tiny_config()
-    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts  # 64, 32: one K block each
     moe = float_moe(layer=3, seed=5).pack_experts("fp4")
     names = {k: (tuple(v.shape), v.dtype) for k, v in moe.state_dict().items() if "experts" in k}
     assert names == {
-        "experts.w13": ((E, 2 * I, D // 2), torch.uint8), "experts.w13_scale": ((E, 2 * I, D // 32), torch.uint8),
-        "experts.w2": ((E, D, I // 2), torch.uint8), "experts.w2_scale": ((E, D, I // 32), torch.uint8),
+        "experts.w13": ((E, 1, 2 * I, D // 2), torch.uint8), "experts.w13_scale": ((E, 1, 2 * I, D // 32), torch.uint8),
+        "experts.w2": ((E, 1, D, I // 2), torch.uint8), "experts.w2_scale": ((E, 1, D, I // 32), torch.uint8),
         "shared_experts.w13": ((1, 2 * I, D), torch.float8_e4m3fn),
         "shared_experts.w13_scale": ((1, 2, 1), torch.uint8),  # w1's 128×128 blocks, then w3's
         "shared_experts.w2": ((1, D, I), torch.float8_e4m3fn), "shared_experts.w2_scale": ((1, 1, 1), torch.uint8),
@@ -85,12 +87,33 @@ def test_pack_layout_and_float_weights_dropped():
         float_moe(layer=3, seed=5).pack_experts("int4")
 
 
+def test_fp4_k_blocks_hold_each_rows_bytes_in_order():
+    """K-blocked FP4 (`PackedExperts`): element [b, r, j] is byte b·kb + j of row r, codes and
+    scales alike; kb = 64 code bytes (128 K) where the row allows, else the largest power of two
+    dividing it."""
+    assert [fp4_k_block(n) for n in (2048, 1024, 128, 64, 48, 32, 16)] == [64, 64, 64, 64, 16, 32, 16]
+    moe = float_moe(layer=3, seed=6, hidden_size=256, moe_intermediate_size=96)
+    packed = copy.deepcopy(moe).pack_experts("fp4").experts
+    assert (packed.kb13, packed.kb2) == (64, 16)  # rows of 128 and 48 code bytes
+    ex = moe.experts[3]
+    for w, codes, scales, kb in ((torch.cat([ex.w1.weight, ex.w3.weight]), packed.w13[3], packed.w13_scale[3], 64),
+                                 (ex.w2.weight, packed.w2[3], packed.w2_scale[3], 16)):
+        q, s = quant.fp4_quantize_weight(w, 32)
+        q, s = q.view(torch.uint8), s.view(torch.uint8)
+        assert codes.shape == (q.shape[1] // kb, q.shape[0], kb) and scales.shape == (s.shape[1] // (kb // 16),
+                                                                                      s.shape[0], kb // 16)
+        for b, r, j in ((0, 0, 0), (1, 5, 3), (codes.shape[0] - 1, q.shape[0] - 1, kb - 1)):
+            assert codes[b, r, j] == q[r, b * kb + j]
+            assert scales[b, r, j // 16] == s[r, b * (kb // 16) + j // 16]
+        assert torch.equal(codes.transpose(0, 1).flatten(1), q) and torch.equal(scales.transpose(0, 1).flatten(1), s)
+
+
 def test_random_packed_full_width_never_builds_float_experts():
     """V4-Flash widths on the meta device: packed buffers only, the documented shapes."""
     cfg = tiny_config(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6)
     moe = MoE.random_packed(cfg, layer=4, fmt="fp4", device="meta")
     assert not any(isinstance(m, torch.nn.Linear) for m in moe.modules())
-    assert moe.experts.w13.shape == (256, 4096, 2048) and moe.experts.w2_scale.shape == (256, 4096, 64)
+    assert moe.experts.w13.shape == (256, 32, 4096, 64) and moe.experts.w2_scale.shape == (256, 16, 4096, 4)
     assert moe.shared_experts.w13.shape == (1, 4096, 4096) and moe.shared_experts.w13_scale.shape == (1, 32, 32)
 
 

@@ -304,6 +304,25 @@ def test_prefill_path_matches_reference(poisoned, skew):
     check(plain, x, weights, ids, moe)
 
 
+@pytest.mark.parametrize("path", ["fused", "grouped", "prefill"])
+def test_experts_over_several_k_blocks(poisoned, path):
+    """Packed FP4 experts are stored K block by K block (`PackedExperts`); the tiny model's rows fit
+    in one block, so here w13 has 2 blocks of 64 code bytes a row and w2 3 of 16. The grouped
+    path's BK = 64 reads half a block per step, the others a whole one."""
+    moe = MoE.random_packed(tiny_config(hidden_size=256, moe_intermediate_size=96), layer=3, fmt="fp4", seed=91,
+                            device=DEVICE)
+    assert (moe.experts.w13.shape[1], moe.experts.kb13, moe.experts.w2.shape[1], moe.experts.kb2) == (2, 64, 3, 16)
+    x, weights, ids = skewed(moe, T=20, seed=14)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    out = {"fused": lambda: moe_fused.fused_moe(*args), "grouped": lambda: moe_grouped.grouped_moe(*args, "triton"),
+           "prefill": lambda: moe_prefill.prefill_moe(*args)}[path]()
+    check(out, x, weights, ids, moe)
+    too_long = moe_grouped.Tiles(BT=16, BN=32, BK=256, swap_ab=True)  # 128 bytes a row: past a block
+    with pytest.raises(ValueError, match="more than the 64 of one K block"):
+        moe_grouped.plan_kernels(*args, too_long, moe_grouped.Tiles(BT=16, BN=32, BK=32, swap_ab=True),
+                                 fuse_combine=True)
+
+
 def test_preordered_launch_needs_fp4_swap_and_no_shared():
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=71, device=DEVICE)
     x, weights, ids = routed(moe, T=4, seed=12)
