@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--skip-decode", action="store_true", help="prefill only")
+    ap.add_argument("--profile-steps", nargs="*", default=["1x8192", "64x8192"], metavar="BATCHxCONTEXT",
+                    help="decode steps to profile per kernel (eagerly)")
+    ap.add_argument("--skip-prefill", action="store_true", help="decode only")
     ap.add_argument("--profile-ops", action="store_true",
                     help="also profile the prefill by torch op and input shape (what the small kernels are)")
     args = ap.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
             hit = experts_hit(model, fb, pools)
             graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
             t = bench(lambda: graph.run(fb), warmup=3, reps=20)
-            if context == args.contexts[0] and batch in (1, 64):
+            if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
             need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
             total = sum(sum(d.values()) for d in need)
@@ -134,6 +137,9 @@ def main() -> None:
             del graph, pools, seqs
             torch.cuda.empty_cache()
 
+    if args.skip_prefill:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     T = args.prefill_tokens
     sub = dataclasses.replace(cfg, num_hidden_layers=n, compress_ratios=cfg.compress_ratios[:n])
     pools = KVPools(sub, "fp8_pack", max_tokens=T, max_seqs=1, device="cuda")

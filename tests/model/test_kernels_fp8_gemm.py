@@ -1,5 +1,5 @@
 """FP8 block-scaled GEMM against the dequantise-then-matmul reference: plain and grouped, shapes
-not multiple of the tiles, decode-size M (split-K with atomics) and prefill-size M."""
+not multiple of the tiles, decode-size M (split K, partials summed in order) and prefill-size M."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("M,G,N,K", [(1, 1, 96, 200), (3, 1, 64, 1024), (20, 1, 130, 256), (130, 1, 130, 128),
-                                     (5, 2, 32, 128), (17, 4, 64, 300)])
+                                     (5, 2, 32, 128), (17, 4, 64, 300), (200, 1, 64, 1024)])
 def test_fp8_linear_matches_reference(M, G, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
     q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, generator=g))
@@ -23,6 +23,15 @@ def test_fp8_linear_matches_reference(M, G, N, K):
     out = fp8_gemm.fp8_linear(x, q, s, "triton", G)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert rel_err(out, ref) < 6e-3  # one bf16 rounding of the output
+
+
+def test_decode_sizes_split_k_when_output_tiles_are_few():
+    """Up to `KERNEL_MAX_M` rows the kernel spreads K over programs when the output has too few
+    tiles to fill the GPU (V4-Flash wq_a: N 1024, K 4096), and not when it has plenty (wq_b)."""
+    for M in (1, 64, 256):
+        assert fp8_gemm._config(M, 1024, 4096, 1)["SPLIT_K"] > 1
+        assert fp8_gemm._config(M, 32768, 1024, 1)["SPLIT_K"] == 1
+    assert fp8_gemm._config(200, 64, 1024, 1)["SPLIT_K"] > 1  # the (200, 1, 64, 1024) case above
 
 
 def test_fp8_linear_leading_dims():
