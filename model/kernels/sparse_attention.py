@@ -89,6 +89,11 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     swa, comp = pools.specs["swa"], pools.specs[kind]
     n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
+    if block_h is None and bh == 64 and 2 * T <= _num_sms(q.device):
+        # a small decode step: two 32-head programs per token beat one 64-head program split
+        # twice as often over K (H100, CSA layer at batch 64 and 8K: 0.224 against 0.285 ms;
+        # at batch 256 the 64-head programs win, 0.68 against 1.75 ms; benchmarks/kernel_bench.py)
+        bh = 32
     programs = T * triton.cdiv(H, bh)
     # wide heads: 32 entries per step, 64 once there are programs enough for one split (prefill;
     # benchmarks/attention_sweep.py, H100, 8K-token CSA layer: 4.7 ms against 11.1)
