@@ -1,16 +1,16 @@
 """A short MoE run for Nsight Compute: the fused decode path over 4 full-width V4-Flash layers, twice.
 
-    T=64 ncu --clock-control none -k regex:"_gateup_kernel|_down_kernel" --launch-skip 4 --launch-count 2 \\
+    ncu --clock-control none -k regex:"_gateup_kernel|_down_kernel" --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
-        python3 benchmarks/moe_profile_target.py
+        python3 benchmarks/moe_profile_target.py --tokens 64
 
 Four layers (13.4 GB of FP4 experts) so that a profiled launch reads weights the previous one did
-not; `T` tokens per step (default 64), routed by each layer's gate on random inputs.
+not; `--tokens` per step (default 64), routed by each layer's gate on random inputs.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +23,9 @@ from model.kernels import moe_fused  # noqa: E402
 
 
 def main() -> None:
-    T = int(os.environ.get("T", "64"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    T = ap.parse_args().tokens
     layers = [build_layer(seed=i) for i in range(4)]
     inputs = [routed_inputs(m, T, 7 + i) for i, m in enumerate(layers)]
     for _ in range(2):

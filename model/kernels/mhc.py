@@ -236,7 +236,6 @@ def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr
         a_comb += tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
         sq += tl.load(mix_ptr + (part * T + tok).to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
     r = tl.rsqrt(sq / K + rms_eps)[:, None]
-    cols = tl.arange(0, NP)
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
     pre = tl.where((cols < HC)[None, :], pre, 0.0)
     if not HEAD and d_first == 0:
