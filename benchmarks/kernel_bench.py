@@ -72,11 +72,13 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     for ratio, layer, pk, n_comp in ((4, 2, picks, 512), (128, 3, None, C // 128)):
         rope = Rope.for_layer(CFG, True)
         entries = 128 + n_comp
-        for bh in (None, 16, 32):  # the launch heuristic, then forced head blocks
-            fns = {impl: (lambda impl=impl, layer=layer, ratio=ratio, pk=pk, bh=bh: sparse_attention.attend(
-                qd, dbatch, dpools, layer, ratio, pk, sink, 128, rope, impl, block_h=bh))
-                for impl in (("triton", "torch") if bh is None else ("triton",))}
-            out.append((f"sparse_attention decode ratio {ratio} B={B} ctx={C}" + (f" BH={bh}" if bh else ""), fns,
+        # the launch heuristic, then forced head blocks, then forced KV splits
+        for bh, sp in ((None, None), (16, None), (32, None), (None, 1), (None, 4), (None, 8), (None, 16)):
+            fns = {impl: (lambda impl=impl, layer=layer, ratio=ratio, pk=pk, bh=bh, sp=sp: sparse_attention.attend(
+                qd, dbatch, dpools, layer, ratio, pk, sink, 128, rope, impl, block_h=bh, splits=sp))
+                for impl in (("triton", "torch") if bh is sp is None else ("triton",))}
+            out.append((f"sparse_attention decode ratio {ratio} B={B} ctx={C}" + (f" BH={bh}" if bh else "")
+                        + (f" splits={sp}" if sp else ""), fns,
                         B * entries * ENTRY + B * H * D * (2 + 4), B * H * entries * D * 4))
     qp = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
     pos = torch.arange(T, device="cuda")

@@ -22,13 +22,12 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model import quant
 from model.config import ModelConfig
 from model.kernels import check_impl
-from model.kernels import moe_fused, moe_grouped, moe_prefill
+from model.kernels import moe_fused, moe_grouped, moe_prefill, router
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block
 from model.quantized import linear_fp32_out
 
@@ -36,20 +35,12 @@ FORMATS = ("fp4", "fp8")
 MAX_SCALE_BYTE = {"fp4": 128, "fp8": 134}  # UE8M0 bytes the kernels dequantise exactly
 
 
-def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
-    if name == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if name == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
-
-
 class Gate(nn.Module):
     """weight [E, D]; `bias` [E] (score layers) or `tid2eid` [vocab, k] (hash layers)."""
 
-    def __init__(self, cfg: ModelConfig, hashed: bool):
+    def __init__(self, cfg: ModelConfig, hashed: bool, impl: str = "torch"):
         super().__init__()
-        self.cfg, self.hashed = cfg, hashed
+        self.cfg, self.hashed, self.impl = cfg, hashed, impl
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
             self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int32),
@@ -58,16 +49,11 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], input_ids [T] → (weights [T, k] float32, expert ids [T, k] int64)."""
-        scores = score_fn(self.cfg.scoring_func, linear_fp32_out(x, self.weight))
-        if self.hashed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = (scores + self.bias.float()).topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if self.cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.cfg.routed_scaling_factor, ids
+        """x [T, D], input_ids [T] → (weights [T, k] float32, expert ids [T, k] int64); kernels/router.py."""
+        c = self.cfg
+        return router.route(linear_fp32_out(x, self.weight), None if self.hashed else self.bias,
+                            self.tid2eid if self.hashed else None, input_ids, c.num_experts_per_tok, c.scoring_func,
+                            c.norm_topk_prob, c.routed_scaling_factor, self.impl)
 
 
 class Expert(nn.Module):
@@ -241,7 +227,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, impl: str = "torch"):
         super().__init__()
         self.cfg, self.layer, self.impl = cfg, layer, check_impl(impl)
-        self.gate = Gate(cfg, hashed=cfg.is_hash_layer(layer))
+        self.gate = Gate(cfg, hashed=cfg.is_hash_layer(layer), impl=impl)
         self.experts: nn.ModuleList | PackedExperts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit) for _ in range(cfg.n_routed_experts))
         self.shared_experts: Expert | PackedExperts | None = (

@@ -44,9 +44,11 @@ DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=Tr
 # A step of a few tokens hits ~7 experts: its programs are latency-bound, and a deeper pipeline and
 # twice the down programs pay (H100, one V4-Flash layer at T = 1: 0.099 ms against 0.122 ms in a
 # graph; benchmarks/moe_bench.py's sweep). From 8 tokens on the tiles above are as fast or faster.
+# The K loops are split too (`Tiles.split_k`): a step of one token has 7 token tiles, so 224
+# gate/up programs of 32 K steps each for 132 SMs, and each program's steps wait on the last.
 SMALL_T = 4
-SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
-SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True)
+SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=4)
+SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2)
 # Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
 # 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
 DECODE_MAX_TOKENS = 256

@@ -103,11 +103,12 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
           K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
           ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False,
-          R: tl.constexpr = 0, KB: tl.constexpr = 0):
+          R: tl.constexpr = 0, KB: tl.constexpr = 0, KS: tl.constexpr = 1, ks=0):
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
     `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask), in
     `preorder`'s layout with XPRE (FP4 and SWAP only). Only the first product when not TWO.
-    FP4: W is K-blocked, R rows and KB code bytes per row and block (BK/2 divides KB)."""
+    FP4: W is K-blocked, R rows and KB code bytes per row and block (BK/2 divides KB).
+    KS > 1: only the ks-th of KS equal K ranges (KS·BK divides K), a partial sum."""
     w_stride: tl.constexpr = K  # FP8
     s_stride: tl.constexpr = (K + B8 - 1) // B8
     if SWAP:
@@ -116,12 +117,17 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
     else:
         acc_a = tl.zeros([BT, BN], dtype=tl.float32)
         acc_b = tl.zeros([BT, BN], dtype=tl.float32)
-    sa = _scales(s_ptr, rows_a, srows_a, 0, s_stride, FP4, R, KB, BK)
+    k_lo = 0  # a compile-time 0 and K without a split: the loop the pipeliner sees is unchanged
+    k_hi = K
+    if KS > 1:
+        k_lo = ks * (K // KS)
+        k_hi = k_lo + K // KS
+    sa = _scales(s_ptr, rows_a, srows_a, k_lo, s_stride, FP4, R, KB, BK)
     sb = sa
     if TWO:
-        sb = _scales(s_ptr, rows_b, srows_b, 0, s_stride, FP4, R, KB, BK)
-    for k0 in range(0, K, BK):
-        k_next = tl.minimum(k0 + BK, K - BK)
+        sb = _scales(s_ptr, rows_b, srows_b, k_lo, s_stride, FP4, R, KB, BK)
+    for k0 in range(k_lo, k_hi, BK):
+        k_next = tl.minimum(k0 + BK, k_hi - BK)
         sa_next = _scales(s_ptr, rows_a, srows_a, k_next, s_stride, FP4, R, KB, BK)
         sb_next = sa_next
         if TWO:

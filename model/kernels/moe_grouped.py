@@ -86,7 +86,10 @@ def reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
 @dataclass(frozen=True)
 class Tiles:
     """One kernel's tile sizes: BT tokens × BN weight rows, BK along K; Triton launch options.
-    `swap_ab`: weight rows on the MMA's M side (decode), else tokens (prefill)."""
+    `swap_ab`: weight rows on the MMA's M side (decode), else tokens (prefill). `split_k`: K split
+    over that many programs whose partial sums the last one to finish adds up in split order
+    (deterministic; the fused path only, for steps of a few tokens whose programs are too few
+    to keep the memory system busy)."""
 
     BT: int
     BN: int
@@ -94,6 +97,7 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    split_k: int = 1
 
 
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
@@ -144,6 +148,8 @@ def check_tiles(t: Tiles, n: int, k: int, fmt: str, what: str) -> None:
         raise ValueError(f"{what}: BN={t.BN} must divide the {n} weight rows")
     if k % t.BK:
         raise ValueError(f"{what}: BK={t.BK} must divide K={k}")
+    if t.split_k < 1 or k % (t.split_k * t.BK):
+        raise ValueError(f"{what}: split_k={t.split_k} K ranges of whole BK={t.BK} steps must cover K={k}")
     (check_fp4_block if fmt == "fp4" else check_fp8_block)(t.BK)
 
 
@@ -176,6 +182,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         raise ValueError("preordered activations need FP4 experts, SWAP tiles and no shared expert")
     if add is not None and fuse_combine:
         raise ValueError("add joins the unfused combine; the fused one has no place for it")
+    if not fuse_combine and (gateup.split_k > 1 or down.split_k > 1):
+        raise ValueError("split_k needs the fused path's arrival counters (fuse_combine)")
     T, k = ids.shape
     D, I, E = experts.dim, experts.inter, experts.n_experts
     for t, n, kk, kb, what in ((gateup, I, D, experts.kb13, "gate/up tiles"), (down, D, I, experts.kb2, "down tiles")):
@@ -191,14 +199,19 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     kp1 = k + has_shared
     A = T * kp1
     launches = []
+    tiles13 = max_tiles(A, E + has_shared, gateup.BT)
+    ks13, ks2 = gateup.split_k, down.split_k
+    # split gate/up: partial sums [KS, A, 2I] and an arrival counter per program tile, zeroed by the sort
+    part13 = torch.empty(ks13 * A * 2 * I if ks13 > 1 else 1, dtype=torch.float32, device=x.device)
+    cnt13 = torch.empty(tiles13 * (I // gateup.BN) if ks13 > 1 else 1, dtype=torch.int32, device=x.device)
     if fuse_combine:  # decode: one counting-sort program instead of the torch sort's several launches
         ids = ids.contiguous()
         perm = torch.empty(A, dtype=torch.int32, device=x.device)
         e_pad = triton.next_power_of_2(E + has_shared + 1)  # + a bin for padding
         counts = torch.empty(e_pad, dtype=torch.int32, device=x.device)
         cursor = torch.empty(e_pad, dtype=torch.int32, device=x.device)
-        launches.append(Launch(_count_sort_kernel, (1,), (ids, perm, counts, cursor, T * k, A),
-                               dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E,
+        launches.append(Launch(_count_sort_kernel, (1,), (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel()),
+                               dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E, ZERO13=ks13 > 1,
                                     num_warps=4 if A <= 2048 else 8, num_stages=1)))
     else:
         perm, counts = sort_by_expert(ids, E, has_shared)
@@ -208,7 +221,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     h = torch.empty(A, I, dtype=torch.bfloat16, device=x.device)
     n_cnt = D // down.BN
     if fuse_combine:
-        y = torch.empty(T * kp1, D, dtype=torch.float32, device=x.device)
+        y = torch.empty(T * kp1 * ks2, D, dtype=torch.float32, device=x.device)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)
         cnt = torch.empty(T, n_cnt, dtype=torch.int32, device=x.device)  # zeroed by _gateup_kernel
     else:
@@ -218,12 +231,12 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                   HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I,
                   XPRE=preordered)
     launches += [
-        Launch(_gateup_kernel, (max_tiles(A, E + has_shared, gateup.BT), I // gateup.BN),
-               (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt,
+        Launch(_gateup_kernel, (tiles13, I // gateup.BN, ks13),
+               (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt, part13, cnt13,
                 T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
                dict(ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
                     SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup), **common)),
-        Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN),
+        Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN, ks2),
                (h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
                 T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
                dict(FUSE_COMBINE=fuse_combine, WKB=experts.kb2, **_tile_meta(down), **common)),
@@ -244,7 +257,8 @@ def _shared_bk(t: Tiles, fmt: str) -> int:
 
 
 def _tile_meta(t: Tiles) -> dict:
-    return dict(SWAP=t.swap_ab, BT=t.BT, BN=t.BN, BK=t.BK, num_warps=t.num_warps, num_stages=t.num_stages)
+    return dict(SWAP=t.swap_ab, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
+                num_stages=t.num_stages)
 
 
 def run_kernels(*args, **kwargs) -> torch.Tensor:
@@ -272,7 +286,11 @@ def fit(t: Tiles, n: int, k: int) -> Tiles:
     bn = t.BN
     while n % bn and bn > 16:
         bn //= 2
-    return replace(t, BN=bn, BK=min(t.BK, math.gcd(k, 2 * FP4_K_BLOCK)))
+    bk = min(t.BK, math.gcd(k, 2 * FP4_K_BLOCK))
+    ks = t.split_k
+    while ks > 1 and k % (ks * bk):
+        ks //= 2
+    return replace(t, BN=bn, BK=bk, split_k=ks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,11 +301,16 @@ B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 
 
 @triton.jit
-def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A,
-                       A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr):
+def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A, cnt13_ptr, n_cnt13,
+                       A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr, ZERO13: tl.constexpr):
     """One program: per-expert counts (shared assignments a >= TK are expert E) and `perm`, the
     assignments grouped by expert. Within an expert the order is whatever the atomics give: a
-    tile's rows are computed independently, so it changes no result."""
+    tile's rows are computed independently, so it changes no result. ZERO13: also zero the split
+    gate/up kernel's arrival counters (a launch before their first use, without a memset)."""
+    if ZERO13:
+        for i in range(0, n_cnt13, A_PAD):
+            z = i + tl.arange(0, A_PAD)
+            tl.store(cnt13_ptr + z, tl.zeros([A_PAD], tl.int32), mask=z < n_cnt13)
     a = tl.arange(0, A_PAD)
     e = tl.load(ids_ptr + a, mask=a < TK, other=E).to(tl.int32)
     e = tl.where(a < A, e, E_PAD - 1)  # padding lanes count in a spare bin
@@ -316,17 +339,20 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr,
+def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr, part_ptr, cnt13_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
                    ASM: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SBK: tl.constexpr):
+                   SBK: tl.constexpr, KS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = 0  # compile-time without a split
+    if KS > 1:
+        pid_k = tl.program_id(2)
     if ZERO_CNT:  # the fused down kernel's arrival counters, zeroed here to save a memset launch
-        if pid_n == 0:
+        if (pid_n == 0) & (pid_k == 0):
             t = pid_t * BT + tl.arange(0, BT)
             c = tl.arange(0, CNT_PAD)
             tl.store(cnt_ptr + t[:, None] * n_cnt + c[None, :], tl.zeros([BT, CNT_PAD], tl.int32),
@@ -345,16 +371,34 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         is_shared = e == E
     if is_shared:
         g, u = w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
-                     D, False, True, SWAP, False, ASM, BN, BT, SBK)
+                     D, False, True, SWAP, False, ASM, BN, BT, SBK, KS=KS, ks=pid_k)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, SCALED_DOT, ASM, BN, BT, BK,
-                        XPRE, 2 * I, WKB)
+                        XPRE, 2 * I, WKB, KS, pid_k)
         else:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
-                         D, False, True, SWAP, False, ASM, BN, BT, BK)
+                         D, False, True, SWAP, False, ASM, BN, BT, BK, KS=KS, ks=pid_k)
+    if KS > 1:
+        # publish this K range's sums; the program that completes the tile adds all KS in split
+        # order (barrier and acq_rel as in the down kernel's combine)
+        A = T * (TOPK + HAS_SHARED)
+        slot = part_ptr + (pid_k * A + rows[None, :]).to(tl.int64) * (2 * I) + n[:, None]
+        tl.store(slot, g, mask=rmask[None, :], cache_modifier=".cg")
+        tl.store(slot + I, u, mask=rmask[None, :], cache_modifier=".cg")
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt13_ptr + pid_t * tl.num_programs(1) + pid_n, 1, sem="acq_rel", scope="gpu")
+        if old != KS - 1:
+            return
+        tl.debug_barrier()
+        g = tl.zeros([BN, BT], dtype=tl.float32)
+        u = tl.zeros([BN, BT], dtype=tl.float32)
+        for j in tl.static_range(KS):
+            slot = part_ptr + (j * A + rows[None, :]).to(tl.int64) * (2 * I) + n[:, None]
+            g += tl.load(slot, mask=rmask[None, :], other=0.0, cache_modifier=".cg")
+            u += tl.load(slot + I, mask=rmask[None, :], other=0.0, cache_modifier=".cg")
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -372,9 +416,12 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
                  ASM: tl.constexpr, FUSE_COMBINE: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = 0  # compile-time without a split
+    if KS > 1:
+        pid_k = tl.program_id(2)
     e, first, end = _tile(pid_t, counts_ptr, E + HAS_SHARED, BT, E_PAD)
     if first >= end:
         return
@@ -392,30 +439,32 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         is_shared = e == E
     if is_shared:
         acc, _ = w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, False, ASM,
-                       BN, BT, BK)
+                       BN, BT, BK, KS=KS, ks=pid_k)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, SCALED_DOT, ASM, BN, BT, BK,
-                          XPRE, D, WKB)
+                          XPRE, D, WKB, KS, pid_k)
         else:
-            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK)
+            acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, False, ASM, BN, BT, BK,
+                          KS=KS, ks=pid_k)
     y = acc * wgt[None, :]
-    y_ptrs = y_ptr + slot[None, :] * D + d[:, None]
+    y_ptrs = y_ptr + (slot * KS + pid_k)[None, :] * D + d[:, None]
     if FUSE_COMBINE:
         # Deterministic combine without a third launch: publish this tile's rows (L2, bypassing
         # L1), then count arrivals per (token, column tile); the program completing a token's
-        # k(+1) contributions sums them in slot order. The barrier orders every thread's stores
-        # before the release of the counter update; the acquire orders the loads after it.
+        # k(+1) contributions (times KS K ranges) sums them in slot order. The barrier orders every
+        # thread's stores before the release of the counter update; the acquire orders the loads
+        # after it.
         tl.store(y_ptrs, y, mask=rmask[None, :], cache_modifier=".cg")
         tl.debug_barrier()
         old = tl.atomic_add(cnt_ptr + tok * n_cnt + pid_n, 1, mask=rmask, sem="acq_rel", scope="gpu")
-        last = rmask & (old == KP1 - 1)
+        last = rmask & (old == KP1 * KS - 1)
         tl.debug_barrier()
         total = tl.zeros([BN, BT], dtype=tl.float32)
-        for j in tl.static_range(KP1):
-            total += tl.load(y_ptr + (tok * KP1 + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
+        for j in tl.static_range(KP1 * KS):
+            total += tl.load(y_ptr + (tok * KP1 * KS + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
                              cache_modifier=".cg")
         tl.store(out_ptr + tok[None, :] * D + d[:, None], total.to(out_ptr.dtype.element_ty), mask=last[None, :])
     else:

@@ -13,7 +13,8 @@ run on the tensor cores with fp32 accumulation, softmax is online in base 2. The
 seeds the running max and denominator of split 0 (m = sink, l = 1, acc = 0), so no -inf ever
 reaches an exponent. With one split the kernel also de-rotates and writes the final output;
 with several (decode with few tokens, to fill the GPU) it writes partial (acc, m, l) that
-`_combine` merges.
+`_combine_kernel` merges and de-rotates in one more launch (`combine_reference` in torch: a
+dozen launches and as many passes over the partials, which at batch 64 are 4 × the output).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from model.kernels.rope import rotate_pairs
 from model.rope import Rope
 
 LOG2E = 1.4426950408889634
+COMBINE_HEADS = 4  # heads per `_combine_kernel` program: [4, 512] fp32, 16 registers a thread
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,13 +125,22 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
         BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
         C_ALIGN=alignment(pools, kind),
         num_warps=num_warps or (8 if bh >= 64 else 4), num_stages=num_stages or 2)
-    if splits == 1:
-        return out
-    return _combine(partial, ml, batch.positions, rope).to(out_dtype)
+    if splits > 1:
+        combine(partial, ml, meta.positions, rope, out)
+    return out
 
 
-def _combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Merge split partials (acc [S,T,H,d], (m, l) [S,T,H,2], base-2 logits) and de-rotate."""
+def combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope, out: torch.Tensor) -> None:
+    """`combine_reference` into out [T, H, d] (any float dtype, rounded once), one launch."""
+    S, T, H, d = partial.shape
+    _combine_kernel[(T, triton.cdiv(H, COMBINE_HEADS))](
+        partial, ml, out, out.stride(0), out.stride(1), positions, rope.inv_freq_on(partial.device), H, d,
+        SPLITS=S, BH=COMBINE_HEADS, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4)
+
+
+def combine_reference(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """What `_combine_kernel` computes: split partials (acc [S, T, H, d], (m, l) [S, T, H, 2] with
+    base-2 logits) merged into [T, H, d] float32 and de-rotated."""
     m, l = ml[..., 0], ml[..., 1]
     w = torch.exp2(m - m.amax(dim=0, keepdim=True))
     out = (w.unsqueeze(-1) * partial).sum(0) / (w * l).sum(0).unsqueeze(-1)
@@ -266,3 +277,34 @@ def _sparse_attn_kernel(
     _finish(acc1, l, DC, DC, *args, BH, ROPE, SPLITS)
     _finish(acc2, l, 2 * DC, DC, *args, BH, ROPE, SPLITS)
     _finish(acc3, l, 3 * DC, DC, *args, BH, ROPE, SPLITS)
+
+
+@triton.jit
+def _combine_kernel(partial_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, pos_ptr, inv_freq_ptr, H, d,
+                    SPLITS: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """One (token, BH heads) program: out = Σ_s 2^(m_s - M)·acc_s / Σ_s 2^(m_s - M)·l_s, M = max_s m_s,
+    then the rope pairs rotated by -position. Partial row (s, t, h) = (s·T + t)·H + h, as `_finish`
+    stores it; a split that saw no entry has m = -1e30, l = 0, acc = 0 and weighs nothing (split 0
+    holds the sink, so M is finite)."""
+    t = tl.program_id(0)
+    T = tl.num_programs(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < H
+    cols = tl.arange(0, D)
+    mask = hmask[:, None] & (cols < d)[None, :]
+    mx = tl.full((BH,), -1e30, tl.float32)
+    for s in range(SPLITS):
+        mx = tl.maximum(mx, tl.load(ml_ptr + ((s * T + t) * H + heads) * 2, mask=hmask, other=-1e30))
+    acc = tl.zeros((BH, D), tl.float32)
+    den = tl.zeros((BH,), tl.float32)
+    for s in range(SPLITS):
+        row = (s * T + t) * H + heads
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hmask, other=-1e30) - mx)
+        den += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
+        acc += w[:, None] * tl.load(partial_ptr + row[:, None] * d + cols[None, :], mask=mask, other=0.0)
+    o = acc / tl.where(hmask, den, 1.0)[:, None]
+    even, odd = tl.split(tl.reshape(o, (BH, D // 2, 2)))
+    even, odd = rotate_pairs(even, odd, 0, tl.load(pos_ptr + t), inv_freq_ptr, d, ROPE, True)
+    o = tl.reshape(tl.join(even, odd), (BH, D))
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mask)

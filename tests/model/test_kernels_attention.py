@@ -64,3 +64,31 @@ def test_sink_dominates_when_scores_are_low():
     out = sparse_attention.attend(q, batch, pools, 0, 0, None, sink, cfg.sliding_window,
                                   Rope.for_layer(cfg, False), impl="triton")
     assert out.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("splits,heads,d", [(2, 4, 128), (5, 6, 96), (16, 64, 512)])
+def test_split_combine_matches_reference(splits, heads, d):
+    """The merge of KV-split partials: random accumulators and (m, l) per split, one split per row
+    left empty as a split past its last block leaves it (m = -1e30, l = 0, acc = 0), heads not a
+    multiple of the kernel's head block, head dims below the power of two the kernel pads to."""
+    cfg = tiny_config(head_dim=d, qk_rope_head_dim=64)
+    rope = Rope.for_layer(cfg, compressed=True)
+    g = torch.Generator().manual_seed(splits)
+    T = 3
+    partial = torch.randn(splits, T, heads, d, generator=g)
+    m = 4 * torch.randn(splits, T, heads, generator=g)
+    l = 0.5 + torch.rand(splits, T, heads, generator=g)
+    empty = torch.randint(1, splits, (T, heads), generator=g)  # never split 0: it holds the sink
+    hit = torch.nn.functional.one_hot(empty, splits).permute(2, 0, 1).bool()
+    m, l = m.masked_fill(hit, -1e30), l.masked_fill(hit, 0.0)
+    partial = partial.masked_fill(hit.unsqueeze(-1), 0.0)
+    ml = torch.stack([m, l], dim=-1)
+    positions = torch.tensor([0, 517, 4000])
+    partial, ml, positions = partial.to(DEVICE), ml.to(DEVICE), positions.to(DEVICE)
+    ref = sparse_attention.combine_reference(partial, ml, positions, rope)
+    out = torch.empty(T, heads, d, device=DEVICE)
+    sparse_attention.combine(partial, ml, positions, rope, out)
+    assert rel_err(out, ref) < 1e-5
+    low = torch.empty(T, heads, d, device=DEVICE, dtype=torch.bfloat16)
+    sparse_attention.combine(partial, ml, positions, rope, low)
+    assert torch.equal(low, out.to(torch.bfloat16))

@@ -15,6 +15,7 @@ expert three token tiles and leaves others empty; real shapes run in tests/gpu/t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -211,8 +212,8 @@ def flash_plan(path: str, fmt: str, T: int, scaled_dot: bool = False):
     shared = PackedExperts("fp8", 1, D, I, device="meta")
     x = torch.empty(T, D, dtype=torch.bfloat16, device="meta")
     ids, weights = torch.empty(T, k, dtype=torch.long, device="meta"), torch.empty(T, k, device="meta")
-    tiles = (moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN) if path == "fused" else \
-        (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
+    tiles = moe_fused.decode_tiles(T) if path == "fused" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
+    tiles = (moe_grouped.fit(tiles[0], I, D), moe_grouped.fit(tiles[1], D, I))
     launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, shared, 10.0, *tiles,
                                            fuse_combine=path == "fused", scaled_dot=scaled_dot, asm=True)
     return launches
@@ -227,7 +228,7 @@ def check_hopper_build(path: str, fmt: str, T: int, scaled_dot: bool) -> None:
 
 
 @pytest.mark.parametrize("path, fmt, T, scaled_dot", [
-    ("fused", "fp4", 64, False), ("grouped", "fp4", 8192, False),
+    ("fused", "fp4", 64, False), ("fused", "fp4", 1, False), ("grouped", "fp4", 8192, False),
     pytest.param("fused", "fp8", 64, False, marks=pytest.mark.slow),
     pytest.param("grouped", "fp8", 8192, False, marks=pytest.mark.slow),
     pytest.param("fused", "fp4", 64, True, marks=pytest.mark.slow),
@@ -331,3 +332,40 @@ def test_preordered_launch_needs_fp4_swap_and_no_shared():
         with pytest.raises(ValueError, match="preordered"):
             moe_grouped.plan_kernels(x, weights, ids, moe.experts, shared, 10.0, tiles, tiles,
                                      fuse_combine=False, preordered=True)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_split_k_small_steps(poisoned, fmt, T):
+    """Steps of a few tokens split the K loops (`Tiles.split_k`): gate/up over 4 programs, down
+    over 2; the last program of a tile sums the partials in split order. Same result as unsplit
+    up to fp32 summation order, and the arrival counters the sort zeroes are poisoned first."""
+    moe = MoE.random_packed(tiny_config(hidden_size=512, moe_intermediate_size=256), layer=3, fmt=fmt, seed=93 + T,
+                            device=DEVICE)
+    x, weights, ids = routed(moe, T=T, seed=15)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    gateup = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=4)
+    down = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
+    assert (moe_grouped.fit(gateup, 256, 512).split_k, moe_grouped.fit(down, 512, 256).split_k) == (4, 2)
+    out = moe_fused.fused_moe(*args, gateup, down)
+    check(out, x, weights, ids, moe)
+    whole = moe_fused.fused_moe(*args, dataclasses.replace(gateup, split_k=1), dataclasses.replace(down, split_k=1))
+    assert rel(out, whole) < 1e-5
+    again = moe_fused.fused_moe(*args, gateup, down)
+    assert torch.equal(out, again)  # the split order, not the arrival order, sets the sums
+
+
+def test_split_k_tiles_fit_and_need_the_fused_path():
+    small, _ = moe_fused.decode_tiles(1)
+    assert moe_grouped.fit(small, 2048, 4096).split_k == small.split_k > 1  # V4-Flash gate/up: K = 4096
+    assert moe_grouped.fit(small, 32, 64).split_k == 1  # one BK step: nothing to split
+    moe = MoE.random_packed(tiny_config(hidden_size=512, moe_intermediate_size=256), layer=3, fmt="fp4", seed=95,
+                            device=DEVICE)
+    x, weights, ids = routed(moe, T=2, seed=16)
+    split = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
+    with pytest.raises(ValueError, match="split_k needs the fused path"):
+        moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, split, split,
+                                 fuse_combine=False)
+    with pytest.raises(ValueError, match="split_k=3 K ranges"):
+        moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0,
+                                 dataclasses.replace(split, split_k=3), split, fuse_combine=True)
