@@ -275,6 +275,8 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
+    # (no split K here: its partial sums need the fused path's arrival counters)
+    gateup, down = replace(gateup, split_k=1), replace(down, split_k=1)
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                        fit(down, experts.dim, experts.inter), fuse_combine=False, scaled_dot=scaled_dot)
 

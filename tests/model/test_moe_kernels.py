@@ -155,9 +155,9 @@ def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
     for layer, T, want in ((3, 4, "fused"), (0, 4, ("grouped", moe_fused.decode_tiles(4))),
                            (cfg.num_hidden_layers, 4, ("grouped", moe_fused.decode_tiles(4))),
                            (3, 9, ("grouped", moe_fused.decode_tiles(9))), (0, big, ("grouped", ()))):
-        moe = MoE.random_packed(cfg, layer=layer, impl="triton", seed=layer)
+        moe = MoE.random_packed(cfg, layer=layer, impl="triton", seed=layer, device=DEVICE)
         moe.fused_max_tokens = 8
-        x, tok = torch.randn(T, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (T,))
+        x, tok = torch.randn(T, cfg.hidden_size, device=DEVICE), torch.randint(0, cfg.vocab_size, (T,), device=DEVICE)
         calls.clear()
         moe(x, tok)
         assert calls == [want], (layer, T)
@@ -363,6 +363,9 @@ def test_split_k_tiles_fit_and_need_the_fused_path():
                             device=DEVICE)
     x, weights, ids = routed(moe, T=2, seed=16)
     split = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
+    # the grouped path (hash layers, MTP) takes the small-step tiles unsplit
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    check(moe_grouped.grouped_moe(*args, "triton", split, split), x, weights, ids, moe)
     with pytest.raises(ValueError, match="split_k needs the fused path"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, split, split,
                                  fuse_combine=False)
