@@ -11,7 +11,8 @@ x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a
 
 Scales are applied per output column of each 128-wide K step (acc += dot(x, qᵀ) · s[n]), so tiles
 never need to align with the 128-row scale blocks. Decode-size M splits K over programs (fp32
-partials summed in a fixed order: deterministic) so that a few output tiles still fill the GPU;
+partials summed in split order by the last program of each output tile: deterministic, one
+launch) so that a few output tiles still fill the GPU;
 prefill-size M dequantises once and uses cuBLAS (`KERNEL_MAX_M`).
 """
 
@@ -75,20 +76,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     cfg = _config(M, N, K, groups)
     out_dtype = x.dtype
     split = cfg["SPLIT_K"]
-    # split K: each split writes its own fp32 partial, summed after in a fixed order (deterministic,
-    # unlike atomics)
-    out = torch.empty((split, M, groups, N) if split > 1 else (M, groups, N), device=x.device,
-                      dtype=torch.float32 if split > 1 else out_dtype)
+    out = torch.empty(M, groups, N, device=x.device, dtype=out_dtype)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    # split K: each split writes its own fp32 partial and counts its arrival per output tile; the
+    # last to arrive sums the partials in split order (deterministic, unlike atomic adds) and
+    # writes the output: one launch, where a torch sum and cast after it were two more per GEMM
+    part = torch.empty(split * M * groups * N if split > 1 else 1, device=x.device, dtype=torch.float32)
+    arrivals = torch.zeros(tiles * groups if split > 1 else 1, device=x.device, dtype=torch.int32)
     if M:
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), groups, split)
-        _fp8_gemm_kernel[grid](
-            x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out,
+        _fp8_gemm_kernel[(tiles, groups, split)](
+            x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out, part, arrivals,
             M, N, K,
-            x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(-3), out.stride(-2),
-            out.stride(0) if split > 1 else 0,
+            x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            M * groups * N,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, SPLIT_K=split,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    out = (out.sum(0) if split > 1 else out).to(out_dtype)
     return out.view(*lead, N) if lead is not None else out
 
 
@@ -135,8 +137,8 @@ def _config(M: int, N: int, K: int, groups: int) -> dict:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_ysplit,
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
+                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -161,5 +163,18 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
         s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
-    y_ptrs = y_ptr + split * stride_ysplit + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        # partials [SPLIT_K, M, G, N] contiguous. The barrier orders every thread's stores before
+        # the counter's release; the acquire orders the last program's loads after it.
+        tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+        tl.store(part_ptr + split * stride_part + tile, acc, mask=mask, cache_modifier=".cg")
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + pid * tl.num_programs(1) + g, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        tl.debug_barrier()
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(SPLIT_K):
+            acc += tl.load(part_ptr + j * stride_part + tile, mask=mask, other=0.0, cache_modifier=".cg")
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

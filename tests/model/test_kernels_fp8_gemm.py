@@ -12,7 +12,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("M,G,N,K", [(1, 1, 96, 200), (3, 1, 64, 1024), (20, 1, 130, 256), (130, 1, 130, 128),
-                                     (5, 2, 32, 128), (17, 4, 64, 300), (200, 1, 64, 1024)])
+                                     (5, 2, 32, 128), (17, 4, 64, 300), (5, 4, 64, 1024), (200, 1, 64, 1024)])
 def test_fp8_linear_matches_reference(M, G, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
     q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, generator=g))
@@ -23,6 +23,8 @@ def test_fp8_linear_matches_reference(M, G, N, K):
     out = fp8_gemm.fp8_linear(x, q, s, "triton", G)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert rel_err(out, ref) < 6e-3  # one bf16 rounding of the output
+    # split K: the last program of a tile sums the partials in split order, whoever arrives last
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", G), out)
 
 
 def test_decode_sizes_split_k_when_output_tiles_are_few():
@@ -32,6 +34,7 @@ def test_decode_sizes_split_k_when_output_tiles_are_few():
         assert fp8_gemm._config(M, 1024, 4096, 1)["SPLIT_K"] > 1
         assert fp8_gemm._config(M, 32768, 1024, 1)["SPLIT_K"] == 1
     assert fp8_gemm._config(200, 64, 1024, 1)["SPLIT_K"] > 1  # the (200, 1, 64, 1024) case above
+    assert fp8_gemm._config(5, 64, 1024, 4)["SPLIT_K"] > 1  # and the grouped (5, 4, 64, 1024) one
 
 
 def test_fp8_linear_leading_dims():
