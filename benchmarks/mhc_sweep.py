@@ -1,8 +1,11 @@
 """Launch-shape sweep of the mHC mixes kernel (`hc_pre`) at V4-Flash width (4 streams × 4096):
 tokens per program, K per step, warps, K splits. GPU time
-per hc_pre call (mixes + Sinkhorn + collapse) and its read bandwidth.
+per hc_pre call (mixes + Sinkhorn + collapse) and its read bandwidth; decode sizes (up to 256
+tokens) are timed from CUDA-graph replays, where a call's launch overhead would otherwise dominate,
+and also sweep K splits up to 128.
 
     python benchmarks/mhc_sweep.py --out $OUT/mhc_sweep.json --tokens 8192
+    python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 64 256
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_ceilings import bench  # noqa: E402
+from benchmarks.gpu_ceilings import bench, bench_graph  # noqa: E402
 from model.kernels import mhc  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
@@ -36,15 +39,17 @@ def main() -> None:
         x = torch.randn(T, HC, D, device="cuda", generator=g).bfloat16()
         ref = mhc.hc_pre(x, fn, base, scale, HC, 20, 1e-6, 1e-6, "torch")
         default = mhc.mix_tiles(T)
+        decode = T <= 256
+        splits = (None, 2, 4, 8, 16, 32, 64, 128) if decode else (None, 2, 4)
         shapes = [None] + [mhc.MixTiles(bt, bk, nw, split) for bt, bk, nw, split in
-                           itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (None, 2, 4))]
+                           itertools.product((16, 32, 64, 128) if not decode else (16,), (64, 128), (4, 8), splits)]
         for tiles in shapes:
             row = {"tokens": T, "tiles": str(tiles or default), "default": tiles is None}
             try:
                 call = lambda: mhc.hc_pre(x, fn, base, scale, HC, 20, 1e-6, 1e-6, "triton", tiles=tiles)  # noqa: E731
                 out = call()
                 row["max_diff_comb"] = float((out[2] - ref[2]).abs().max())
-                row["ms"] = bench(call, warmup=2, reps=10) * 1e3
+                row["ms"] = (bench_graph(call) if decode else bench(call, warmup=2, reps=10)) * 1e3
                 row["GBps"] = x.numel() * 2 * 2 / row["ms"] / 1e6  # mixes read x once, the collapse once more
             except Exception as e:  # a shape that does not fit (shared memory, registers) is a result
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
