@@ -76,7 +76,7 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
         for bh, sp in ((None, None), (16, None), (32, None), (None, 1), (None, 4), (None, 8), (None, 16)):
             fns = {impl: (lambda impl=impl, layer=layer, ratio=ratio, pk=pk, bh=bh, sp=sp: sparse_attention.attend(
                 qd, dbatch, dpools, layer, ratio, pk, sink, 128, rope, impl, block_h=bh, splits=sp))
-                for impl in (("triton", "torch") if bh is sp is None else ("triton",))}
+                for impl in (("triton", "torch") if bh is None and sp is None else ("triton",))}
             out.append((f"sparse_attention decode ratio {ratio} B={B} ctx={C}" + (f" BH={bh}" if bh else "")
                         + (f" splits={sp}" if sp else ""), fns,
                         B * entries * ENTRY + B * H * D * (2 + 4), B * H * entries * D * 4))

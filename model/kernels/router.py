@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from model.config import SCORING_FUNCS as SCORING
 from model.kernels import check_impl
 
-SCORING = ("sqrtsoftplus", "sigmoid", "softmax")
 TOKENS_PER_PROGRAM = 4  # [4, 256] fp32 logits: 8 registers a thread at 4 warps
 
 
@@ -71,7 +71,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor
     _route_kernel[(triton.cdiv(T, TOKENS_PER_PROGRAM),)](
         logits.contiguous(), table, input_ids, weights, ids, T, E, float(scale),
         K=k, KP=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), BT=TOKENS_PER_PROGRAM,
-        SCORING=SCORING.index(scoring), HASHED=hashed, NORM=norm, num_warps=4)
+        SCORING=scoring, HASHED=hashed, NORM=norm, num_warps=4)
     return weights, ids
 
 
@@ -85,12 +85,12 @@ def _route_kernel(logit_ptr, table_ptr, tok_ptr, w_ptr, id_ptr, T, E, scale,
     cmask = cols < E
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(logit_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=0.0)
-    if SCORING == 0:  # sqrt(softplus): max(x, 0) + log1p(e^-|x|), linear above 20 as torch's
+    if SCORING == "sqrtsoftplus":  # sqrt(softplus): max(x, 0) + log1p(e^-|x|), linear above 20 as torch's
         y = tl.exp(-tl.abs(x))
         u = 1.0 + y
         log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p from log (Goldberg)
         s = tl.sqrt(tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p))
-    elif SCORING == 1:
+    elif SCORING == "sigmoid":
         s = 1.0 / (1.0 + tl.exp(-x))
     else:
         xs = tl.where(cmask[None, :], x, float("-inf"))  # rows past T hold zeros: finite maxima
