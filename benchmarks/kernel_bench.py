@@ -123,7 +123,7 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     for (n, k, grp) in ((32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8)):
         wq, ws = quant.fp8_quantize_weight(torch.randn(grp * n, k, device="cuda", generator=g) / k ** 0.5)
         ws = ws.float()
-        for m in (1, 64, T):
+        for m in (1, 64, 256, T):
             x = torch.randn(*((m, grp, k) if grp > 1 else (m, k)), device="cuda", generator=g).bfloat16()
             out.append((f"fp8_gemm M={m} N={n} K={k} G={grp}",
                         {impl: (lambda impl=impl, x=x, wq=wq, ws=ws, grp=grp: fp8_gemm.fp8_linear(x, wq, ws, impl, grp))
@@ -151,12 +151,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--only", default="", help="only the cases whose name contains this")
     args = ap.parse_args()
     ceil = ceilings()
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
     ridge = rate / bw
     rows = []
     for name, fns, nbytes, flops in cases(args.context, args.batch, args.prefill_tokens):
+        if args.only and args.only not in name:
+            continue
         # kernels: GPU time from graph replay; torch references (host syncs, not capturable): eager
         times = {impl: (bench_graph(fn) if impl == "triton" else bench(fn, reps=5)) for impl, fn in fns.items()}
         t = times["triton"]

@@ -41,6 +41,9 @@ class Fp8Linear(nn.Module):
         self.impl = check_impl(impl)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.float())
+        # split-K arrival counters of the decode products (the kernel leaves them zeroed); a module
+        # runs one product at a time, in stream order
+        self.register_buffer("arrivals", fp8_gemm.arrival_counters(weight.shape[0], weight.device), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, impl: str = "torch") -> "Fp8Linear":
@@ -60,11 +63,11 @@ class Fp8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl)
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, arrivals=self.arrivals)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, groups=x.shape[1])
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals)
 
 
 def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,19 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups
 KERNEL_MAX_M = 256
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1) -> torch.Tensor:
-    """See module docstring; `impl` "torch" or "triton"."""
+def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed buffer of split-K arrival counters for the decode products of a weight with `rows`
+    rows (`fp8_linear`'s `arrivals`): one counter per output tile of any M up to `KERNEL_MAX_M`
+    and up to 32 groups. The kernel sets every counter it used back to zero, so the buffer is
+    filled once, not before every product (a fill launch per split GEMM, ~90 per decode step)."""
+    return torch.zeros(triton.cdiv(rows, 64) + 64, dtype=torch.int32, device=device)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1,
+               arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """See module docstring; `impl` "torch" or "triton". `arrivals`: an `arrival_counters` buffer,
+    used by one product at a time (products on it run in stream order); without it the counters
+    are zero-filled per call."""
     rows = x.numel() // x.shape[-1] // (groups if groups > 1 else 1)
     if check_impl(impl) == "torch":
         return reference(x, weight, scale, groups)
@@ -82,8 +93,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     # last to arrive sums the partials in split order (deterministic, unlike atomic adds) and
     # writes the output: one launch, where a torch sum and cast after it were two more per GEMM
     part = torch.empty(split * M * groups * N if split > 1 else 1, device=x.device, dtype=torch.float32)
-    arrivals = (torch.zeros(tiles * groups, device=x.device, dtype=torch.int32) if split > 1
-                else torch.empty(1, device=x.device, dtype=torch.int32))  # unread: no fill launch
+    if split == 1:
+        arrivals = torch.empty(1, device=x.device, dtype=torch.int32)  # unread: no fill launch
+    elif arrivals is None or arrivals.numel() < tiles * groups:
+        arrivals = torch.zeros(tiles * groups, device=x.device, dtype=torch.int32)
     if M:
         _fp8_gemm_kernel[(tiles, groups, split)](
             x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out, part, arrivals,
@@ -177,5 +190,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(SPLIT_K):
             acc += tl.load(part_ptr + j * stride_part + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        # every program of the tile has counted: the counter goes back to zero for the next product
+        tl.store(cnt_ptr + pid * tl.num_programs(1) + g, 0)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -6,6 +6,7 @@ import torch
 
 from model import quant
 from model.kernels import fp8_gemm
+from model.quantized import Fp8Linear
 from tests.model.kernel_cases import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,3 +69,32 @@ def test_prefill_size_m_uses_the_dequantised_weight():
     assert out.flatten(1).data_ptr() == out.data_ptr()
     plain = fp8_gemm.fp8_linear(x[:, 0], q, s, "triton")
     assert torch.equal(plain, torch.nn.functional.linear(x[:, 0], fp8_gemm.reference_dequantize(q, s, torch.bfloat16)))
+
+
+@pytest.mark.parametrize("M,G,N,K", [(3, 1, 64, 1024), (5, 4, 64, 1024), (200, 1, 64, 1024)])
+def test_reused_arrival_counters_are_left_zeroed(M, G, N, K):
+    """Split-K products on one `arrival_counters` buffer (as `Fp8Linear` holds it): the last
+    program of each tile sets its counter back to zero, so the next product on the buffer, with no
+    fill before it, is bit-identical."""
+    g = torch.Generator().manual_seed(M + G)
+    q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, generator=g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = torch.randn(*((M, G, K) if G > 1 else (M, K)), generator=g).to(DEVICE, torch.bfloat16)
+    assert fp8_gemm._config(M, N, K, G)["SPLIT_K"] > 1
+    arrivals = fp8_gemm.arrival_counters(G * N, DEVICE)
+    first = fp8_gemm.fp8_linear(x, q, s, "triton", G, arrivals)
+    assert not arrivals.any()
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", G, arrivals), first)
+    assert rel_err(first, fp8_gemm.fp8_linear(x.float(), q, s, "torch", G)) < 6e-3
+
+
+def test_fp8_linear_module_keeps_its_counters_out_of_the_state_dict():
+    """`Fp8Linear` owns a counter buffer (not a checkpoint tensor) that its split-K products reuse."""
+    g = torch.Generator().manual_seed(4)
+    lin = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton").to(DEVICE)
+    assert "arrivals" not in lin.state_dict() and not lin.arrivals.any()
+    x = torch.randn(5, 4, 1024, generator=g).to(DEVICE, torch.bfloat16)
+    assert fp8_gemm._config(5, 64, 1024, 4)["SPLIT_K"] > 1
+    out = lin.grouped(x)
+    assert torch.equal(lin.grouped(x), out) and not lin.arrivals.any()
+    assert rel_err(out, fp8_gemm.fp8_linear(x.float(), lin.weight, lin.scale, "torch", 4)) < 6e-3
