@@ -62,10 +62,9 @@ def test_indexer_matches_reference(fmt, topk):
 
 
 @pytest.mark.parametrize("K", [64, 100])
-def test_top_k_kernel_matches_torch_topk(monkeypatch, K):
-    """The bitonic kernel against torch.topk: same entries in the same (descending) order,
+def test_top_k_kernel_matches_torch_topk(K):
+    """The select kernel against torch.topk: same entries in the same (descending) order,
     negative scores ordered right, -1 exactly where a row has fewer than K finite scores."""
-    monkeypatch.setattr(indexer, "TOPK_KERNEL_MIN_ROWS", 1)  # the kernel for a few rows too
     g = torch.Generator().manual_seed(91)
     R, n = 24, 600
     scores = torch.randn(R, n, generator=g)
@@ -78,3 +77,20 @@ def test_top_k_kernel_matches_torch_topk(monkeypatch, K):
     assert got.dtype == torch.int32 and got.shape == (R, K)
     assert torch.equal(got, ref)
     assert (got[0] == -1).all() and (got[1, K // 2:] == -1).all() and (got[1, :K // 2] >= 0).all()
+
+
+def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
+    """Scores equal to the K-th largest: the lowest entries of them, and only as many as K needs;
+    a row of one value throughout, and scores that differ in their last bit only."""
+    K, n = 8, 40
+    base = torch.full((n,), -0.5)
+    base[[3, 30]] = 2.0  # two clear winners
+    tied = [1, 5, 9, 12, 17, 21, 26, 33, 38]  # nine entries tie for the last six places
+    base[tied] = 1.0
+    flat = torch.full((n,), 0.25)
+    ulp = torch.full((n,), 1.0).nextafter(torch.tensor(2.0))
+    ulp[::2] = 1.0  # odd entries one bit above the even ones
+    got = indexer.top_k(torch.stack([base, flat, ulp]).to(DEVICE), K).cpu()
+    assert got[0].tolist() == [3, 30] + tied[:6]
+    assert got[1].tolist() == list(range(K))
+    assert got[2].tolist() == list(range(1, 2 * K, 2))
