@@ -10,8 +10,8 @@ entries of the longest request), -1 where a query sees fewer than K entries.
 bisecting on its bits (32 counts over the row held in registers; floats made order-preserving
 as integers), keeps the entries above it and, of those equal to it, the lowest first, compacts
 those k to a scratch row and sorts only them, as (score, entry) packed into int64 keys (ties:
-the lower entry first). A bitonic sort of the whole row, as it replaced, costs log² of the row
-instead of the row times 32.
+the lower entry first). The bitonic sort of the whole row that it replaced costs the row times
+log² of it, against the row times 32 here plus the k's own sort.
 
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
