@@ -28,7 +28,7 @@ from model import quant
 from model.config import ModelConfig
 from model.kernels import check_impl
 from model.kernels import moe_fused, moe_grouped, moe_prefill, router
-from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block
+from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block, shuffle_fp4_words
 from model.quantized import linear_fp32_out
 
 FORMATS = ("fp4", "fp8")
@@ -76,7 +76,9 @@ class PackedExperts(nn.Module):
     fmt "fp4", K-blocked: a matrix of R rows × K (codes [R, K/2]: e2m1 pairs, low nibble first;
                scales [R, K/32]: UE8M0 per 32 along K) is stored K block by K block,
                codes [K/2/kb, R, kb] and scales [K/32/sb, R, sb], kb = `fp4_k_block(K/2)` (64 bytes,
-               128 K, at V4 shapes), sb = kb/16: element [b, r, j] is byte b·kb + j of row r.
+               128 K, at V4 shapes), sb = kb/16: element [b, r, j] is byte b·kb + j of row r, the
+               codes with the bits of each 4-byte group (rows r, r+8 of a 16-row block × bytes
+               2p, 2p+1) permuted as the kernels read them (kernels/fp4.py's `shuffle_fp4_words`).
                w13 uint8 [E, D/2/kb13, 2I, kb13], w13_scale uint8 [E, D/32/sb13, 2I, sb13];
                w2 uint8 [E, I/2/kb2, D, kb2], w2_scale uint8 [E, I/32/sb2, D, sb2].
                Why: a kernel's K step over BN rows is then one contiguous read (BN·64 bytes) instead
@@ -108,6 +110,8 @@ class PackedExperts(nn.Module):
             dtypes = [torch.float8_e4m3fn, torch.uint8] * 2
         for name, shape, dtype in zip(("w13", "w13_scale", "w2", "w2_scale"), shapes, dtypes):
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+        # kernels/moe_grouped.py's `_operand_checked` verdicts, per kernel configuration
+        self.operand_checks: dict[tuple, bool] = {}
 
     @classmethod
     @torch.no_grad()
@@ -180,15 +184,16 @@ def _code_rms(fmt: str) -> float:
 
 
 def _k_blocked(codes: torch.Tensor, scales: torch.Tensor, kb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4 codes [R, K/2] and scales [R, K/32] → `PackedExperts`' K-blocked [K/2/kb, R, kb] and
-    [K/32/sb, R, sb] (sb = kb/16), contiguous."""
-    return (codes.unflatten(-1, (-1, kb)).transpose(0, 1).contiguous(),
+    """FP4 codes [R, K/2] and scales [R, K/32] → `PackedExperts`' K-blocked [K/2/kb, R, kb] (words
+    shuffled) and [K/32/sb, R, sb] (sb = kb/16), contiguous."""
+    return (shuffle_fp4_words(codes.unflatten(-1, (-1, kb)).transpose(0, 1)),
             scales.unflatten(-1, (-1, kb // 16)).transpose(0, 1).contiguous())
 
 
 def _k_unblocked(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`_k_blocked`'s inverse: → codes [R, K/2], scales [R, K/32]."""
-    return codes.transpose(0, 1).flatten(1), scales.transpose(0, 1).flatten(1)
+    return (shuffle_fp4_words(codes, inverse=True).transpose(0, 1).flatten(1),
+            scales.transpose(0, 1).flatten(1))
 
 
 def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,20 +1,25 @@
 """In-kernel dequantisation of the expert weight codecs of `model/quant.py`, as `@triton.jit` helpers.
 
-FP4 e2m1 (two codes per byte, low nibble = even K, a UE8M0 scale byte per 32 K) to bf16 is a bit
-placement and one multiply. A code s·m2 m1 m0 placed as bf16 bits `s << 15 | m2m1m0 << 6` reads
-as its e2m1 value times 2^-126 — for the subnormal code 0.5 too, since bf16's subnormal step
-lines up with e2m1's — so `value = bits × 2^(scale_byte - 1)`, exact in bf16 for scale bytes
-1..128 (scales up to 2; real weights use ~2^-10..2^-4, `PackedExperts` refuses larger).
+FP4 e2m1 (a UE8M0 scale byte per 32 K) to bf16 is a bit placement and one multiply. A code
+s·m2 m1 m0 placed as bf16 bits `s << 15 | m2m1m0 << 6` reads as its e2m1 value times 2^-126 —
+for the subnormal code 0.5 too, since bf16's subnormal step lines up with e2m1's — so
+`value = bits × 2^(scale_byte - 1)`, exact in bf16 for scale bytes 1..128 (scales up to 2; real
+weights use ~2^-10..2^-4, `PackedExperts` refuses larger).
 FP8 e4m3 likewise: bits `s << 15 | e4m3_magnitude << 4` read as the value times 2^-120,
 so `value = bits × 2^(scale_byte - 7)` (exact for scale bytes 1..134, i.e. scales up to 2^7).
 
-On a GPU (`ASM`) this runs as PTX on 32-bit words, two bf16 lanes at a time: bytes j, j+1 are
-spread to the two 16-bit halves (`prmt`), one nibble of each is masked and multiplied by
-2^6 + 2^12 (low nibble) or 2^2 + 2^8 (high nibble), which moves its magnitude to bits 6..8 and
-its sign to bit 15 in one `mul.lo` (the two shifted copies do not overlap), a mask keeps those,
-and `mul.rn.bf16x2` applies the scale: ~2.3 instructions per weight, against ~17 for Triton's
-per-element integer code. A decode step is bound by how fast weights become MMA operands. The
-Triton interpreter has no inline PTX, so it runs the same construction in integer tensor ops.
+FP4 word layout. A wgmma A operand held in registers gives a thread, per 16-wide K slice, the
+columns 2q, 2q+1 of rows g and g+8 in four consecutive registers, so one 32-bit input of the
+conversion holds the bytes (g, 2p), (g, 2p+1), (g+8, 2p), (g+8, 2p+1): eight codes, two rows. The
+packed experts store the 32 bits of each such group permuted (`shuffle_fp4_words`) so that each
+output pair of bf16 lanes comes out of the word with few instructions: `word & M` (M = sign and
+magnitude places of both lanes), `rotl(word, 10) & M`, `rotl(word, 13) & M`, and for the last pair
+`((word & 0x001B001B) × 0x1084) & M` (three shifted copies of five bits, none overlapping), each
+then times its row's scale (`mul.rn.bf16x2`): 12 instructions per 8 weights, where the bytes as
+the checkpoint packs them took 18 (two `prmt` spreads, then mask, multiply, mask, scale per pair);
+a decode step is bound by how fast weights become MMA operands (benchmarks/moe_tiles_bench.py:
+the layer at 64 tokens 1.057 → 0.975 ms with this conversion). Outside the register operand (the
+tokens-as-M product, the interpreter) the groups are assembled explicitly (`_words`).
 
 MMA order: a wgmma A operand held in registers gives each thread, per 16-wide K slice, the
 columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4). `mma_order` permutes K so that these are four
@@ -25,7 +30,9 @@ permuted the same way (`mma_order_pairs` / `mma_order`), which leaves the dot pr
 from __future__ import annotations
 
 import math
+import re
 
+import torch
 import triton
 import triton.language as tl
 
@@ -59,45 +66,101 @@ def mma_order_pairs(x):
 # FP4
 # ---------------------------------------------------------------------------------------
 
-@triton.jit
-def _e2m1_bits(code):
-    """e2m1 codes (int, 0..15) → bf16 bits of value · 2^-126."""
-    return ((code & 7) << 6) | ((code & 8) << 12)
+# (pair, lane) → positions of the code's bits m0, m1, m2, s in a shuffled word. Pair 0 is bf16 lanes
+# (low nibble of byte 0, of byte 1), pair 1 the low nibbles of bytes 2, 3, pairs 2, 3 the high
+# nibbles likewise; bytes 0, 1 are row g's, 2, 3 row g+8's (module docstring).
+WORD_BITS = (((6, 7, 8, 15), (22, 23, 24, 31)),  # word & M
+             ((28, 29, 30, 5), (12, 13, 14, 21)),  # rotl 10
+             ((25, 26, 27, 2), (9, 10, 11, 18)),  # rotl 13
+             ((4, 0, 1, 3), (20, 16, 17, 19)))  # (word & 0x001B001B) × 0x1084
+_PAIRS = """
+            and.b32 a, $W, 0x81C081C0; mul.rn.bf16x2 $0, a, $G;
+            shf.l.wrap.b32 a, $W, $W, 10; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $H;
+            shf.l.wrap.b32 a, $W, $W, 13; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $G;
+            and.b32 a, $W, 0x001B001B; mul.lo.u32 a, a, 0x1084; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $H;
+"""
+# one input word $4 and the scales of its rows g, g+8 as bf16 pairs $5, $6 → four bf16 pairs $0..$3;
+# the comment names the conversion in compiled code (`reads_wgmma_operand`)
+_FP4_MARK = "fp4 words"
+_FP4_PTX = tl.constexpr("{ .reg .b32 a; /* " + _FP4_MARK + " */" + _PAIRS.replace("$W", "$4").replace("$G", "$5").replace("$H", "$6") + "}")
 
 
 @triton.jit
-def fp4_to_bf16(packed, scale, ASM: tl.constexpr):
-    """packed uint8 [R, C] (K elements 2j, 2j+1 in byte j), scale uint8 [R, C // 16]
-    → (even, odd): bf16 [R, C], the low and high nibble of each byte times its group's scale."""
+def fp4_to_bf16(packed, scale, ASM: tl.constexpr, MMA: tl.constexpr):
+    """packed uint8 [R, C] (R % 16 == 0, shuffled words: byte pairs 2p, 2p+1 of rows g, g+8 of each
+    16-row block; columns in any order that keeps those pairs), scale uint8 [R, C // 16]
+    → (even, odd): bf16 [R, C], the low and high nibble's code of each byte times its group's
+    scale. MMA: `packed` is laid out as a wgmma register operand, whose four consecutive bytes are
+    one group (module docstring), and is converted in place."""
     R: tl.constexpr = packed.shape[0]
     C: tl.constexpr = packed.shape[1]
-    if ASM:
-        f = ((scale.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], [R, C // 16, 16]), [R, C])
+    f = ((scale.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], [R, C // 16, 16]), [R, C])
+    if ASM and MMA:
+        # four bytes per input: rows g, g+8 → their scales in $5, $6 (two lanes each)
         even, odd = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 u0, u1, a;
-            prmt.b32 u0, $4, 0, 0x4140;
-            prmt.b32 u1, $4, 0, 0x4342;
-            and.b32 a, u0, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
-            and.b32 a, u1, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
-            and.b32 a, u0, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
-            and.b32 a, u1, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $6;
-            }
-            """,
+            asm=_FP4_PTX,
             constraints="=r,=r,=r,=r,r,r,r", args=[packed, f], dtype=(tl.bfloat16, tl.bfloat16),
             is_pure=True, pack=4)
         return even, odd
-    # interpreter: the same construction with integer ops, the multiply as an exponent add
-    # (the interpreter's bf16 arithmetic works on raw bits); bf16 subnormal code 1 handled apart
-    p = tl.reshape(packed.to(tl.int32), [R, C // 16, 16])
-    bias = ((scale.to(tl.int32) - 1) << 7)[:, :, None]
-    lo = _scaled_bits(p & 15, bias)
-    hi = _scaled_bits(p >> 4, bias)
-    even = tl.reshape(lo, [R, C]).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    odd = tl.reshape(hi, [R, C]).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return even, odd
+    b00, b01, b10, b11 = _words(packed)
+    word = (b00.to(tl.uint32) | (b01.to(tl.uint32) << 8) | (b10.to(tl.uint32) << 16)
+            | (b11.to(tl.uint32) << 24))
+    fg, _, fh, _ = _words(f)  # row g's scale, row g+8's
+    if ASM:
+        fg = fg.to(tl.uint16, bitcast=True).to(tl.uint32)
+        fh = fh.to(tl.uint16, bitcast=True).to(tl.uint32)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm=_FP4_PTX,
+            constraints="=r,=r,=r,=r,r,r,r", args=[word, fg | (fg << 16), fh | (fh << 16)],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+        even = _unwords(_lane(p0, 0), _lane(p0, 1), _lane(p1, 0), _lane(p1, 1))
+        odd = _unwords(_lane(p2, 0), _lane(p2, 1), _lane(p3, 0), _lane(p3, 1))
+        return even, odd
+    # interpreter (no inline PTX): each code read from its bit places, then the same bits built
+    # with integer ops, the multiply as an exponent add (the interpreter's bf16 arithmetic works
+    # on raw bits); bf16 subnormal code 1 handled apart
+    sg, _, sh, _ = _words(tl.reshape(tl.broadcast_to(scale.to(tl.int32)[:, :, None], [R, C // 16, 16]), [R, C]))
+    bias_g = (sg - 1) << 7
+    bias_h = (sh - 1) << 7
+    w = word.to(tl.int32, bitcast=True)
+    even = _unwords(_scaled_bits(_code(w, 6, 7, 8, 15), bias_g), _scaled_bits(_code(w, 22, 23, 24, 31), bias_g),
+                    _scaled_bits(_code(w, 28, 29, 30, 5), bias_h), _scaled_bits(_code(w, 12, 13, 14, 21), bias_h))
+    odd = _unwords(_scaled_bits(_code(w, 25, 26, 27, 2), bias_g), _scaled_bits(_code(w, 9, 10, 11, 18), bias_g),
+                   _scaled_bits(_code(w, 4, 0, 1, 3), bias_h), _scaled_bits(_code(w, 20, 16, 17, 19), bias_h))
+    return (even.to(tl.uint16).to(tl.bfloat16, bitcast=True), odd.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _words(t):
+    """[R, C] → its groups as four [R/16, 8, C/2] tensors: (row g, byte 2p), (g, 2p+1), (g+8, 2p), (g+8, 2p+1)."""
+    R: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[1]
+    t = tl.permute(tl.reshape(t, [R // 16, 2, 8, C // 2, 2]), [0, 2, 3, 4, 1])  # [.., byte, row half]
+    g, h = tl.split(t)
+    g0, g1 = tl.split(g)
+    h0, h1 = tl.split(h)
+    return g0, g1, h0, h1
+
+
+@triton.jit
+def _unwords(g0, g1, h0, h1):
+    """`_words`' inverse → [R, C]."""
+    t = tl.join(tl.join(g0, g1), tl.join(h0, h1))  # [R/16, 8, C/2, byte, row half]
+    t = tl.permute(t, [0, 4, 1, 2, 3])
+    return tl.reshape(t, [t.shape[0] * 16, t.shape[3] * 2])
+
+
+@triton.jit
+def _lane(pair, lane: tl.constexpr):
+    """bf16 lane 0 or 1 of a uint32 holding two."""
+    return ((pair >> (16 * lane)) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _code(w, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, s: tl.constexpr):
+    """The e2m1 code (int32, 0..15) whose bits m0, m1, m2, sign sit at those places of word w."""
+    return (((w >> m0) & 1) | (((w >> m1) & 1) << 1) | (((w >> m2) & 1) << 2) | (((w >> s) & 1) << 3))
 
 
 @triton.jit
@@ -146,6 +209,48 @@ def fp8_to_bf16(q, row_scale, ASM: tl.constexpr):
 # ---------------------------------------------------------------------------------------
 # host-side checks
 # ---------------------------------------------------------------------------------------
+
+def shuffle_fp4_words(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """FP4 codes [..., R, C] uint8 as the checkpoint packs them (K 2j in byte j's low nibble; R % 16
+    == 0, C even) → the word layout `fp4_to_bf16` reads (module docstring), or back with `inverse`.
+    A permutation of the 32 bits of each group (rows g, g+8 of a 16-row block × bytes 2p, 2p+1)."""
+    *lead, R, C = codes.shape
+    if R % 16 or C % 2:
+        raise ValueError(f"FP4 word groups need rows in multiples of 16 and an even byte count, got {R} × {C}")
+    t = codes.reshape(*lead, R // 16, 2, 8, C // 2, 2).movedim(-4, -1).to(torch.int64)  # [.., byte, half]
+    word = t[..., 0, 0] | t[..., 1, 0] << 8 | t[..., 0, 1] << 16 | t[..., 1, 1] << 24
+    out = torch.zeros_like(word)
+    for k, lanes in enumerate(WORD_BITS):
+        for lane, places in enumerate(lanes):
+            # standard place of (pair k, lane): byte 2·(k % 2) + lane, nibble k // 2
+            std = 8 * (2 * (k % 2) + lane) + 4 * (k // 2)
+            for i, place in enumerate(places):
+                src, dst = (place, std + i) if inverse else (std + i, place)
+                out |= ((word >> src) & 1) << dst
+    t = torch.stack([torch.stack([out & 0xFF, (out >> 8) & 0xFF], -1),
+                     torch.stack([(out >> 16) & 0xFF, out >> 24], -1)], -1)  # [.., byte, half]
+    return t.movedim(-1, -4).reshape(*lead, R, C).to(torch.uint8)
+
+
+def reads_wgmma_operand(ttgir: str) -> bool:
+    """Whether every conversion of packed FP4 bytes in place (`fp4_to_bf16` with MMA) in a compiled
+    kernel's TTGIR takes its input as a wgmma register operand (opIdx 0 of an MMA v3 layout, kWidth
+    2), the only layout in which four consecutive registers of a thread are one word group. Triton
+    picks that layout, not the kernel: it moves the layout change ahead of the conversion for the
+    V4 tiles (K steps of 128), but leaves it after for some smaller steps (BK 32; BK 64 at some BN
+    and warp counts), where the four bytes are a row's columns 0, 1, 8, 9 instead."""
+    mma_v3 = set(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = 3\b", ttgir, re.M))
+    for line in ttgir.splitlines():
+        if _FP4_MARK not in line or "tt.elementwise_inline_asm" not in line:
+            continue
+        operands = line.rsplit("pure = true}", 1)[-1].split("->")[0]
+        if "xi8," not in operands:
+            continue  # explicit words (uint32): any layout is right
+        m = re.search(r"xi8, #ttg\.dot_op<\{opIdx = 0, parent = (#\w+), kWidth = 2\}>>", operands)
+        if m is None or m.group(1) not in mma_v3:
+            return False
+    return True
+
 
 def fp4_k_block(row_bytes: int) -> int:
     """Code bytes per row in one K block of a packed FP4 matrix with `row_bytes` per row (a multiple

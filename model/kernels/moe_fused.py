@@ -62,10 +62,10 @@ def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
               shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
-              down: Tiles | None = None, scaled_dot: bool = False) -> torch.Tensor:
+              down: Tiles | None = None) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
     Tiles default to `decode_tiles(T)`."""
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=True, scaled_dot=scaled_dot)
+                       fit(down, experts.dim, experts.inter), fuse_combine=True)

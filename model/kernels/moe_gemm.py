@@ -56,19 +56,17 @@ def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, R: tl.constexpr
 
 
 @triton.jit
-def _operands(w_ptr, s, rows, k0, w_stride, FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-              ASM: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BK: tl.constexpr):
+def _operands(w_ptr, s, rows, k0, w_stride, FP4: tl.constexpr, SWAP: tl.constexpr,
+              ASM: tl.constexpr, MMA: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BK: tl.constexpr):
     """W[rows, k0:k0+BK] as MMA operand(s), scales `s` from `_scales`: FP4 SWAP → (even, odd) K in
-    `mma_order`; FP4 → (bf16 tile, same); FP8 → (bf16 tile, same) (SWAP: `mma_order`);
-    SCALED_DOT → (packed bytes, s) for tl.dot_scaled."""
+    `mma_order`; FP4 → (bf16 tile, same); FP8 → (bf16 tile, same) (SWAP: `mma_order`). MMA: the
+    SWAP tile is a wgmma register operand (kernels/fp4.py's `fp4_to_bf16`)."""
     if FP4:
         w = tl.load(w_ptr + _k_step(rows, k0 // BK, R, KB, BK // 2))
-        if SCALED_DOT:
-            a, b = w, s
-        elif SWAP:
-            a, b = fp4_to_bf16(mma_order(w), s, ASM)
+        if SWAP:
+            a, b = fp4_to_bf16(mma_order(w), s, ASM, MMA)
         else:
-            even, odd = fp4_to_bf16(w, s, ASM)
+            even, odd = fp4_to_bf16(w, s, ASM, False)
             a = tl.reshape(tl.join(even, odd), [w.shape[0], BK])
             b = a
     else:
@@ -81,15 +79,10 @@ def _operands(w_ptr, s, rows, k0, w_stride, FP4: tl.constexpr, SWAP: tl.constexp
 
 
 @triton.jit
-def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr):
+def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.constexpr):
     """acc += W · xᵀ for W's `_operands` (a, b). SWAP: acc [BN, BT], x in `mma_order` (x_even/x_odd
     for FP4, xt for FP8); else acc [BT, BN], xt natural."""
-    if FP4 and SCALED_DOT:
-        if SWAP:
-            acc = tl.dot_scaled(a, b, "e2m1", tl.trans(xt), None, "bf16", acc)
-        else:
-            acc = tl.dot_scaled(xt, None, "bf16", tl.trans(a), b, "e2m1", acc)
-    elif FP4 and SWAP:
+    if FP4 and SWAP:
         acc = tl.dot(a, tl.trans(x_even), acc)
         acc = tl.dot(b, tl.trans(x_odd), acc)
     elif SWAP:
@@ -101,8 +94,7 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 
 @triton.jit
 def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
-          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, SCALED_DOT: tl.constexpr,
-          ASM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False,
+          K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False,
           R: tl.constexpr = 0, KB: tl.constexpr = 0, KS: tl.constexpr = 1, ks=0):
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
     `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask), in
@@ -143,19 +135,18 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
             x_even, x_odd = xt, xt
         if SWAP and not XPRE:
             if FP4:
-                if not SCALED_DOT:
-                    x_even, x_odd = mma_order_pairs(xt)
+                x_even, x_odd = mma_order_pairs(xt)
             else:
                 xt = mma_order(xt)
         # both weight sets dequantised before either product: the tensor cores then get the two
         # back to back, one wait per step instead of two
-        a1, a2 = _operands(w_ptr, sa, rows_a, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, R, KB, BK)
+        a1, a2 = _operands(w_ptr, sa, rows_a, k0, w_stride, FP4, SWAP, ASM, MMA, R, KB, BK)
         b1, b2 = a1, a2
         if TWO:
-            b1, b2 = _operands(w_ptr, sb, rows_b, k0, w_stride, FP4, SWAP, SCALED_DOT, ASM, R, KB, BK)
-        acc_a = _accumulate(acc_a, a1, a2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)
+            b1, b2 = _operands(w_ptr, sb, rows_b, k0, w_stride, FP4, SWAP, ASM, MMA, R, KB, BK)
+        acc_a = _accumulate(acc_a, a1, a2, xt, x_even, x_odd, FP4, SWAP)
         if TWO:
-            acc_b = _accumulate(acc_b, b1, b2, xt, x_even, x_odd, FP4, SWAP, SCALED_DOT)
+            acc_b = _accumulate(acc_b, b1, b2, xt, x_even, x_odd, FP4, SWAP)
         sa, sb = sa_next, sb_next
     if not SWAP:
         acc_a, acc_b = tl.trans(acc_a), tl.trans(acc_b)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 
 from model.kernels import moe_combine
-from model.kernels.fp4 import FP4_K_BLOCK, check_fp4_block, check_fp8_block
+from model.kernels.fp4 import FP4_K_BLOCK, check_fp4_block, check_fp8_block, reads_wgmma_operand
 from model.kernels.moe_tile_kernels import _count_sort_kernel, _down_kernel, _gateup_kernel
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class Launch:
 
 def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                  shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
-                 scaled_dot: bool = False, asm: bool | None = None, preordered: bool = False,
+                 asm: bool | None = None, preordered: bool = False,
                  add: torch.Tensor | None = None) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
     """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
     sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
@@ -191,6 +191,9 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         if experts.fmt == "fp4" and kb % (t.BK // 2):
             raise ValueError(f"{what}: BK={t.BK} reads {t.BK // 2} code bytes a row per step, more than the "
                              f"{kb} of one K block of the packed experts (`fit` picks a BK that fits)")
+        if x.is_cuda and experts.fmt == "fp4" and t.swap_ab and t.BK == 32 and t.BN < 64:
+            raise ValueError(f"{what}: FP4 SWAP tiles with BK=32 need BN >= 64 on the GPU: Triton 3.6 compiles "
+                             f"the word conversion of BN={t.BN} wrong (tests/gpu/test_fp4_words_cuda.py)")
         if shared is not None:  # the shared expert (FP8) runs in the same programs (BK, or half of it:
             check_fp8_block(t.BK)  # `_shared_bk` halves only BK >= 64, which then still divides 128)
     if T == 0:
@@ -227,20 +230,24 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     else:
         y = torch.empty(T * kp1, D, dtype=x.dtype, device=x.device)
         out = cnt = y
+    asm = x.is_cuda if asm is None else asm
+    # a CPU x with asm: a build for sm_90 (the compile checks)
+    hopper = asm and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] == 9)
     common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
-                  HAS_SHARED=has_shared, SCALED_DOT=scaled_dot, ASM=x.is_cuda if asm is None else asm, D=D, I=I,
-                  XPRE=preordered)
+                  HAS_SHARED=has_shared, ASM=asm, D=D, I=I, XPRE=preordered)
     launches += [
         Launch(_gateup_kernel, (tiles13, I // gateup.BN, ks13),
                (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt, part13, cnt13,
                 T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
                dict(ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
-                    SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup), **common)),
+                    SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup, hopper), **common)),
         Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN, ks2),
                (h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
                 T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
-               dict(FUSE_COMBINE=fuse_combine, WKB=experts.kb2, **_tile_meta(down), **common)),
+               dict(FUSE_COMBINE=fuse_combine, WKB=experts.kb2, **_tile_meta(down, hopper), **common)),
     ]
+    if x.is_cuda:
+        launches = [_operand_checked(launch, experts.operand_checks) for launch in launches]
     if fuse_combine:
         return launches, lambda: out
     return launches, lambda: moe_combine.sum_slots(y.view(T, kp1, D), add, x.dtype)
@@ -256,9 +263,26 @@ def _shared_bk(t: Tiles, fmt: str) -> int:
     return t.BK // 2 if t.swap_ab and fmt == "fp4" and t.BK >= 64 else t.BK
 
 
-def _tile_meta(t: Tiles) -> dict:
-    return dict(SWAP=t.swap_ab, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
+def _tile_meta(t: Tiles, hopper: bool) -> dict:
+    """MMA: the weight tile is a wgmma register operand (Hopper, SWAP, 64 rows per warpgroup), whose
+    register order the FP4 conversion reads its words in (kernels/fp4.py); smaller tiles run
+    mma.sync, whose operand order differs, and convert through explicit words."""
+    wgmma = hopper and t.swap_ab and t.BN % (16 * t.num_warps) == 0
+    return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
                 num_stages=t.num_stages)
+
+
+def _operand_checked(launch: Launch, checks: dict) -> Launch:
+    """`launch`, with MMA off where Triton compiled its FP4 conversion on another layout than the
+    wgmma operand (kernels/fp4.py's `reads_wgmma_operand`): the conversion then assembles its words
+    explicitly. Each configuration is compiled and checked once; `checks` keeps the verdicts."""
+    if not launch.meta.get("MMA") or not launch.meta.get("FP4"):
+        return launch
+    key = (launch.kernel.__name__, tuple(sorted(launch.meta.items())))
+    if key not in checks:
+        compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.meta)
+        checks[key] = reads_wgmma_operand(compiled.asm["ttgir"])
+    return launch if checks[key] else replace(launch, meta={**launch.meta, "MMA": False})
 
 
 def run_kernels(*args, **kwargs) -> torch.Tensor:
@@ -271,14 +295,14 @@ def run_kernels(*args, **kwargs) -> torch.Tensor:
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                 shared: "PackedExperts | None", limit: float, impl: str,
-                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN, scaled_dot: bool = False) -> torch.Tensor:
+                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
     # (no split K here: its partial sums need the fused path's arrival counters)
     gateup, down = replace(gateup, split_k=1), replace(down, split_k=1)
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=False, scaled_dot=scaled_dot)
+                       fit(down, experts.dim, experts.inter), fuse_combine=False)
 
 
 def fit(t: Tiles, n: int, k: int) -> Tiles:

@@ -64,14 +64,6 @@ def test_prefill_8k(poisoned, flash_fp4, path):
     check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)
 
 
-def test_scaled_dot_variant(poisoned, flash_fp4):
-    """Triton's own tl.dot_scaled FP4 path (an alternative the benchmark may prefer)."""
-    x, _, weights, ids = routed_inputs(flash_fp4, 64, seed=6)
-    check(run(flash_fp4, "fused", x, weights, ids, scaled_dot=True), x, weights, ids, flash_fp4)
-    x, _, weights, ids = routed_inputs(flash_fp4, 1024, seed=7)
-    check(run(flash_fp4, "grouped", x, weights, ids, scaled_dot=True), x, weights, ids, flash_fp4)
-
-
 def test_fused_is_deterministic_and_batch_invariant(flash_fp4):
     """Bit-identical across runs, and across batches of the same tile table: a token's row of a
     64-token step equals its row in a 5-token step (`decode_tiles`' SWAP tiles). Steps of up to

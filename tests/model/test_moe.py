@@ -15,7 +15,8 @@ import torch
 
 from model import quant
 from model.kernels import moe_grouped
-from model.kernels.fp4 import fp4_k_block
+from model.kernels import fp4
+from model.kernels.fp4 import fp4_k_block, shuffle_fp4_words
 from model.moe import MoE, PackedExperts
 from model.tiny import random_weights, tiny_config
 
@@ -88,9 +89,9 @@ def test_pack_layout_and_float_weights_dropped():
 
 
 def test_fp4_k_blocks_hold_each_rows_bytes_in_order():
-    """K-blocked FP4 (`PackedExperts`): element [b, r, j] is byte b·kb + j of row r, codes and
-    scales alike; kb = 64 code bytes (128 K) where the row allows, else the largest power of two
-    dividing it."""
+    """K-blocked FP4 (`PackedExperts`): element [b, r, j] is byte b·kb + j of row r, scales as
+    they are and codes once their word shuffle is undone; kb = 64 code bytes (128 K) where the row
+    allows, else the largest power of two dividing it."""
     assert [fp4_k_block(n) for n in (2048, 1024, 128, 64, 48, 32, 16)] == [64, 64, 64, 64, 16, 32, 16]
     moe = float_moe(layer=3, seed=6, hidden_size=256, moe_intermediate_size=96)
     packed = copy.deepcopy(moe).pack_experts("fp4").experts
@@ -102,10 +103,49 @@ def test_fp4_k_blocks_hold_each_rows_bytes_in_order():
         q, s = q.view(torch.uint8), s.view(torch.uint8)
         assert codes.shape == (q.shape[1] // kb, q.shape[0], kb) and scales.shape == (s.shape[1] // (kb // 16),
                                                                                       s.shape[0], kb // 16)
+        assert not torch.equal(codes, q.unflatten(-1, (-1, kb)).transpose(0, 1))  # stored shuffled
+        codes = shuffle_fp4_words(codes, inverse=True)
         for b, r, j in ((0, 0, 0), (1, 5, 3), (codes.shape[0] - 1, q.shape[0] - 1, kb - 1)):
             assert codes[b, r, j] == q[r, b * kb + j]
             assert scales[b, r, j // 16] == s[r, b * (kb // 16) + j // 16]
         assert torch.equal(codes.transpose(0, 1).flatten(1), q) and torch.equal(scales.transpose(0, 1).flatten(1), s)
+
+
+def test_fp4_word_shuffle_is_what_the_ptx_decodes():
+    """The stored FP4 word layout (kernels/fp4.py): a permutation of each group's 32 bits, undone
+    by the inverse; and the conversion's four PTX formulas, emulated on 32-bit integers, put every
+    code's sign and magnitude where bf16 wants them (s << 15 | m << 6 per lane)."""
+    assert sorted(p for pair in fp4.WORD_BITS for lane in pair for p in lane) == list(range(32))
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (2, 32, 16), dtype=torch.uint8, generator=g)
+    words = shuffle_fp4_words(codes)
+    assert torch.equal(shuffle_fp4_words(words, inverse=True), codes)
+    assert not torch.equal(words, codes)
+    ones = lambda t: int(sum(((t.to(torch.int64) >> i) & 1).sum() for i in range(8)))  # noqa: E731
+    assert ones(words) == ones(codes)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        shuffle_fp4_words(codes[:, :24])
+
+    for text in ("0x81C081C0", "shf.l.wrap.b32 a, $W, $W, 10", "shf.l.wrap.b32 a, $W, $W, 13", "0x001B001B", "0x1084"):
+        assert text in fp4._PAIRS
+
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    M = 0x81C081C0
+    decode = (lambda w: w & M, lambda w: rotl(w, 10) & M, lambda w: rotl(w, 13) & M,
+              lambda w: ((w & 0x001B001B) * 0x1084) & 0xFFFFFFFF & M)
+    t = codes.reshape(2, 2, 2, 8, 8, 2).movedim(2, -1).to(torch.int64)  # groups: [.., byte, row half]
+    wt = words.reshape(2, 2, 2, 8, 8, 2).movedim(2, -1).to(torch.int64)
+    std = (t[..., 0, 0] | t[..., 1, 0] << 8 | t[..., 0, 1] << 16 | t[..., 1, 1] << 24).flatten().tolist()
+    new = (wt[..., 0, 0] | wt[..., 1, 0] << 8 | wt[..., 0, 1] << 16 | wt[..., 1, 1] << 24).flatten().tolist()
+    for w_std, w_new in zip(std, new):
+        for k, fn in enumerate(decode):
+            want = 0
+            for lane in (0, 1):
+                code = (w_std >> (8 * (2 * (k % 2) + lane) + 4 * (k // 2))) & 15
+                want |= (((code & 8) << 12) | ((code & 7) << 6)) << (16 * lane)
+            assert fn(w_new) == want
 
 
 def test_random_packed_full_width_never_builds_float_experts():

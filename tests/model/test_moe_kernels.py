@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels import moe_combine, moe_fused, moe_grouped, moe_prefill
+from model.kernels.fp4 import reads_wgmma_operand
 from model.moe import MoE, PackedExperts
 from model.tiny import tiny_config
 
@@ -116,12 +117,10 @@ def test_skewed_routing_multi_tile_experts_and_idle_experts(poisoned, path):
     check(out, x, weights, ids, moe)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="Triton 3.6's interpreter cannot run tl.dot_scaled (compiled on the GPU only)")
-def test_single_token_and_scaled_dot_variant(poisoned):
+def test_single_token(poisoned):
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=41, device=DEVICE)
     x, weights, ids = routed(moe, T=1, seed=9)
-    out = moe_fused.fused_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, scaled_dot=True)
+    out = moe_fused.fused_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0)
     check(out, x, weights, ids, moe)
 
 
@@ -174,7 +173,7 @@ _TL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
 
 def hopper_compile(launch):
     """Compile a planned launch for sm_90 as the JIT would (16-byte aligned pointers, ints divisible by
-    16 marked so) → (ptx, cubin resource usage line)."""
+    16 marked so) → (compiled kernel, cubin resource usage line)."""
     import subprocess
     from pathlib import Path
 
@@ -203,10 +202,10 @@ def hopper_compile(launch):
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
     cubin.unlink()
-    return k.asm["ptx"], usage
+    return k, usage
 
 
-def flash_plan(path: str, fmt: str, T: int, scaled_dot: bool = False):
+def flash_plan(path: str, fmt: str, T: int):
     D, I, E, k = 4096, 2048, 256, 6
     experts = PackedExperts(fmt, E, D, I, device="meta")
     shared = PackedExperts("fp8", 1, D, I, device="meta")
@@ -215,36 +214,62 @@ def flash_plan(path: str, fmt: str, T: int, scaled_dot: bool = False):
     tiles = moe_fused.decode_tiles(T) if path == "fused" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
     tiles = (moe_grouped.fit(tiles[0], I, D), moe_grouped.fit(tiles[1], D, I))
     launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, shared, 10.0, *tiles,
-                                           fuse_combine=path == "fused", scaled_dot=scaled_dot, asm=True)
+                                           fuse_combine=path == "fused", asm=True)
     return launches
 
 
-def check_hopper_build(path: str, fmt: str, T: int, scaled_dot: bool) -> None:
-    for launch in flash_plan(path, fmt, T, scaled_dot):
-        ptx, usage = hopper_compile(launch)
+def check_hopper_build(path: str, fmt: str, T: int) -> None:
+    for launch in flash_plan(path, fmt, T):
+        k, usage = hopper_compile(launch)
         if launch.kernel.__name__ != "_count_sort_kernel":
-            assert "wgmma" in ptx, f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
+            assert "wgmma" in k.asm["ptx"], f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
+        if launch.meta.get("MMA") and fmt == "fp4":  # V4 tiles keep the in-place conversion
+            assert reads_wgmma_operand(k.asm["ttgir"]), f"{launch.kernel.__name__}: FP4 words off the wgmma operand"
         assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
 
 
-@pytest.mark.parametrize("path, fmt, T, scaled_dot", [
-    ("fused", "fp4", 64, False), ("fused", "fp4", 1, False), ("grouped", "fp4", 8192, False),
-    pytest.param("fused", "fp8", 64, False, marks=pytest.mark.slow),
-    pytest.param("grouped", "fp8", 8192, False, marks=pytest.mark.slow),
-    pytest.param("fused", "fp4", 64, True, marks=pytest.mark.slow),
-    pytest.param("grouped", "fp4", 8192, True, marks=pytest.mark.slow),
+def check_operand_layouts() -> None:
+    """A small tile whose FP4 conversion Triton compiles before the layout change (BK 32: a
+    row's columns 0, 1, 8, 9 in four registers) is detected, and the V4 K step (128) is not."""
+    moe = MoE.random_packed(tiny_config(hidden_size=1024, moe_intermediate_size=512), layer=3, fmt="fp4", seed=5,
+                            device="cpu")
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(5))  # on the CPU: compiled, never run
+    weights, ids = moe.gate(x, torch.arange(8))
+    for bk, want in ((32, False), (128, True)):
+        tiles = moe_grouped.Tiles(BT=16, BN=64, BK=bk, swap_ab=True)
+        launches, _ = moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles,
+                                               fuse_combine=True, asm=True)
+        down = launches[-1]
+        assert down.meta["MMA"]
+        assert reads_wgmma_operand(hopper_compile(down)[0].asm["ttgir"]) is want, bk
+
+
+@pytest.mark.parametrize("path, fmt, T", [
+    ("fused", "fp4", 64), ("fused", "fp4", 1), ("grouped", "fp4", 8192),
+    pytest.param("fused", "fp8", 64, marks=pytest.mark.slow),
+    pytest.param("grouped", "fp8", 8192, marks=pytest.mark.slow),
 ])
-def test_kernels_compile_for_hopper_without_spills(path, fmt, T, scaled_dot):
+def test_kernels_compile_for_hopper_without_spills(path, fmt, T):
     """The interpreter checks neither Triton's compile-time rules, nor the inline PTX, nor register
     use: compile both launches for sm_90 in a process without the interpreter, and require wgmma
     and no local-memory spills."""
+    without_interpreter(f"check_hopper_build({path!r}, {fmt!r}, {T})")
+
+
+def test_fp4_conversion_layout_check_detects_small_tiles():
+    """Triton, not the kernel, decides whether the FP4 words are converted in the wgmma operand
+    layout; `reads_wgmma_operand` must tell the two apart (the GPU path falls back on it)."""
+    without_interpreter("check_operand_layouts()")
+
+
+def without_interpreter(call: str) -> None:
+    """Run `call` (a function of this module) in a process without Triton's interpreter."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"from tests.model.test_moe_kernels import check_hopper_build; "
-            f"check_hopper_build({path!r}, {fmt!r}, {T}, {scaled_dot})")
+    code = f"from tests.model.test_moe_kernels import *; {call}"
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -298,8 +323,9 @@ def test_preorder_layout():
 def test_prefill_path_matches_reference(poisoned, skew):
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=61 + skew, device=DEVICE)
     x, weights, ids = (skewed if skew else routed)(moe, T=40, seed=11)
-    tiles = moe_grouped.Tiles(BT=16, BN=16, BK=32, swap_ab=True)  # expert 1 (skewed): 3 token tiles
-    out = moe_prefill.prefill_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles)
+    gateup = moe_grouped.Tiles(BT=16, BN=16, BK=64, swap_ab=True)  # expert 1 (skewed): 3 token tiles
+    down = moe_grouped.Tiles(BT=16, BN=64, BK=32, swap_ab=True)  # (BK 32 needs BN 64 on GPUs: `plan_kernels`)
+    out = moe_prefill.prefill_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0, gateup, down)
     check(out, x, weights, ids, moe)
     plain = moe_prefill.prefill_moe(x, weights, ids, moe.experts, moe.shared_experts, 10.0)  # default tiles, fitted
     check(plain, x, weights, ids, moe)
@@ -372,3 +398,15 @@ def test_split_k_tiles_fit_and_need_the_fused_path():
     with pytest.raises(ValueError, match="split_k=3 K ranges"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0,
                                  dataclasses.replace(split, split_k=3), split, fuse_combine=True)
+
+
+def test_fp4_words_convert_in_the_wgmma_operand_only_where_wgmma_runs():
+    """The register-order conversion (kernels/fp4.py) is for wgmma's operand alone: Hopper, SWAP
+    tiles of 64 rows per warpgroup (the decode and prefill tiles). Smaller tiles run mma.sync and
+    other GPUs other MMAs, whose operand orders differ: those convert through explicit words."""
+    for t in (moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN, moe_fused.SMALL_GATEUP, moe_fused.SMALL_DOWN,
+              moe_prefill.PREFILL_GATEUP, moe_prefill.PREFILL_DOWN):
+        assert moe_grouped._tile_meta(t, True)["MMA"] and not moe_grouped._tile_meta(t, False)["MMA"]
+    small = moe_grouped.Tiles(BT=16, BN=32, BK=32, num_warps=4, num_stages=2, swap_ab=True)
+    assert not moe_grouped._tile_meta(small, True)["MMA"]
+    assert not moe_grouped._tile_meta(moe_grouped.GROUPED_GATEUP, True)["MMA"]  # tokens as M
