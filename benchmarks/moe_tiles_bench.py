@@ -24,28 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.moe_bench import build_layer, bytes_read, ceilings, routed_inputs  # noqa: E402
 from model.kernels import moe_fused  # noqa: E402
 from model.kernels.moe_grouped import Launch, Tiles, fit, plan_kernels  # noqa: E402
-from model.kernels.moe_prefill import preorder  # noqa: E402
 
 GU, DN = moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN
 # name → (gate/up tiles, down tiles, with the shared expert, activations in `preorder`'s layout)
 VARIANTS = {
-    "default": (GU, DN, True, False),
-    "no_shared": (GU, DN, False, False),
-    "no_shared_preordered": (GU, DN, False, True),
-    "stages2": (replace(GU, num_stages=2), replace(DN, num_stages=2), True, False),
-    "stages4": (replace(GU, num_stages=4), replace(DN, num_stages=4), True, False),
-    "down_bn64": (GU, replace(DN, BN=64), True, False),
-    "down_bn64_stages2": (GU, replace(DN, BN=64, num_stages=2), True, False),
-    "down_stages2": (GU, replace(DN, num_stages=2), True, False),
-    "gateup_bn32": (replace(GU, BN=32), DN, True, False),
-    "gateup_bn128_w8": (replace(GU, BN=128, num_warps=8), DN, True, False),
+    "default": (GU, DN, True, True),
+    "natural_order": (GU, DN, True, False),
+    "no_shared": (GU, DN, False, True),
+    "stages2": (replace(GU, num_stages=2), replace(DN, num_stages=2), True, True),
+    "stages4": (replace(GU, num_stages=4), replace(DN, num_stages=4), True, True),
+    "down_bn64": (GU, replace(DN, BN=64), True, True),
+    "down_bn64_stages2": (GU, replace(DN, BN=64, num_stages=2), True, True),
+    "down_stages2": (GU, replace(DN, num_stages=2), True, True),
+    "gateup_bn32": (replace(GU, BN=32), DN, True, True),
+    "gateup_bn128_w8": (replace(GU, BN=128, num_warps=8), DN, True, True),
+    "gateup_stages4": (replace(GU, num_stages=4), DN, True, True),
+    "down_stages4": (GU, replace(DN, num_stages=4), True, True),
+    "down_w8": (GU, replace(DN, num_warps=8), True, True),
+    "down_bn256_w8": (GU, replace(DN, BN=256, num_warps=8), True, True),
 }
 
 
 def plan(moe, T: int, seed: int, gateup: Tiles, down: Tiles, shared: bool, pre: bool) -> tuple[list[Launch], int]:
     x, _, weights, ids = routed_inputs(moe, T, seed)
     ex = moe.experts
-    launches, _ = plan_kernels(preorder(x) if pre else x, weights, ids, ex, moe.shared_experts if shared else None,
+    launches, _ = plan_kernels(x, weights, ids, ex, moe.shared_experts if shared else None,
                                moe.cfg.swiglu_limit, fit(gateup, ex.inter, ex.dim), fit(down, ex.dim, ex.inter),
                                fuse_combine=True, preordered=pre)
     return launches, bytes_read(moe, x, ids)

@@ -67,5 +67,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     Tiles default to `decode_tiles(T)`."""
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
+    # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
+    # in-register permutes: ~5% of the layer at 64 tokens, benchmarks/moe_tiles_bench.py)
+    preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=True)
+                       fit(down, experts.dim, experts.inter), fuse_combine=True, preordered=preordered)

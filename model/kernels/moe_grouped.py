@@ -175,11 +175,11 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots, plus `add`
     [T, D] fp32 (an output computed outside the kernels) before the one rounding).
     `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it).
-    `preordered`: x is in kernels/moe_prefill.py's `preorder` layout (FP4, SWAP tiles, no shared
-    expert) and h is written in it too."""
+    `preordered`: the routed experts read x as a `preorder` copy and write h in that layout too
+    (FP4, SWAP tiles); the shared expert reads x and writes its rows of h in natural order."""
     check_inputs(x, weights, ids, experts, shared)
-    if preordered and (experts.fmt != "fp4" or shared is not None or not (gateup.swap_ab and down.swap_ab)):
-        raise ValueError("preordered activations need FP4 experts, SWAP tiles and no shared expert")
+    if preordered and (experts.fmt != "fp4" or not (gateup.swap_ab and down.swap_ab)):
+        raise ValueError("preordered activations need FP4 experts and SWAP tiles")
     if add is not None and fuse_combine:
         raise ValueError("add joins the unfused combine; the fused one has no place for it")
     if not fuse_combine and (gateup.split_k > 1 or down.split_k > 1):
@@ -219,6 +219,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     else:
         perm, counts = sort_by_expert(ids, E, has_shared)
     x = x.contiguous()
+    xr = preorder(x) if preordered else x  # what the routed experts read
     weights = weights.float().contiguous()
     sw = shared if has_shared else experts  # placeholder pointers when there is no shared expert
     h = torch.empty(A, I, dtype=torch.bfloat16, device=x.device)
@@ -237,7 +238,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                   HAS_SHARED=has_shared, ASM=asm, D=D, I=I, XPRE=preordered)
     launches += [
         Launch(_gateup_kernel, (tiles13, I // gateup.BN, ks13),
-               (x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt, part13, cnt13,
+               (xr, x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt, part13, cnt13,
                 T, n_cnt, float(limit), experts.w13.stride(0), experts.w13_scale.stride(0)),
                dict(ZERO_CNT=fuse_combine, CNT_PAD=triton.next_power_of_2(n_cnt), CLAMP=limit > 0,
                     SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup, hopper), **common)),
@@ -251,6 +252,18 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     if fuse_combine:
         return launches, lambda: out
     return launches, lambda: moe_combine.sum_slots(y.view(T, kp1, D), add, x.dtype)
+
+
+def preorder(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (K % 32 == 0) → [T, K] as the SWAP tiles' FP4 products read activations: row t
+    becomes [x[t, 0::2] | x[t, 1::2]], each half permuted within every 16 columns by `fp4.mma_order`
+    (column 16i + 4q + 2h + r → 16i + 8h + 2q + r); a contiguous copy. Activation tiles then go
+    from global to shared memory untouched (kernels/moe_prefill.py's docstring)."""
+    T, K = x.shape
+    if K % 32:
+        raise ValueError(f"preorder needs K divisible by 32, got {K}")
+    # (t, i, q, h, r, parity) with column 32i + 8q + 4h + 2r + parity → (t, parity, i, h, q, r)
+    return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 5, 1, 3, 2, 4).reshape(T, K)
 
 
 def _shared_bk(t: Tiles, fmt: str) -> int:

@@ -5,16 +5,16 @@ Why: with tokens on the MMA's M side (the grouped path's prefill tiles), every K
 dequantised weight tile to shared memory for the tensor cores, and that round trip, not the MMA,
 bounds the kernel. With the weights on the M side (SWAP, as the decode path) they stay in
 registers as wgmma's A operand; the activations become the B operand, which must come from shared
-memory in `fp4.mma_order` pairs. `preorder` lays x out in that order once per layer (one copy of
-[T, D] bf16), and the gate/up kernel writes h in it directly, so both kernels' activation tiles
-go from global to shared memory untouched.
+memory in `fp4.mma_order` pairs. `moe_grouped.preorder` lays x out in that order once per layer
+(one copy of [T, D] bf16), and the gate/up kernel writes h in it directly, so both kernels'
+activation tiles go from global to shared memory untouched (the fused decode path does the same).
 
-Layout (`preorder`): row t of x [T, K] becomes [x[t, 0::2] | x[t, 1::2]], each half permuted
+Layout (`moe_grouped.preorder`): row t of x [T, K] becomes [x[t, 0::2] | x[t, 1::2]], each half permuted
 within every 16 columns by `mma_order` (column 16i + 4q + 2h + r → 16i + 8h + 2q + r).
 
 The shared expert (FP8, one per token) runs as dense cuBLAS GEMMs on its dequantised weights: a
-[T, D] × [D, 2I] product has nothing grouped about it, and the kernels' SWAP FP8 path would need
-x in a second order. Semantics are `moe_grouped.reference`'s (h in bf16, fp32 sums): the shared
+[T, D] × [D, 2I] product has nothing grouped about it (the fused decode path runs it in the
+kernels, on x in natural order). Semantics are `moe_grouped.reference`'s (h in bf16, fp32 sums): the shared
 expert's products return fp32 (cuBLAS with an fp32 output on the GPU; fp32 math elsewhere).
 """
 
@@ -44,15 +44,6 @@ PREFILL_DOWN = Tiles(BT=128, BN=256, BK=128, num_warps=8, num_stages=3, swap_ab=
 # From here on `MoE` takes this path for FP4 experts (below: the fused decode path or, on hash
 # layers, the grouped one); the fused path's ceiling is 256 tokens.
 MIN_TOKENS = 512
-
-
-def preorder(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (K % 32 == 0) → [T, K] in the layout above (a contiguous copy)."""
-    T, K = x.shape
-    if K % 32:
-        raise ValueError(f"preorder needs K divisible by 32, got {K}")
-    # (t, i, q, h, r, parity) with column 32i + 8q + 4h + 2r + parity → (t, parity, i, h, q, r)
-    return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 5, 1, 3, 2, 4).reshape(T, K)
 
 
 def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +97,6 @@ def prefill_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 down: Tiles = PREFILL_DOWN) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype (FP4 routed experts)."""
     s = shared_expert(x, shared, limit) if shared is not None else None
-    return run_kernels(preorder(x.contiguous()), weights, ids, experts, None, limit,
+    return run_kernels(x, weights, ids, experts, None, limit,
                        fit(gateup, experts.inter, experts.dim), fit(down, experts.dim, experts.inter),
                        fuse_combine=False, preordered=True, add=s)  # Σ over slots + s, rounded once

@@ -53,7 +53,7 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr, part_ptr, cnt13_ptr,
+def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr, part_ptr, cnt13_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
@@ -84,7 +84,7 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
     if HAS_SHARED:
         is_shared = e == E
     if is_shared:
-        g, u = w_xt(x_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
+        g, u = w_xt(xs_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
                      D, False, True, SWAP, ASM, MMA, BN, BT, SBK, KS=KS, ks=pid_k)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
@@ -118,9 +118,10 @@ def _gateup_kernel(x_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, 
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
     col = n
-    if XPRE:  # column n's place in `preorder`'s layout (the down product's K order)
-        m = n // 2
-        col = (n % 2) * (I // 2) + (m // 16) * 16 + ((m // 2) % 2) * 8 + ((m % 16) // 4) * 2 + m % 2
+    if XPRE:  # a routed row's column n in `preorder`'s layout (the down product's K order); the
+        m = n // 2  # shared expert's rows stay in natural order, as its down product reads them
+        pre = (n % 2) * (I // 2) + (m // 16) * 16 + ((m // 2) % 2) * 8 + ((m % 16) // 4) * 2 + m % 2
+        col = tl.where(is_shared, n, pre)
     tl.store(h_ptr + rows[None, :] * I + col[:, None], h.to(tl.bfloat16), mask=rmask[None, :])
 
 

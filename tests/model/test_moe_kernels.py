@@ -311,7 +311,7 @@ def test_swiglu_bf16_matches_torch(poisoned, limit):
 def test_preorder_layout():
     """Row t → [even K | odd K], each half in mma_order (16i + 4q + 2h + r → 16i + 8h + 2q + r)."""
     x = torch.randn(3, 64)
-    got = moe_prefill.preorder(x)
+    got = moe_grouped.preorder(x)
     for parity in (0, 1):
         half = x[:, parity::2]
         for src in range(32):
@@ -350,14 +350,28 @@ def test_experts_over_several_k_blocks(poisoned, path):
                                  fuse_combine=True)
 
 
-def test_preordered_launch_needs_fp4_swap_and_no_shared():
-    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=71, device=DEVICE)
-    x, weights, ids = routed(moe, T=4, seed=12)
-    swap = moe_grouped.Tiles(BT=16, BN=16, BK=32, swap_ab=True)
-    for shared, tiles in ((moe.shared_experts, swap), (None, moe_grouped.Tiles(BT=16, BN=16, BK=32))):
+def test_preordered_launch_needs_fp4_and_swap_tiles():
+    swap = moe_grouped.Tiles(BT=16, BN=32, BK=64, swap_ab=True)
+    for fmt, tiles in (("fp8", swap), ("fp4", moe_grouped.Tiles(BT=16, BN=32, BK=64))):
+        moe = MoE.random_packed(tiny_config(), layer=3, fmt=fmt, seed=71, device=DEVICE)
+        x, weights, ids = routed(moe, T=4, seed=12)
         with pytest.raises(ValueError, match="preordered"):
-            moe_grouped.plan_kernels(x, weights, ids, moe.experts, shared, 10.0, tiles, tiles,
+            moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles,
                                      fuse_combine=False, preordered=True)
+
+
+@pytest.mark.parametrize("preordered", [False, True])
+def test_fused_with_shared_expert_in_either_activation_order(poisoned, preordered):
+    """The fused path reads x in `preorder`'s layout for the routed experts and in natural order
+    for the shared expert (h likewise, per row): both orders give the reference's result."""
+    moe = MoE.random_packed(tiny_config(hidden_size=256, moe_intermediate_size=128), layer=3, fmt="fp4", seed=72,
+                            device=DEVICE)
+    x, weights, ids = skewed(moe, T=20, seed=16)
+    gateup, down = moe_fused.decode_tiles(20)
+    gateup, down = moe_grouped.fit(gateup, 128, 256), moe_grouped.fit(down, 256, 128)
+    out = moe_grouped.run_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, gateup, down,
+                                  fuse_combine=True, preordered=preordered)
+    check(out, x, weights, ids, moe)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
