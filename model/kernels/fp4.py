@@ -18,7 +18,7 @@ magnitude places of both lanes), `rotl(word, 10) & M`, `rotl(word, 13) & M`, and
 then times its row's scale (`mul.rn.bf16x2`): 12 instructions per 8 weights, where the bytes as
 the checkpoint packs them took 18 (two `prmt` spreads, then mask, multiply, mask, scale per pair);
 a decode step is bound by how fast weights become MMA operands (benchmarks/moe_tiles_bench.py:
-the layer at 64 tokens 1.057 → 0.975 ms with this conversion). Outside the register operand (the
+the layer at 64 tokens 1.057 → 0.970 ms with this conversion). Outside the register operand (the
 tokens-as-M product, the interpreter) the groups are assembled explicitly (`_words`).
 
 MMA order: a wgmma A operand held in registers gives each thread, per 16-wide K slice, the
