@@ -1,12 +1,13 @@
 """Fused decode MoE tile choices, per kernel, over many full-width V4-Flash layers in turn.
 
-    python benchmarks/moe_tiles_bench.py --out moe_tiles.json [--layers 12] [--variants default,dn_st2]
+    python benchmarks/moe_tiles_bench.py --out moe_tiles.json [--layers 12] [--variants default,down_stages2]
 
 Unlike benchmarks/moe_bench.py (one layer, replayed), each variant runs a CUDA graph of `--layers`
 different layers (random FP4 experts, each layer routed by its own gate), as a decode step meets
 them, and the same layer `--layers` times for comparison; torch.profiler splits the graph's time
 per kernel (count sort, gate/up, down). Fraction of copy: the hit experts' bytes (and the shared
-expert's) over the time, against a device-to-device copy measured in the same run.
+expert's) over the time, against a device-to-device copy measured in the same run. Pre-ordered
+variants make their `preorder` copy of x when planned, outside the graph (the decode step has it).
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ _PAIRS = """
 # one input word $4 and the scales of its rows g, g+8 as bf16 pairs $5, $6 → four bf16 pairs $0..$3;
 # the comment names the conversion in compiled code (`reads_wgmma_operand`)
 _FP4_MARK = "fp4 words"
-_FP4_PTX = tl.constexpr("{ .reg .b32 a; /* " + _FP4_MARK + " */" + _PAIRS.replace("$W", "$4").replace("$G", "$5").replace("$H", "$6") + "}")
+_FP4_PTX = tl.constexpr("{ .reg .b32 a; /* " + _FP4_MARK + " */"
+                        + _PAIRS.replace("$W", "$4").replace("$G", "$5").replace("$H", "$6") + "}")
 
 
 @triton.jit
@@ -92,10 +93,8 @@ def fp4_to_bf16(packed, scale, ASM: tl.constexpr, MMA: tl.constexpr):
     → (even, odd): bf16 [R, C], the low and high nibble's code of each byte times its group's
     scale. MMA: `packed` is laid out as a wgmma register operand, whose four consecutive bytes are
     one group (module docstring), and is converted in place."""
-    R: tl.constexpr = packed.shape[0]
-    C: tl.constexpr = packed.shape[1]
     f = ((scale.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], [R, C // 16, 16]), [R, C])
+    f = _per_column(f)
     if ASM and MMA:
         # four bytes per input: rows g, g+8 → their scales in $5, $6 (two lanes each)
         even, odd = tl.inline_asm_elementwise(
@@ -117,10 +116,10 @@ def fp4_to_bf16(packed, scale, ASM: tl.constexpr, MMA: tl.constexpr):
         even = _unwords(_lane(p0, 0), _lane(p0, 1), _lane(p1, 0), _lane(p1, 1))
         odd = _unwords(_lane(p2, 0), _lane(p2, 1), _lane(p3, 0), _lane(p3, 1))
         return even, odd
-    # interpreter (no inline PTX): each code read from its bit places, then the same bits built
+    # interpreter (no inline PTX): each code read from its bit places (`WORD_BITS`), then the same bits built
     # with integer ops, the multiply as an exponent add (the interpreter's bf16 arithmetic works
     # on raw bits); bf16 subnormal code 1 handled apart
-    sg, _, sh, _ = _words(tl.reshape(tl.broadcast_to(scale.to(tl.int32)[:, :, None], [R, C // 16, 16]), [R, C]))
+    sg, _, sh, _ = _words(_per_column(scale.to(tl.int32)))
     bias_g = (sg - 1) << 7
     bias_h = (sh - 1) << 7
     w = word.to(tl.int32, bitcast=True)
@@ -129,6 +128,14 @@ def fp4_to_bf16(packed, scale, ASM: tl.constexpr, MMA: tl.constexpr):
     odd = _unwords(_scaled_bits(_code(w, 25, 26, 27, 2), bias_g), _scaled_bits(_code(w, 9, 10, 11, 18), bias_g),
                    _scaled_bits(_code(w, 4, 0, 1, 3), bias_h), _scaled_bits(_code(w, 20, 16, 17, 19), bias_h))
     return (even.to(tl.uint16).to(tl.bfloat16, bitcast=True), odd.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _per_column(s):
+    """Per-group values [R, G] → [R, 16·G], each repeated over its group's 16 code bytes."""
+    R: tl.constexpr = s.shape[0]
+    G: tl.constexpr = s.shape[1]
+    return tl.reshape(tl.broadcast_to(s[:, :, None], [R, G, 16]), [R, G * 16])
 
 
 @triton.jit

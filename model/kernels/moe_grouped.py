@@ -279,7 +279,7 @@ def _shared_bk(t: Tiles, fmt: str) -> int:
 def _tile_meta(t: Tiles, hopper: bool) -> dict:
     """MMA: the weight tile is a wgmma register operand (Hopper, SWAP, 64 rows per warpgroup), whose
     register order the FP4 conversion reads its words in (kernels/fp4.py); smaller tiles run
-    mma.sync, whose operand order differs, and convert through explicit words."""
+    mma.sync, which `_operand_checked` does not vouch for, and convert through explicit words."""
     wgmma = hopper and t.swap_ab and t.BN % (16 * t.num_warps) == 0
     return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
                 num_stages=t.num_stages)

@@ -19,6 +19,8 @@ import triton.language as tl
 from model import quant
 from model.kernels import moe_grouped
 from model.kernels.fp4 import fp4_to_bf16, mma_order, mma_order_pairs, shuffle_fp4_words
+from model.moe import MoE
+from model.tiny import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,9 +93,6 @@ def test_explicit_words_in_the_product(R, C, num_warps, asm):
 
 
 def test_plan_refuses_the_miscompiled_tiles():
-    from model.moe import MoE
-    from model.tiny import tiny_config
-
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=3, device="cuda")
     x = torch.randn(4, 64, device="cuda")
     weights, ids = moe.gate(x, torch.arange(4, device="cuda"))

@@ -417,7 +417,8 @@ def test_split_k_tiles_fit_and_need_the_fused_path():
 def test_fp4_words_convert_in_the_wgmma_operand_only_where_wgmma_runs():
     """The register-order conversion (kernels/fp4.py) is for wgmma's operand alone: Hopper, SWAP
     tiles of 64 rows per warpgroup (the decode and prefill tiles). Smaller tiles run mma.sync and
-    other GPUs other MMAs, whose operand orders differ: those convert through explicit words."""
+    other GPUs other MMAs, for which the layout check vouches nothing: those convert through
+    explicit words."""
     for t in (moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN, moe_fused.SMALL_GATEUP, moe_fused.SMALL_DOWN,
               moe_prefill.PREFILL_GATEUP, moe_prefill.PREFILL_DOWN):
         assert moe_grouped._tile_meta(t, True)["MMA"] and not moe_grouped._tile_meta(t, False)["MMA"]
