@@ -9,11 +9,18 @@ to the order of the fp32 sums.
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
 
-Scales are applied per output column of each 128-wide K step (acc += dot(x, qᵀ) · s[n]), so tiles
-never need to align with the 128-row scale blocks. Decode-size M splits K over programs (fp32
-partials summed in split order by the last program of each output tile: deterministic, one
-launch) so that a few output tiles still fill the GPU;
-prefill-size M dequantises once and uses cuBLAS (`KERNEL_MAX_M`).
+Decode-size M (up to `KERNEL_MAX_M` rows) runs one of two kernels (`decode_config`):
+* up to `TOKENS_M_MAX` rows, `_fp8_gemm_kernel`: tokens are the MMA's M side (16 rows), the
+  dequantised weight tile its B operand; scales are applied per output column of each 128-wide K
+  step (acc += dot(x, qᵀ) · s[n]), so tiles never need to align with the 128-row scale blocks.
+* above, `_fp8_swap_kernel`: weight rows are the M side (64 or 128 a tile) and the weight tile
+  the register operand, dequantised with its block scale folded in, so the products chain in
+  one accumulator; tokens (up to 64 a tile) are the N side. From 32 rows on it is the faster
+  one (a V4-Flash layer's six projections on H100: 107 against 128 µs at 64 tokens, 266
+  against 394 at 256; `benchmarks/fp8_gemm_bench.py`).
+Both split K over programs when a product has few output tiles (fp32 partials summed in split
+order by the last program of each output tile: deterministic, one launch). Prefill-size M
+dequantises once and uses cuBLAS.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.fp4 import fp8_to_bf16
 
 BLOCK = 128  # scale block along N and K
 
@@ -47,6 +55,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups
 # Above this many rows (prefill) dequantising the weight once and calling cuBLAS's bf16 GEMM beats
 # this kernel (H100, M=8192, N=32768, K=1024: 1.2 ms against 2.4 ms), with the same arithmetic.
 KERNEL_MAX_M = 256
+TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the MMA's M side
 
 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -54,7 +63,7 @@ def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
     rows (`fp8_linear`'s `arrivals`): one counter per output tile of any M up to `KERNEL_MAX_M`
     and up to 32 groups. The kernel sets every counter it used back to zero, so the buffer is
     filled once, not before every product (a fill launch per split GEMM, ~90 per decode step)."""
-    return torch.zeros(triton.cdiv(rows, 64) + 64, dtype=torch.int32, device=device)
+    return torch.zeros((triton.cdiv(rows, 64) + 64) * triton.cdiv(KERNEL_MAX_M, 16), dtype=torch.int32, device=device)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1,
@@ -81,31 +90,40 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     else:
         lead = None
         x3 = x
-    M = x3.shape[0]
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    cfg = _config(M, N, K, groups)
-    out_dtype = x.dtype
+    out = decode_product(x3, weight, scale, arrivals)
+    return out.view(*lead, N) if lead is not None else out
+
+
+def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, arrivals: torch.Tensor | None,
+                   cfg: dict | None = None) -> torch.Tensor:
+    """x3 [M, G, K] (unit stride along K) · weight [G·N, K] → [M, G, N] with a decode kernel;
+    `cfg` (a `decode_config`) overrides the choice (benchmarks)."""
+    M, groups, K = x3.shape
+    N = weight.shape[0] // groups
+    cfg = dict(cfg or decode_config(M, N, K, groups))
+    kernel = _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
-    out = torch.empty(M, groups, N, device=x.device, dtype=out_dtype)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    out = torch.empty(M, groups, N, device=x3.device, dtype=x3.dtype)
+    tiles = triton.cdiv(M, cfg.get("BLOCK_M", cfg.get("BLOCK_T"))) * triton.cdiv(N, cfg["BLOCK_N"])
     # split K: each split writes its own fp32 partial and counts its arrival per output tile; the
     # last to arrive sums the partials in split order (deterministic, unlike atomic adds) and
     # writes the output: one launch, where a torch sum and cast after it were two more per GEMM
-    part = torch.empty(split * M * groups * N if split > 1 else 1, device=x.device, dtype=torch.float32)
+    part = torch.empty(split * M * groups * N if split > 1 else 1, device=x3.device, dtype=torch.float32)
     if split == 1:
-        arrivals = torch.empty(1, device=x.device, dtype=torch.int32)  # unread: no fill launch
+        arrivals = torch.empty(1, device=x3.device, dtype=torch.int32)  # unread: no fill launch
     elif arrivals is None or arrivals.numel() < tiles * groups:
-        arrivals = torch.zeros(tiles * groups, device=x.device, dtype=torch.int32)
+        arrivals = torch.zeros(tiles * groups, device=x3.device, dtype=torch.int32)
+    if kernel is _fp8_swap_kernel:
+        cfg.update(EVEN_K=K % BLOCK == 0, ASM=x3.is_cuda)
     if M:
-        _fp8_gemm_kernel[(tiles, groups, split)](
+        kernel[(tiles, groups, split)](
             x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out, part, arrivals,
             M, N, K,
             x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-            M * groups * N,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, SPLIT_K=split,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out.view(*lead, N) if lead is not None else out
+            M * groups * N, BLOCK_K=BLOCK, **cfg)
+    return out
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,23 +149,29 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, stride_w, stride_s, stride_o
              mask=mask)
 
 
-def _config(M: int, N: int, K: int, groups: int) -> dict:
-    """Tile sizes by problem shape (no autotuning: deterministic and capturable in graphs)."""
-    if M <= 16:
-        bm, bn, warps, stages = 16, 64, 4, 4
-    elif M <= 64:
-        bm, bn, warps, stages = 64, 64, 4, 4
+def decode_config(M: int, N: int, K: int, groups: int, **tiles) -> dict:
+    """Kernel and tiles of a decode-size product by shape (no autotuning: deterministic and
+    capturable in graphs); `tiles` overrides the choice (benchmarks), the K split follows it.
+    `_fp8_gemm_kernel`'s configurations hold BLOCK_M (token rows), `_fp8_swap_kernel`'s BLOCK_T."""
+    if "BLOCK_M" in tiles or (M <= TOKENS_M_MAX and "BLOCK_T" not in tiles):
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, **tiles}
+        rows = cfg["BLOCK_M"]
     else:
-        bm, bn, warps, stages = 128, 128, 8, 3
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn) * groups
+        # 64-row weight tiles unless a product has >= 512 of them (~4 waves of 132 SMs): then
+        # 128, which halves how often the activations are read (H100: wq_b at 64 tokens 27.7 →
+        # 22.0 µs; wo_b, 256 tiles, would go 41.2 → 45.3 µs at 128 tokens)
+        bt = max(16, min(triton.next_power_of_2(M), 64))
+        bn = 128 if triton.cdiv(M, bt) * triton.cdiv(N, 64) * groups >= 512 else 64
+        cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **tiles}
+        rows = cfg["BLOCK_T"]
+    n_tiles = triton.cdiv(M, rows) * triton.cdiv(N, cfg["BLOCK_N"]) * groups
     k_blocks = triton.cdiv(K, BLOCK)
     split = 1
-    # decode (every M this kernel takes): spread K over programs until ~2 waves of 132 SMs. At
-    # 256 rows too: wq_a (N 1024) has 16 output tiles of 128 × 128, which left 116 SMs idle
-    # (the FP8 GEMMs were 6.8 of 45.9 ms of a batch-256 step's kernels on H100)
-    while tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
+    # spread K over programs until ~2 waves of 132 SMs: wq_a (N 1024) has 16 output tiles of 64
+    # rows at up to 64 tokens
+    while n_tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
         split *= 2
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": warps, "num_stages": stages}
+    return {"SPLIT_K": split, **cfg}
 
 
 @triton.jit
@@ -177,20 +201,76 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
         s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:
-        # partials [SPLIT_K, M, G, N] contiguous. The barrier orders every thread's stores before
-        # the counter's release; the acquire orders the last program's loads after it.
-        tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+    tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
+    _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
+                mask_m[:, None] & mask_n[None, :], split, stride_part, SPLIT_K)
+
+
+@triton.jit
+def _store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, mask, split, stride_part, SPLIT_K: tl.constexpr):
+    """Stores an output tile (offsets `tile` into y [M, G, N]): directly, or with split K as this
+    split's fp32 partial (partials [SPLIT_K, M, G, N]), the last split to count its arrival at
+    `cnt_ptr` summing all partials in split order and storing the tile. The first barrier orders
+    every thread's stores before the counter's release; the acquire orders the last program's
+    loads after it."""
+    if SPLIT_K == 1:
+        tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
         tl.store(part_ptr + split * stride_part + tile, acc, mask=mask, cache_modifier=".cg")
         tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + pid * tl.num_programs(1) + g, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
-            return
-        tl.debug_barrier()
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in range(SPLIT_K):
-            acc += tl.load(part_ptr + j * stride_part + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        # every program of the tile has counted: the counter goes back to zero for the next product
-        tl.store(cnt_ptr + pid * tl.num_programs(1) + g, 0)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for j in range(SPLIT_K):
+                total += tl.load(part_ptr + j * stride_part + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            # every program of the tile has counted: the counter goes back to zero for the next product
+            tl.store(cnt_ptr, 0)
+            tl.store(y_ptr + tile, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_bytes(s_ptr, rows, kb, stride_s, mask_n):
+    """UE8M0 bytes [BN] of the rows' 128×128 blocks at K block kb: the float scales are powers of two,
+    so the byte is the float's biased exponent."""
+    s = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
+                     stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
+                     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ: the weight tile is the MMA's register operand,
+    dequantised in registers with its block scale folded in, so the products chain in one
+    accumulator (no per-step scale pass)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    t_tiles = tl.cdiv(M, BLOCK_T)
+    pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = g * N + offs_n
+    mask_n, mask_t = offs_n < N, offs_t < M
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    s = _scale_bytes(s_ptr, rows, split, stride_s, mask_n)
+    for i in range(0, tl.cdiv(k_blocks - split, SPLIT_K)):
+        kb = split + i * SPLIT_K
+        s_next = _scale_bytes(s_ptr, rows, tl.minimum(kb + SPLIT_K, k_blocks - 1), stride_s, mask_n)
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None] * stride_w + offs_k[None, :]
+        x_ptrs = x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
+        else:
+            mask_k = offs_k < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(fp8_to_bf16(w, s, ASM), tl.trans(x.to(tl.bfloat16)), acc)
+        s = s_next
+    tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
+    _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
+                mask_n[:, None] & mask_t[None, :], split, stride_part, SPLIT_K)

@@ -13,7 +13,7 @@ from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import flash_config
-from tests.model.kernel_cases import fill_random, random_batch, rel_err, unpack_all
+from tests.model.kernel_cases import block_weights, fill_random, random_batch, rel_err, unpack_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -122,11 +122,11 @@ def test_store_kv_and_q_rope(pools):
                    rope_ops.q_rms_rope(q, batch.positions, rope, 1e-6, "torch")) < 4e-3
 
 
-@pytest.mark.parametrize("M", [1, 64, 256, 4096])
-@pytest.mark.parametrize("N,K,G", [(32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8)])
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 200, 256, 4096])
+@pytest.mark.parametrize("N,K,G", [(32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8), (512, 4096, 1)])
 def test_fp8_gemm(M, N, K, G):
     g = torch.Generator(device=DEV).manual_seed(M + N)
-    q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device=DEV, generator=g) / K ** 0.5)
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
     s = s.float()
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), device=DEV, generator=g).bfloat16()
     ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G)

@@ -63,3 +63,12 @@ def unpack_all(pools: KVPools, kind: str) -> torch.Tensor:
     if kind == "c4_indexer":
         return quant.unpack_index_key(raw, pools.cfg.index_head_dim)
     return quant.unpack_kv(raw, pools.cfg.head_dim, pools.cfg.qk_rope_head_dim)
+
+
+def block_weights(rows: int, K: int, g: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """Random weights whose 128×128 blocks differ in magnitude by powers of two (2^-3..2^3), so every
+    block has its own UE8M0 scale: a product that takes a neighbour's scale is off by a power of 2."""
+    blocks = (-(-rows // 128), -(-K // 128))
+    mag = torch.exp2(torch.randint(-3, 4, blocks, generator=g, device=device).float())
+    mag = mag.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :K]
+    return torch.randn(rows, K, generator=g, device=device) * mag

@@ -7,16 +7,18 @@ import torch
 from model import quant
 from model.kernels import fp8_gemm
 from model.quantized import Fp8Linear
-from tests.model.kernel_cases import rel_err
+from tests.model.kernel_cases import block_weights, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 
 @pytest.mark.parametrize("M,G,N,K", [(1, 1, 96, 200), (3, 1, 64, 1024), (20, 1, 130, 256), (130, 1, 130, 128),
                                      (5, 2, 32, 128), (17, 4, 64, 300), (5, 4, 64, 1024), (200, 1, 64, 1024)])
 def test_fp8_linear_matches_reference(M, G, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
-    q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, generator=g))
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    assert s.numel() == 1 or s.float().unique().numel() > 1
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     shape = (M, G, K) if G > 1 else (M, K)
     x = torch.randn(*shape, generator=g).to(DEVICE, torch.bfloat16)
@@ -29,13 +31,23 @@ def test_fp8_linear_matches_reference(M, G, N, K):
 
 
 def test_decode_sizes_split_k_when_output_tiles_are_few():
-    """Up to `KERNEL_MAX_M` rows the kernel spreads K over programs when the output has too few
+    """Up to `KERNEL_MAX_M` rows the kernels spread K over programs when the output has too few
     tiles to fill the GPU (V4-Flash wq_a: N 1024, K 4096), and not when it has plenty (wq_b)."""
     for M in (1, 64, 256):
-        assert fp8_gemm._config(M, 1024, 4096, 1)["SPLIT_K"] > 1
-        assert fp8_gemm._config(M, 32768, 1024, 1)["SPLIT_K"] == 1
-    assert fp8_gemm._config(200, 64, 1024, 1)["SPLIT_K"] > 1  # the (200, 1, 64, 1024) case above
-    assert fp8_gemm._config(5, 64, 1024, 4)["SPLIT_K"] > 1  # and the grouped (5, 4, 64, 1024) one
+        assert fp8_gemm.decode_config(M, 1024, 4096, 1)["SPLIT_K"] > 1
+        assert fp8_gemm.decode_config(M, 32768, 1024, 1)["SPLIT_K"] == 1
+    assert fp8_gemm.decode_config(200, 64, 1024, 1)["SPLIT_K"] > 1  # the (200, 1, 64, 1024) case above
+    assert fp8_gemm.decode_config(5, 64, 1024, 4)["SPLIT_K"] > 1  # and the grouped (5, 4, 64, 1024) one
+
+
+def test_decode_kernel_by_row_count():
+    """Up to 16 rows the tokens are the MMA's M side; above, the weights are (`_fp8_swap_kernel`),
+    in 128-row tiles only when a product has plenty of them (V4-Flash wq_b at 64 tokens, not wo_b)."""
+    assert "BLOCK_M" in fp8_gemm.decode_config(16, 4096, 8192, 1)
+    assert fp8_gemm.decode_config(17, 4096, 8192, 1)["BLOCK_T"] == 32
+    assert fp8_gemm.decode_config(64, 32768, 1024, 1)["BLOCK_N"] == 128
+    assert fp8_gemm.decode_config(64, 4096, 8192, 1)["BLOCK_N"] == 64
+    assert fp8_gemm.decode_config(256, 1024, 4096, 8)["BLOCK_N"] == 128  # grouped wo_a: 8 × 1024 rows
 
 
 def test_fp8_linear_leading_dims():
@@ -77,10 +89,10 @@ def test_reused_arrival_counters_are_left_zeroed(M, G, N, K):
     program of each tile sets its counter back to zero, so the next product on the buffer, with no
     fill before it, is bit-identical."""
     g = torch.Generator().manual_seed(M + G)
-    q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, generator=g))
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), generator=g).to(DEVICE, torch.bfloat16)
-    assert fp8_gemm._config(M, N, K, G)["SPLIT_K"] > 1
+    assert fp8_gemm.decode_config(M, N, K, G)["SPLIT_K"] > 1
     arrivals = fp8_gemm.arrival_counters(G * N, DEVICE)
     first = fp8_gemm.fp8_linear(x, q, s, "triton", G, arrivals)
     assert not arrivals.any()
@@ -94,7 +106,7 @@ def test_fp8_linear_module_keeps_its_counters_out_of_the_state_dict():
     lin = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton").to(DEVICE)
     assert "arrivals" not in lin.state_dict() and not lin.arrivals.any()
     x = torch.randn(5, 4, 1024, generator=g).to(DEVICE, torch.bfloat16)
-    assert fp8_gemm._config(5, 64, 1024, 4)["SPLIT_K"] > 1
+    assert fp8_gemm.decode_config(5, 64, 1024, 4)["SPLIT_K"] > 1
     out = lin.grouped(x)
     assert torch.equal(lin.grouped(x), out) and not lin.arrivals.any()
     assert rel_err(out, fp8_gemm.fp8_linear(x.float(), lin.weight, lin.scale, "torch", 4)) < 6e-3

@@ -1,0 +1,139 @@
+"""Decode FP8 projections of one V4-Flash layer, per tile choice: the six dense products of a CSA
+layer (wq_a, wq_b, wkv, grouped wo_a, wo_b, indexer wq_b) at decode batch sizes.
+
+    python benchmarks/fp8_gemm_bench.py --out fp8.json [--batches 1 64 256] [--variants default,tokens_m]
+
+Each product runs in a CUDA graph over enough different weights of its shape (>= 256 MB in all)
+that none is read from L2, as a decode step meets them. Fraction of copy: the weight, scale,
+activation and output bytes over the time, against a device-to-device copy measured in the same
+run; TFLOP/s against the bf16 matmul rate of the same run. Every variant's output is checked
+against the torch reference first (relative error printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
+from model import quant  # noqa: E402
+from model.kernels import fp8_gemm  # noqa: E402
+from model.tiny import flash_config  # noqa: E402
+
+CFG = flash_config(4)
+
+
+def shapes() -> dict[str, tuple[int, int, int]]:
+    """name → (N, K, G) of a CSA layer's FP8 projections."""
+    c = CFG
+    heads_in = c.num_attention_heads * c.head_dim // c.o_groups
+    return {"wq_a": (c.q_lora_rank, c.hidden_size, 1),
+            "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank, 1),
+            "wkv": (c.head_dim, c.hidden_size, 1),
+            "wo_a": (c.o_lora_rank, heads_in, c.o_groups),
+            "wo_b": (c.hidden_size, c.o_groups * c.o_lora_rank, 1),
+            "indexer.wq_b": (c.index_n_heads * c.index_head_dim, c.q_lora_rank, 1)}
+
+
+def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
+    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; tokens_m
+    (the tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M
+    kernel: 16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight
+    tiles and 8 warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4;
+    split=xF multiplies SPLIT_K by F)."""
+    if name == "default":
+        return None
+    if name == "tokens_m":
+        if M <= 64:
+            return fp8_gemm.decode_config(M, N, K, G, BLOCK_M=16 if M <= 16 else 64)
+        return fp8_gemm.decode_config(M, N, K, G, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    tiles, factor = {}, 1.0
+    for kv in name.split("+"):
+        key, value = kv.split("=")
+        if key == "split":
+            factor = float(value.lstrip("x"))
+        else:
+            tiles[key] = int(value)
+    cfg = fp8_gemm.decode_config(M, N, K, G, **tiles)
+    cfg["SPLIT_K"] = max(1, int(cfg["SPLIT_K"] * factor))
+    return cfg
+
+
+def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) -> list[dict]:
+    wbytes = G * N * K
+    copies = max(2, -(-(256 << 20) // wbytes))
+    weights = []
+    for _ in range(copies):
+        q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
+        weights.append((q, s.float()))
+    x = torch.randn(M, G, K, device="cuda", generator=g).bfloat16()
+    arrivals = fp8_gemm.arrival_counters(G * N, "cuda")
+    nbytes = wbytes + weights[0][1].numel() * 4 + M * G * (K + N) * 2
+    rows = []
+    for name in names:
+        cfg = variant(name, M, N, K, G)
+        ref = fp8_gemm.reference(x.float(), *weights[0], G)
+        out = fp8_gemm.decode_product(x, *weights[0], arrivals, cfg).float()
+        err = ((out - ref).norm() / ref.norm()).item()
+
+        def step(cfg=cfg):
+            for q, s in weights:
+                fp8_gemm.decode_product(x, q, s, arrivals, cfg)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            step()
+        t = bench(graph.replay, warmup=2, reps=10) / copies
+        rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": t * 1e3, "bytes": nbytes,
+                     "flops": 2 * M * G * N * K, "rel_err": err,
+                     "cfg": cfg if cfg is not None else fp8_gemm.decode_config(M, N, K, G)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--variants", default="default,tokens_m")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    ceil = ceilings()
+    bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for M in args.batches:
+        layer = {n: 0.0 for n in names}
+        layer_bytes = 0
+        for proj, (N, K, G) in shapes().items():
+            for r in run(M, N, K, G, names, g):
+                r["proj"] = proj
+                r["fraction_of_copy"] = r["bytes"] / (r["ms"] / 1e3) / bw
+                r["TFLOPs"] = r["flops"] / (r["ms"] / 1e3) / 1e12
+                rows.append(r)
+                layer[r["variant"]] += r["ms"]
+                print(f"M={M:4d} {proj:13s} {r['variant']:32s} {r['ms'] * 1e3:8.1f} us  {r['fraction_of_copy']:6.1%} "
+                      f"of copy  {r['TFLOPs']:6.1f} TFLOP/s  err {r['rel_err']:.1e}", flush=True)
+            layer_bytes += rows[-1]["bytes"]
+        for n in names:
+            print(f"M={M:4d} layer {n:32s} {layer[n] * 1e3:8.1f} us  {layer_bytes / (layer[n] / 1e3) / bw:6.1%} of copy",
+                  flush=True)
+        rows.append({"variant": "layer", "M": M, "ms_by_variant": layer, "bytes": layer_bytes})
+    Path(args.out).write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=1))
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s ({ceil['device']})")
+
+
+if __name__ == "__main__":
+    main()
