@@ -12,6 +12,8 @@ shapes only, so a decode step built from them can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import torch
+
 IMPLS = ("torch", "triton")
 
 
@@ -19,6 +21,14 @@ def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"kernel impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (launch heuristics); 4 for the CPU interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def set_impl(model, impl: str) -> None:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels import check_impl
+from model.kernels import check_impl, num_sms
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 
 
@@ -52,14 +52,20 @@ def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Te
     return torch.where(top >= visible.unsqueeze(1), -1, top)
 
 
-def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int) -> torch.Tensor:
-    """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end."""
+def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
+           block_n: int | None = None, blocks: int = 2, num_warps: int = 4) -> torch.Tensor:
+    """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end.
+    A program takes `blocks` blocks of `block_n` keys: 128 once that makes two waves of programs,
+    else 64 (H100 at 32K, benchmarks/decode_attention_sweep.py: batch 64 / 256, 128-key blocks,
+    70.1 / 247.8 µs against 73.5 / 269.9 with 4 blocks of 64; batch 1, 64-key blocks, 6.8 µs
+    against 9.1 with 128 and 12.2 with 4 blocks of 64)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    bn, nb = 64, 4
+    nb = blocks
+    bn = block_n or (128 if T * triton.cdiv(n_max, 128 * nb) >= 2 * num_sms(q.device) else 64)
     qs, ws = q[rows], w[rows]
     _logits_kernel[(T, triton.cdiv(n_max, bn * nb))](
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
@@ -67,7 +73,7 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
-        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=4)
+        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps)
     return out
 
 

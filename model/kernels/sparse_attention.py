@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels import check_impl
+from model.kernels import check_impl, num_sms
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 from model.kernels.rope import rotate_pairs
 from model.rope import Rope
@@ -91,24 +91,21 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     swa, comp = pools.specs["swa"], pools.specs[kind]
     n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
-    if block_h is None and bh == 64 and 2 * T <= _num_sms(q.device):
-        # a small decode step: two 32-head programs per token beat one 64-head program split
-        # twice as often over K (H100, CSA layer at batch 64 and 8K: 0.224 against 0.285 ms;
-        # at batch 256 the 64-head programs win, 0.68 against 1.75 ms; benchmarks/kernel_bench.py)
-        bh = 32
     programs = T * triton.cdiv(H, bh)
-    # wide heads: 32 entries per step, 64 once there are programs enough for one split (prefill;
-    # benchmarks/attention_sweep.py, H100, 8K-token CSA layer: 4.7 ms against 11.1)
-    bn = block_n or (64 if d < 256 or programs >= 2 * _num_sms(q.device) else 32)
+    # 64 entries a step, decode as prefill (benchmarks/decode_attention_sweep.py, H100, batch 64 at
+    # 32K: CSA layer 77.6 µs against 138.1 with the 32 entries and 32-head programs decode had, HCA
+    # 43.2 against 96.7; batch 256: 203.5 / 129.0 µs against 448.3 / 264.4; 32-head programs with
+    # 64 entries: 470 / 276 µs at batch 64. The prefill sweep, benchmarks/attention_sweep.py,
+    # 8K-token CSA layer: 4.7 ms against 11.1 with 32 entries)
+    bn = block_n or 64
     blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     if splits is None:
-        # split the entries only when the programs fill less than one wave, then up to two waves
-        # (H100, benchmarks/kernel_bench.py with the one-launch merge: batch 64 at 8K, 128
-        # programs, CSA 0.179 ms unsplit against 0.137 with 4 splits; batch 256 at 32K, 256
-        # programs, 0.451 unsplit against 0.491 with the 2 that filling two waves gave)
+        # split the entries while the split programs still fit one wave, down to a block each
+        # (H100, benchmarks/decode_attention_sweep.py at 32K, 64-entry steps: batch 1, 10-block
+        # CSA layer, 24.9 µs with 8 splits against 29.6 with 4 and 29.7 with 2; batch 64, HCA
+        # layer, 42.9 µs with 2 against 49.5 with 1 and 56.7 with 4; batch 256: unsplit)
         splits = 1
-        while (programs < _num_sms(q.device) and programs * splits < 2 * _num_sms(q.device)
-               and blocks // (splits * 2) >= 2):
+        while programs * splits * 2 <= num_sms(q.device) and blocks >= splits * 2:
             splits *= 2
     if splits == 1:
         partial, ml = out, out  # unused
@@ -150,12 +147,6 @@ def combine_reference(partial: torch.Tensor, ml: torch.Tensor, positions: torch.
     w = torch.exp2(m - m.amax(dim=0, keepdim=True))
     out = (w.unsqueeze(-1) * partial).sum(0) / (w * l).sum(0).unsqueeze(-1)
     return rope.apply(out, positions, inverse=True)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""Launch-option sweep of the decode-time attention kernels at V4-Flash shapes: sparse attention on
+a CSA layer (128 window + 512 picks) and an HCA layer (128 window + context/128 entries), and the
+indexer's logits over the CSA layer's compressed keys; fp8_pack pools, GPU time per call from
+CUDA-graph replays.
+
+    python benchmarks/decode_attention_sweep.py --out $OUT/decode_attention.json --batches 64 256 --context 32768
+
+Each row gives the launch options (None: the launch heuristic's choice) and the largest difference
+from the heuristic's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.flash_model import decode_batch, decode_pools  # noqa: E402
+from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
+from benchmarks.kernel_bench import CFG, D, H  # noqa: E402
+from model.kernels import indexer, sparse_attention  # noqa: E402
+from model.rope import Rope  # noqa: E402
+
+# (block_h, block_n, splits, num_warps, num_stages); None = the heuristic's. The second and third
+# rows are what the heuristic chose before 64-entry steps (32-head programs when there are at most
+# half as many tokens as SMs, else 64-head ones; 32 entries a step)
+ATTENTION = [(None, None, None, None, None), (32, 32, None, 4, 2), (64, 32, None, 8, 2),
+             (64, 64, 1, 8, 2), (64, 64, 4, 8, 2), (64, 64, 8, 8, 2), (64, 64, None, 8, 3), (64, 64, None, 4, 2),
+             (32, 64, None, 4, 2), (64, 128, None, 8, 2)]
+# (block_n, blocks, num_warps)
+LOGITS = [(64, 4, 4), (64, 8, 4), (64, 2, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (128, 4, 8), (32, 8, 4),
+          (64, 4, 8), (64, 16, 4)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=32768)
+    args = ap.parse_args()
+    C = args.context
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for B in args.batches:
+        pools, seqs = decode_pools(CFG, 4, B, C)
+        batch = decode_batch(seqs)
+        q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
+        sink = torch.randn(H, device="cuda", generator=g)
+        picks = torch.randint(0, (C + 1) // 4, (B, 512), device="cuda", generator=g).int()
+        rope = Rope.for_layer(CFG, True)
+        for ratio, layer, pk in ((4, 2, picks), (128, 3, None)):
+            ref = None
+            for bh, bn, sp, nw, ns in ATTENTION:
+                fn = lambda: sparse_attention.attend(q, batch, pools, layer, ratio, pk, sink, 128, rope,  # noqa: E731
+                                                     "triton", block_h=bh, block_n=bn, splits=sp, num_warps=nw,
+                                                     num_stages=ns)
+                row = {"kernel": f"attention ratio {ratio}", "batch": B, "context": C, "block_h": bh, "block_n": bn,
+                       "splits": sp, "num_warps": nw, "num_stages": ns}
+                try:
+                    out = fn()
+                    ref = out if ref is None else ref
+                    row["max_diff"] = float((out - ref).abs().max())
+                    row["us"] = bench_graph(fn) * 1e6
+                except Exception as e:  # a launch that does not fit (shared memory, registers) is a result
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(row, flush=True)
+        qi = torch.randn(B, 64, 128, device="cuda", generator=g).bfloat16()
+        wi = torch.randn(B, 64, device="cuda", generator=g)
+        n_max = batch.meta.max_end // 4
+        ref = None
+        for bn, nb, nw in LOGITS:
+            fn = lambda: indexer.logits(qi, wi, batch, pools, 2, slice(0, B), n_max, bn, nb, nw)  # noqa: E731
+            row = {"kernel": "indexer logits", "batch": B, "context": C, "block_n": bn, "blocks": nb, "num_warps": nw}
+            out = fn()
+            ref = out if ref is None else ref
+            row["max_diff"] = float((out - ref).abs().nan_to_num().max())
+            row["us"] = bench_graph(fn) * 1e6
+            rows.append(row)
+            print(row, flush=True)
+    Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
