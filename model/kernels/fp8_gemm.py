@@ -15,9 +15,10 @@ Decode-size M (up to `KERNEL_MAX_M` rows) runs one of two kernels (`decode_confi
   step (acc += dot(x, qᵀ) · s[n]), so tiles never need to align with the 128-row scale blocks.
 * above, `_fp8_swap_kernel`: weight rows are the M side (64 or 128 a tile) and the weight tile
   the register operand, dequantised with its block scale folded in, so the products chain in
-  one accumulator; tokens (up to 64 a tile) are the N side. From 32 rows on it is the faster
-  one (a V4-Flash layer's six projections on H100: 107 against 128 µs at 64 tokens, 266
-  against 394 at 256; `benchmarks/fp8_gemm_bench.py`).
+  one accumulator; tokens (up to 64 a tile) are the N side. Measured from 32 rows on it is the
+  faster one (a V4-Flash layer's six projections on H100: 92 against 122 µs at 32 tokens, 108
+  against 129 at 64, 268 against 395 at 256; `benchmarks/fp8_gemm_bench.py`); at 1 and 16 rows
+  the two run alike.
 Both split K over programs when a product has few output tiles (fp32 partials summed in split
 order by the last program of each output tile: deterministic, one launch). Prefill-size M
 dequantises once and uses cuBLAS.
@@ -60,8 +61,8 @@ TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the 
 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed buffer of split-K arrival counters for the decode products of a weight with `rows`
-    rows (`fp8_linear`'s `arrivals`): one counter per output tile of any M up to `KERNEL_MAX_M`
-    and up to 32 groups. The kernel sets every counter it used back to zero, so the buffer is
+    rows (`fp8_linear`'s `arrivals`): one counter per output tile of either decode kernel at any M
+    up to `KERNEL_MAX_M` (tiles of at least 64 weight rows and 16 tokens) and up to 64 groups. The kernel sets every counter it used back to zero, so the buffer is
     filled once, not before every product (a fill launch per split GEMM, ~90 per decode step)."""
     return torch.zeros((triton.cdiv(rows, 64) + 64) * triton.cdiv(KERNEL_MAX_M, 16), dtype=torch.int32, device=device)
 
@@ -230,8 +231,8 @@ def _store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, mask, split, stride_part, S
 
 @triton.jit
 def _scale_bytes(s_ptr, rows, kb, stride_s, mask_n):
-    """UE8M0 bytes [BN] of the rows' 128×128 blocks at K block kb: the float scales are powers of two,
-    so the byte is the float's biased exponent."""
+    """UE8M0 bytes [BN] of the rows' 128×128 scale blocks at K block kb: the float scales are powers
+    of two, so the byte is the float's biased exponent."""
     s = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=1.0)
     return ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
 
