@@ -32,9 +32,8 @@ from model.rope import Rope  # noqa: E402
 ATTENTION = [(None, None, None, None, None), (32, 32, None, 4, 2), (64, 32, None, 8, 2),
              (64, 64, 1, 8, 2), (64, 64, 4, 8, 2), (64, 64, 8, 8, 2), (64, 64, None, 8, 3), (64, 64, None, 4, 2),
              (32, 64, None, 4, 2), (64, 128, None, 8, 2)]
-# (block_n, blocks, num_warps)
-LOGITS = [(64, 4, 4), (64, 8, 4), (64, 2, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (128, 4, 8), (32, 8, 4),
-          (64, 4, 8), (64, 16, 4)]
+# (block_n, blocks, num_warps); None = the heuristic's
+LOGITS = [(64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (256, 1, 8)]
 
 
 def main() -> None:
@@ -42,6 +41,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--skip-attention", action="store_true", help="the indexer's logits only")
     args = ap.parse_args()
     C = args.context
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -53,7 +53,7 @@ def main() -> None:
         sink = torch.randn(H, device="cuda", generator=g)
         picks = torch.randint(0, (C + 1) // 4, (B, 512), device="cuda", generator=g).int()
         rope = Rope.for_layer(CFG, True)
-        for ratio, layer, pk in ((4, 2, picks), (128, 3, None)):
+        for ratio, layer, pk in () if args.skip_attention else ((4, 2, picks), (128, 3, None)):
             ref = None
             for bh, bn, sp, nw, ns in ATTENTION:
                 fn = lambda: sparse_attention.attend(q, batch, pools, layer, ratio, pk, sink, 128, rope,  # noqa: E731

@@ -42,7 +42,8 @@ def main() -> None:
         decode = T <= 256
         splits = (None, 2, 4, 8, 16, 32, 64, 128) if decode else (None, 2, 4)
         shapes = [None] + [mhc.MixTiles(bt, bk, nw, split) for bt, bk, nw, split in
-                           itertools.product((16, 32, 64, 128) if not decode else (16,), (64, 128), (4, 8), splits)]
+                           itertools.product((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,),
+                                             (64, 128), (4, 8), splits)]
         for tiles in shapes:
             row = {"tokens": T, "tiles": str(tiles or default), "default": tiles is None}
             try:

@@ -53,19 +53,20 @@ def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Te
 
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
-           block_n: int | None = None, blocks: int = 2, num_warps: int = 4) -> torch.Tensor:
+           block_n: int = 64, blocks: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end.
-    A program takes `blocks` blocks of `block_n` keys: 128 once that makes two waves of programs,
-    else 64 (H100 at 32K, benchmarks/decode_attention_sweep.py: batch 64 / 256, 128-key blocks,
-    70.1 / 247.8 µs against 73.5 / 269.9 with 4 blocks of 64; batch 1, 64-key blocks, 6.8 µs
-    against 9.1 with 128 and 12.2 with 4 blocks of 64)."""
+    A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 that still leaves two
+    waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py --skip-attention: batch
+    64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch 1, 2 blocks, 4.8 µs
+    against 13.9 with 8)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    nb = blocks
-    bn = block_n or (128 if T * triton.cdiv(n_max, 128 * nb) >= 2 * num_sms(q.device) else 64)
+    bn, nb = block_n, blocks or 2
+    while blocks is None and nb < 8 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * num_sms(q.device):
+        nb *= 2
     qs, ws = q[rows], w[rows]
     _logits_kernel[(T, triton.cdiv(n_max, bn * nb))](
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
@@ -150,7 +151,9 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
                    EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
                    NB: tl.constexpr, ALIGN: tl.constexpr):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
-    (they weigh more than a block of FP8 keys)."""
+    (they weigh more than a block of FP8 keys). Keys are the MMA's M side and heads its N side,
+    so the head-weighted sum runs along each thread's accumulator row, not across warps (H100,
+    batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     n_vis = (pos + 1) // 4
@@ -176,6 +179,6 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
             else:
                 k = load_entries(buf + base, valid, 0, C, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
                 key_scale = tl.full((BN,), 1.0, tl.float32)
-            s = tl.maximum(tl.dot(q, tl.trans(k)) * key_scale[None, :], 0.0) * scale  # [NH, BN]
-            score = tl.sum(s * w[:, None], axis=0)
+            s = tl.maximum(tl.dot(k, tl.trans(q)) * key_scale[:, None], 0.0) * scale  # [BN, NH]
+            score = tl.sum(s * w[None, :], axis=1)
             tl.store(out_ptr + t * stride_ot + j, tl.where(valid, score, float("-inf")), mask=j < n_max)
