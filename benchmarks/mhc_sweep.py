@@ -30,6 +30,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--bt", type=int, nargs="+", help="tokens per program (default: by token count)")
+    ap.add_argument("--bk", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--splits", type=int, nargs="+", help="K splits (default: by token count; 0 = the heuristic)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(MIX, HC * D, device="cuda", generator=g) / (HC * D) ** 0.5
@@ -38,12 +42,13 @@ def main() -> None:
     for T in args.tokens:
         x = torch.randn(T, HC, D, device="cuda", generator=g).bfloat16()
         ref = mhc.hc_pre(x, fn, base, scale, HC, 20, 1e-6, 1e-6, "torch")
-        default = mhc.mix_tiles(T)
+        default = mhc.MIX_TILES
         decode = T <= 256
-        splits = (None, 2, 4, 8, 16, 32, 64, 128) if decode else (None, 2, 4)
+        splits = ([sp or None for sp in args.splits] if args.splits else
+                  (None, 2, 4, 8, 16, 32, 64, 128) if decode else (None, 2, 4))
+        bts = args.bt or ((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,))
         shapes = [None] + [mhc.MixTiles(bt, bk, nw, split) for bt, bk, nw, split in
-                           itertools.product((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,),
-                                             (64, 128), (4, 8), splits)]
+                           itertools.product(bts, args.bk, args.warps, splits)]
         for tiles in shapes:
             row = {"tokens": T, "tiles": str(tiles or default), "default": tiles is None}
             try:

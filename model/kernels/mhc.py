@@ -81,17 +81,17 @@ class MixTiles:
     collapse_split: int | None = None
 
 
-def mix_tiles(tokens: int) -> MixTiles:
-    # every program loads and splits the fn tile of each K step: 64 tokens share it in prefill
-    # (benchmarks/mhc_sweep.py, H100, T = 8192: hc_pre 0.39 ms against 0.45 with 32 tokens and the
-    # fn split hoisted out of the kernel, 0.60 before); decode keeps 16-token programs, K split
-    return MixTiles(bt=16 if tokens <= 2048 else 64)
+# Every program loads and splits the fn tile of each K step: 64 tokens share it (benchmarks/
+# mhc_sweep.py, H100, T = 8192: hc_pre 0.39 ms against 0.45 with 32 tokens and the fn split hoisted
+# out of the kernel, 0.60 before), in decode too, K split to fill the GPU (T = 256 / 64 / 1: 19.2 /
+# 16.0 / 15.1 µs against 41.3 / 19.6 / 18.0 with the 16-token programs decode had)
+MIX_TILES = MixTiles(bt=64)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
            hc_eps: float, rms_eps: float, impl: str, tiles: MixTiles | None = None):
     """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32).
-    `tiles` overrides `mix_tiles` (tuning)."""
+    `tiles` overrides `MIX_TILES` (tuning)."""
     if check_impl(impl) == "torch":
         return reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
     return _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head=False, tiles=tiles)
@@ -129,7 +129,7 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tile
     if T:
         if hc * hc != 16:
             raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
-        tiles = tiles or mix_tiles(T)
+        tiles = tiles or MIX_TILES
         fn = fn.float().contiguous()
         blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
         split = tiles.split or 1
