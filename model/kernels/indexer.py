@@ -16,7 +16,7 @@ log² of it, against the row times 32 here plus the k's own sort.
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
 write -inf and read nothing. The logits of a chunk of queries are materialised [T_chunk, N] for
-torch's top-k, with T_chunk bounded so that buffer stays under `max_logit_bytes`.
+the top-k, with T_chunk bounded so that buffer stays under `max_logit_bytes`.
 """
 
 from __future__ import annotations
