@@ -7,7 +7,8 @@ different layers (random FP4 experts, each layer routed by its own gate), as a d
 them, and the same layer `--layers` times for comparison; torch.profiler splits the graph's time
 per kernel (count sort, gate/up, down). Fraction of copy: the hit experts' bytes (and the shared
 expert's) over the time, against a device-to-device copy measured in the same run. Pre-ordered
-variants make their `preorder` copy of x when planned, outside the graph (the decode step has it).
+variants make their `preorder` copy of x when planned, outside the graph; the `fused*` variants
+capture `moe_fused.fused_moe` whole, as the decode step runs it (copy and dense shared expert in).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ VARIANTS = {
     "down_w8": (GU, replace(DN, num_warps=8), True, True),
     "down_bn256_w8": (GU, replace(DN, BN=256, num_warps=8), True, True),
 }
+# name → `fused_moe`'s shared_dense: the whole call captured as the decode step runs it (the
+# `preorder` copy and, dense, the shared expert's products and SwiGLU included), decode tiles
+FUSED_VARIANTS = {"fused": None, "fused_shared_in_kernels": False, "fused_shared_dense": True}
+
+
+def plan_fused(moe, T: int, seed: int, dense: bool | None) -> tuple[list, int]:
+    x, _, weights, ids = routed_inputs(moe, T, seed)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    return [lambda: moe_fused.fused_moe(*args, shared_dense=dense)], bytes_read(moe, x, ids)
 
 
 def plan(moe, T: int, seed: int, gateup: Tiles, down: Tiles, shared: bool, pre: bool) -> tuple[list[Launch], int]:
@@ -93,15 +103,20 @@ def main() -> None:
     ap.add_argument("--out", default="moe_tiles.json")
     ap.add_argument("--layers", type=int, default=12, help="distinct layers (3.4 GB each)")
     ap.add_argument("--tokens", default="64,256")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join([*VARIANTS, *FUSED_VARIANTS]))
     args = ap.parse_args()
     ceil = ceilings()
     layers = [build_layer(seed=i) for i in range(args.layers)]
     rows = []
     for T in map(int, args.tokens.split(",")):
         for name in args.variants.split(","):
-            gateup, down, shared, pre = VARIANTS[name]
-            planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]
+            if name in FUSED_VARIANTS:
+                gateup, down = moe_fused.decode_tiles(T)
+                shared, pre = FUSED_VARIANTS[name], True
+                planned = [plan_fused(m, T, 100 + i, shared) for i, m in enumerate(layers)]
+            else:
+                gateup, down, shared, pre = VARIANTS[name]
+                planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]
             n = len(layers)
             rot_ms, rot_k = graph_ms([launch for launches, _ in planned for launch in launches])
             same_ms, _ = graph_ms([launch for _ in range(n) for launch in planned[0][0]])

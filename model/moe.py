@@ -27,7 +27,7 @@ from torch import nn
 from model import quant
 from model.config import ModelConfig
 from model.kernels import check_impl
-from model.kernels import moe_fused, moe_grouped, moe_prefill, router
+from model.kernels import fp8_gemm, moe_fused, moe_grouped, moe_prefill, router
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block, shuffle_fp4_words
 from model.quantized import linear_fp32_out
 
@@ -110,6 +110,9 @@ class PackedExperts(nn.Module):
             dtypes = [torch.float8_e4m3fn, torch.uint8] * 2
         for name, shape, dtype in zip(("w13", "w13_scale", "w2", "w2_scale"), shapes, dtypes):
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+        if fmt == "fp8" and n_experts == 1:  # a shared expert: split-K counters of its dense decode
+            # products (kernels/moe_shared.py), left zeroed by every product
+            self.register_buffer("arrivals", fp8_gemm.arrival_counters(max(2 * I, D), device), persistent=False)
         # kernels/moe_grouped.py's `_operand_checked` verdicts, per kernel configuration
         self.operand_checks: dict[tuple, bool] = {}
 

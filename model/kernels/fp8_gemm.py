@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model import quant
 from model.kernels import check_impl
 from model.kernels.fp4 import fp8_to_bf16
 
@@ -98,15 +99,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
 
 
 def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, arrivals: torch.Tensor | None,
-                   cfg: dict | None = None) -> torch.Tensor:
-    """x3 [M, G, K] (unit stride along K) · weight [G·N, K] → [M, G, N] with a decode kernel;
-    `cfg` (a `decode_config`) overrides the choice (benchmarks)."""
+                   cfg: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x3 [M, G, K] (unit stride along K) · weight [G·N, K] → [M, G, N] in `out_dtype` (default
+    x3's) with a decode kernel; `scale` float or UE8M0 bytes (uint8, as `PackedExperts` stores
+    them); `cfg` (a `decode_config`) overrides the choice (benchmarks)."""
     M, groups, K = x3.shape
     N = weight.shape[0] // groups
     cfg = dict(cfg or decode_config(M, N, K, groups))
     kernel = _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
-    out = torch.empty(M, groups, N, device=x3.device, dtype=x3.dtype)
+    out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype or x3.dtype)
+    if scale.dtype == torch.uint8 and kernel is _fp8_gemm_kernel:  # it multiplies by float scales
+        scale = quant.ue8m0_byte_to_scale(scale)
+    elif scale.dtype not in (torch.uint8, torch.float32):
+        scale = scale.float()
     tiles = triton.cdiv(M, cfg.get("BLOCK_M", cfg.get("BLOCK_T"))) * triton.cdiv(N, cfg["BLOCK_N"])
     # split K: each split writes its own fp32 partial and counts its arrival per output tile; the
     # last to arrive sums the partials in split order (deterministic, unlike atomic adds) and
@@ -120,7 +126,7 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         cfg.update(EVEN_K=K % BLOCK == 0, ASM=x3.is_cuda)
     if M:
         kernel[(tiles, groups, split)](
-            x3, weight, scale.float() if scale.dtype != torch.float32 else scale, out, part, arrivals,
+            x3, weight, scale, out, part, arrivals,
             M, N, K,
             x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
             M * groups * N, BLOCK_K=BLOCK, **cfg)
@@ -231,10 +237,14 @@ def _store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, mask, split, stride_part, S
 
 @triton.jit
 def _scale_bytes(s_ptr, rows, kb, stride_s, mask_n):
-    """UE8M0 bytes [BN] of the rows' 128×128 scale blocks at K block kb: the float scales are powers
-    of two, so the byte is the float's biased exponent."""
-    s = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=1.0)
-    return ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    """UE8M0 bytes [BN] of the rows' 128×128 scale blocks at K block kb: read as they are, or from
+    float scales, which are powers of two, as the float's biased exponent."""
+    if s_ptr.dtype.element_ty == tl.uint8:
+        b = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=127)
+    else:
+        s = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=1.0)
+        b = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    return b
 
 
 @triton.jit

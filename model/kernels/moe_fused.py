@@ -4,6 +4,9 @@ For T tokens (decode, up to `MoE.fused_max_tokens`), after the routing (gate GEM
 torch, no host sync), the T·k routed assignments and T shared ones (a virtual expert E in FP8)
 go through
 
+(from `moe_shared.DENSE_MIN_TOKENS` tokens the shared expert instead runs before them as dense FP8
+products, its output added in the combine)
+
 1. `_count_sort_kernel` (one program): per-expert counts and the assignments grouped by expert.
 2. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
    rows once, dequantising FP4 (or FP8) in registers, and applies the clamped SwiGLU in the
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model.kernels import moe_shared
 from model.kernels.moe_grouped import Tiles, fit, run_kernels
 
 if TYPE_CHECKING:
@@ -62,13 +66,15 @@ def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
               shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
-              down: Tiles | None = None) -> torch.Tensor:
+              down: Tiles | None = None, shared_dense: bool | None = None) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
-    Tiles default to `decode_tiles(T)`."""
+    Tiles default to `decode_tiles(T)`; the shared expert runs as dense products outside the
+    kernels (`shared_dense`) from `moe_shared.DENSE_MIN_TOKENS` tokens by default."""
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
     # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
     # in-register permutes: ~5% of the layer at 64 tokens, benchmarks/moe_tiles_bench.py)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
+    shared, add = moe_shared.split_shared(x, shared, limit, shared_dense)
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=True, preordered=preordered)
+                       fit(down, experts.dim, experts.inter), fuse_combine=True, preordered=preordered, add=add)

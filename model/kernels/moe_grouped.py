@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from model.kernels import moe_combine
+from model.kernels import moe_combine, moe_shared
 from model.kernels.fp4 import FP4_K_BLOCK, check_fp4_block, check_fp8_block, reads_wgmma_operand
 from model.kernels.moe_tile_kernels import _count_sort_kernel, _down_kernel, _gateup_kernel
 
@@ -172,16 +172,18 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                  add: torch.Tensor | None = None) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
     """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
     sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
-    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots, plus `add`
-    [T, D] fp32 (an output computed outside the kernels) before the one rounding).
+    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots; either
+    way plus `add` [T, D] fp32 (an output computed outside the kernels, such as the dense shared
+    expert of kernels/moe_shared.py) before the one rounding).
     `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it).
     `preordered`: the routed experts read x as a `preorder` copy and write h in that layout too
     (FP4, SWAP tiles); the shared expert reads x and writes its rows of h in natural order."""
     check_inputs(x, weights, ids, experts, shared)
     if preordered and (experts.fmt != "fp4" or not (gateup.swap_ab and down.swap_ab)):
         raise ValueError("preordered activations need FP4 experts and SWAP tiles")
-    if add is not None and fuse_combine:
-        raise ValueError("add joins the unfused combine; the fused one has no place for it")
+    if add is not None and (add.shape != x.shape or add.dtype != torch.float32 or add.device != x.device):
+        raise ValueError(f"add must be float32 {tuple(x.shape)} on {x.device}, got {add.dtype} "
+                         f"{tuple(add.shape)} on {add.device}")
     if not fuse_combine and (gateup.split_k > 1 or down.split_k > 1):
         raise ValueError("split_k needs the fused path's arrival counters (fuse_combine)")
     T, k = ids.shape
@@ -231,6 +233,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     else:
         y = torch.empty(T * kp1, D, dtype=x.dtype, device=x.device)
         out = cnt = y
+    fused_add = fuse_combine and add is not None  # else `add` joins the torch sum over slots
     asm = x.is_cuda if asm is None else asm
     # a CPU x with asm: a build for sm_90 (the compile checks)
     hopper = asm and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] == 9)
@@ -244,8 +247,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                     SBK=_shared_bk(gateup, experts.fmt), WKB=experts.kb13, **_tile_meta(gateup, hopper), **common)),
         Launch(_down_kernel, (max_tiles(A, E + has_shared, down.BT), D // down.BN, ks2),
                (h, perm, counts, weights, experts.w2, experts.w2_scale, sw.w2, sw.w2_scale, y, out, cnt,
-                T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
-               dict(FUSE_COMBINE=fuse_combine, WKB=experts.kb2, **_tile_meta(down, hopper), **common)),
+                add.contiguous() if fused_add else y, T, n_cnt, experts.w2.stride(0), experts.w2_scale.stride(0)),
+               dict(FUSE_COMBINE=fuse_combine, ADD=fused_add, WKB=experts.kb2, **_tile_meta(down, hopper), **common)),
     ]
     if x.is_cuda:
         launches = [_operand_checked(launch, experts.operand_checks) for launch in launches]
@@ -308,14 +311,17 @@ def run_kernels(*args, **kwargs) -> torch.Tensor:
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                 shared: "PackedExperts | None", limit: float, impl: str,
-                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN) -> torch.Tensor:
-    """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`."""
+                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN, shared_dense: bool | None = None
+                ) -> torch.Tensor:
+    """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`. The
+    shared expert runs as in `moe_fused.fused_moe` (`moe_shared.split_shared`)."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
     # (no split K here: its partial sums need the fused path's arrival counters)
     gateup, down = replace(gateup, split_k=1), replace(down, split_k=1)
+    shared, add = moe_shared.split_shared(x, shared, limit, shared_dense)
     return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=False)
+                       fit(down, experts.dim, experts.inter), fuse_combine=False, add=add)
 
 
 def fit(t: Tiles, n: int, k: int) -> Tiles:

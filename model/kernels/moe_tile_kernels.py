@@ -127,10 +127,10 @@ def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, s
 
 @triton.jit
 def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, y_ptr, out_ptr, cnt_ptr,
-                 T, n_cnt, stride_we, stride_se,
+                 add_ptr, T, n_cnt, stride_we, stride_se,
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
-                 MMA: tl.constexpr, FUSE_COMBINE: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
+                 MMA: tl.constexpr, FUSE_COMBINE: tl.constexpr, ADD: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -169,7 +169,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
     if FUSE_COMBINE:
         # Deterministic combine without a third launch: publish this tile's rows (L2, bypassing
         # L1), then count arrivals per (token, column tile); the program completing a token's
-        # k(+1) contributions (times KS K ranges) sums them in slot order. The barrier orders every
+        # k(+1) contributions (times KS K ranges) sums them in slot order, then ADD's row (an
+        # output computed outside the kernels: the dense shared expert). The barrier orders every
         # thread's stores before the release of the counter update; the acquire orders the loads
         # after it.
         tl.store(y_ptrs, y, mask=rmask[None, :], cache_modifier=".cg")
@@ -181,6 +182,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         for j in tl.static_range(KP1 * KS):
             total += tl.load(y_ptr + (tok * KP1 * KS + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
                              cache_modifier=".cg")
+        if ADD:
+            total += tl.load(add_ptr + tok[None, :] * D + d[:, None], mask=last[None, :], other=0.0)
         tl.store(out_ptr + tok[None, :] * D + d[:, None], total.to(out_ptr.dtype.element_ty), mask=last[None, :])
     else:
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[None, :])

@@ -8,7 +8,8 @@ against the fp32 reference. Scratch and outputs are poisoned (NaN) before every 
 fused path is deterministic across runs and batch-invariant among steps of one tile table (a token's
 output does not depend on the other tokens of the batch: the combine sums slots in a fixed order;
 steps of up to `moe_fused.SMALL_T` tokens split K and round differently), and a whole MoE layer
-(gate, sort, kernels) replays correctly from a CUDA graph.
+(gate, sort, kernels) replays correctly from a CUDA graph. From `moe_shared.DENSE_MIN_TOKENS`
+tokens the shared expert runs as dense FP8 products by default; it is tested in the kernels too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.moe_bench import build_layer, routed_inputs
-from model.kernels import moe_fused, moe_grouped, moe_prefill
+from model.kernels import moe_fused, moe_grouped, moe_prefill, moe_shared
 from tests.model.test_moe_kernels import (EMULATED_TOL, EMULATED_TOL_BF16, REFERENCE_TOL, emulate,  # noqa: F401
                                          poisoned, rel)
 
@@ -58,6 +59,15 @@ def test_decode_sizes(poisoned, flash_fp4, path, T):
     check(run(flash_fp4, path, x, weights, ids), x, weights, ids, flash_fp4)
 
 
+@pytest.mark.parametrize("T", [64, 256])
+@pytest.mark.parametrize("path", ["fused", "grouped_decode_tiles"])
+def test_shared_expert_in_the_kernels(poisoned, flash_fp4, path, T):
+    """The in-kernel shared expert (virtual expert E) at sizes where it runs dense by default."""
+    assert T >= moe_shared.DENSE_MIN_TOKENS
+    x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 13)
+    check(run(flash_fp4, path, x, weights, ids, shared_dense=False), x, weights, ids, flash_fp4)
+
+
 @pytest.mark.parametrize("path", ["grouped", "prefill"])
 def test_prefill_8k(poisoned, flash_fp4, path):
     x, _, weights, ids = routed_inputs(flash_fp4, 8192, seed=5)
@@ -65,15 +75,19 @@ def test_prefill_8k(poisoned, flash_fp4, path):
 
 
 def test_fused_is_deterministic_and_batch_invariant(flash_fp4):
-    """Bit-identical across runs, and across batches of the same tile table: a token's row of a
-    64-token step equals its row in a 5-token step (`decode_tiles`' SWAP tiles). Steps of up to
-    SMALL_T tokens split K (`Tiles.split_k`), a different fp32 summation order: there the row is
-    deterministic too, and equal to the large-step row up to rounding."""
+    """Bit-identical across runs (the default, with the dense shared expert at 64 tokens, and with
+    it in the kernels), and across batches of the same tile table: with the shared expert in the
+    kernels, a token's row of a 64-token step equals its row in a 5-token step (`decode_tiles`'
+    SWAP tiles). Steps of up to SMALL_T tokens split K (`Tiles.split_k`), a different fp32
+    summation order: there the row is deterministic too, and equal to the large-step row up to
+    rounding. (The dense shared expert's products tile and split by batch size: not invariant.)"""
     x, _, weights, ids = routed_inputs(flash_fp4, 64, seed=8)
-    first = run(flash_fp4, "fused", x, weights, ids)
+    dense = run(flash_fp4, "fused", x, weights, ids)
+    first = run(flash_fp4, "fused", x, weights, ids, shared_dense=False)
     for _ in range(20):  # a race in the arrival-counted combine would show as a changing result
-        assert torch.equal(run(flash_fp4, "fused", x, weights, ids), first)
-    assert moe_fused.SMALL_T < 5
+        assert torch.equal(run(flash_fp4, "fused", x, weights, ids), dense)
+        assert torch.equal(run(flash_fp4, "fused", x, weights, ids, shared_dense=False), first)
+    assert moe_fused.SMALL_T < 5 < moe_shared.DENSE_MIN_TOKENS
     for t in (0, 17, 58):
         few = run(flash_fp4, "fused", x[t:t + 5], weights[t:t + 5], ids[t:t + 5])
         assert torch.equal(few, first[t:t + 5]), t

@@ -110,3 +110,17 @@ def test_fp8_linear_module_keeps_its_counters_out_of_the_state_dict():
     out = lin.grouped(x)
     assert torch.equal(lin.grouped(x), out) and not lin.arrivals.any()
     assert rel_err(out, fp8_gemm.fp8_linear(x.float(), lin.weight, lin.scale, "torch", 4)) < 6e-3
+
+
+@pytest.mark.parametrize("M", [5, 40])  # the tokens-as-M kernel and the swap kernel
+def test_decode_product_reads_ue8m0_bytes_and_writes_fp32(M):
+    """Scales as `PackedExperts` stores them (UE8M0 bytes) give the product of their float values bit
+    for bit, and an fp32 output keeps the accumulator unrounded (the dense shared expert's gate/up)."""
+    g = torch.Generator().manual_seed(M)
+    q, s = quant.fp8_quantize_weight(block_weights(256, 384, g))
+    q, floats, scale_bytes = q.to(DEVICE), s.float().to(DEVICE), s.view(torch.uint8).to(DEVICE)
+    x3 = torch.randn(M, 1, 384, generator=g).to(DEVICE, torch.bfloat16)
+    out = fp8_gemm.decode_product(x3, q, scale_bytes, None, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, fp8_gemm.decode_product(x3, q, floats, None, out_dtype=torch.float32))
+    assert rel_err(out, fp8_gemm.reference(x3[:, 0].float(), q, floats)[:, None]) < 1e-5

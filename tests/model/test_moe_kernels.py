@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import moe_combine, moe_fused, moe_grouped, moe_prefill
+from model.kernels import moe_combine, moe_fused, moe_grouped, moe_prefill, moe_shared
 from model.kernels.fp4 import reads_wgmma_operand
 from model.moe import MoE, PackedExperts
 from model.tiny import tiny_config
@@ -301,7 +301,7 @@ def test_swiglu_bf16_matches_torch(poisoned, limit):
     if limit:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     ref = (F.silu(gate) * up).bfloat16()
-    got = moe_prefill.swiglu_bf16(gu, limit)
+    got = moe_shared.swiglu_bf16(gu, limit)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 1100)
     # an ulp of the GPU's exp may flip a bf16 rounding: at most one bf16 ulp apart, and rarely
     diff = (got.float() - ref.float()).abs()
@@ -425,3 +425,47 @@ def test_fp4_words_convert_in_the_wgmma_operand_only_where_wgmma_runs():
     small = moe_grouped.Tiles(BT=16, BN=32, BK=32, num_warps=4, num_stages=2, swap_ab=True)
     assert not moe_grouped._tile_meta(small, True)["MMA"]
     assert not moe_grouped._tile_meta(moe_grouped.GROUPED_GATEUP, True)["MMA"]  # tokens as M
+
+
+@pytest.mark.parametrize("path", ["fused", "grouped_decode_tiles"])
+@pytest.mark.parametrize("dense", [None, False])
+def test_shared_expert_dense_or_in_the_kernels(poisoned, path, dense):
+    """From `DENSE_MIN_TOKENS` tokens the shared expert runs as dense FP8 products before the expert
+    kernels and its fp32 output joins their combine (dense None: the default there); in the
+    kernels (False) it is the virtual expert E. Both are the reference's arithmetic."""
+    T = moe_shared.DENSE_MIN_TOKENS + 1
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=61, device=DEVICE)
+    x, weights, ids = routed(moe, T=T, seed=11)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    if path == "fused":
+        out = moe_fused.fused_moe(*args, shared_dense=dense)
+    else:
+        out = moe_grouped.grouped_moe(*args, "triton", *moe_fused.decode_tiles(T), shared_dense=dense)
+    check(out, x, weights, ids, moe)
+
+
+def test_shared_expert_goes_dense_from_the_threshold():
+    moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=62, device=DEVICE)
+    x = torch.randn(moe_shared.DENSE_MIN_TOKENS, moe.cfg.hidden_size, device=DEVICE)
+    shared = moe.shared_experts
+    assert moe_shared.split_shared(x[:-1], shared, 10.0, None) == (shared, None)
+    kept, add = moe_shared.split_shared(x, shared, 10.0, None)
+    assert kept is None and add.shape == x.shape and add.dtype == torch.float32
+    assert moe_shared.split_shared(x, None, 10.0, True) == (None, None)
+
+
+@pytest.mark.parametrize("inter", [128, 32])  # w3's scale rows continue w1's / start a block row of their own
+def test_dense_shared_expert_matches_emulation(poisoned, inter):
+    """The dense shared expert with every 128×128 block scaled differently: a product that took w1's
+    scale for w3's rows (or a neighbour block's) would be off by a power of two."""
+    g = torch.Generator().manual_seed(inter)
+    shared = PackedExperts.random("fp8", 1, 256, inter, DEVICE, g)
+    shared.w13_scale.copy_(119 + torch.randperm(shared.w13_scale.numel(), generator=g).view_as(shared.w13_scale))
+    shared.w2_scale.copy_(121 + torch.randperm(shared.w2_scale.numel(), generator=g).view_as(shared.w2_scale))
+    x = torch.randn(40, 256, generator=g).to(DEVICE)
+    out = moe_shared.shared_expert(x, shared, 10.0)
+    xb = x.bfloat16().float()
+    w1, w3, w2 = shared.dequantize(0)
+    h = (F.silu((xb @ w1.T).clamp(max=10.0)) * (xb @ w3.T).clamp(-10.0, 10.0)).bfloat16().float()
+    assert out.dtype == torch.float32 and rel(out, h @ w2.T) < EMULATED_TOL
+    assert not shared.arrivals.any()  # split-K counters left zeroed for the next product
