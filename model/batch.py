@@ -73,6 +73,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     segments: tuple[Segment, ...]
+    host_ids: tuple[int, ...] = ()  # input_ids as the host built them (read without a device sync)
 
     @classmethod
     def build(cls, items: list[tuple[SeqKV, list[int]]], device: str | torch.device = "cpu") -> "ForwardBatch":
@@ -86,7 +87,7 @@ class ForwardBatch:
             pos.extend(range(seq.num_tokens, seq.num_tokens + len(tokens)))
             offset += len(tokens)
         return cls(torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(pos, dtype=torch.long, device=device), tuple(segs))
+                   torch.tensor(pos, dtype=torch.long, device=device), tuple(segs), tuple(ids))
 
     @cached_property
     def meta(self) -> BatchMeta:

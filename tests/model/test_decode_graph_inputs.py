@@ -44,4 +44,4 @@ def test_tables_follow_every_kind_of_page_change():
         host.update_tables(pages)
         for k, w in enumerate(widths):
             assert np.array_equal(host.table(k), fresh(pages[k], w)), (step, change, k)
-    assert host.array.shape == (3 * B + B * sum(widths),)
+    assert host.array.shape == (4 * B + B * sum(widths),) and host.array.dtype == np.int32

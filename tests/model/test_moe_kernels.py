@@ -459,7 +459,7 @@ def test_dense_shared_expert_matches_emulation(poisoned, inter):
     """The dense shared expert with every 128×128 block scaled differently: a product that took w1's
     scale for w3's rows (or a neighbour block's) would be off by a power of two."""
     g = torch.Generator().manual_seed(inter)
-    shared = PackedExperts.random("fp8", 1, 256, inter, DEVICE, g)
+    shared = PackedExperts.random("fp8", 1, 256, inter, "cpu", g).to(DEVICE)
     shared.w13_scale.copy_(119 + torch.randperm(shared.w13_scale.numel(), generator=g).view_as(shared.w13_scale))
     shared.w2_scale.copy_(121 + torch.randperm(shared.w2_scale.numel(), generator=g).view_as(shared.w2_scale))
     x = torch.randn(40, 256, generator=g).to(DEVICE)
