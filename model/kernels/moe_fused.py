@@ -4,9 +4,6 @@ For T tokens (decode, up to `MoE.fused_max_tokens`), after the routing (gate GEM
 torch, no host sync), the T·k routed assignments and T shared ones (a virtual expert E in FP8)
 go through
 
-(from `moe_shared.DENSE_MIN_TOKENS` tokens the shared expert instead runs before them as dense FP8
-products, its output added in the combine)
-
 1. `_count_sort_kernel` (one program): per-expert counts and the assignments grouped by expert.
 2. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
    rows once, dequantising FP4 (or FP8) in registers, and applies the clamped SwiGLU in the
@@ -20,8 +17,11 @@ different programs of launch 2, and those need the sort's counts to know their e
 across either boundary needs a grid-wide wait (programs spinning on flags), which deadlocks
 unless every program of the grid is resident at once; a launch boundary is that barrier for
 free. The combine rides on launch 3 through the arrival counters instead of a fourth kernel, and
-the counters are zeroed by launch 2 instead of a memset. All grids are functions of T only and
-nothing reads device values on the host, so a decode step is capturable in a CUDA graph.
+the counters are zeroed by launch 2 instead of a memset. From `moe_shared.DENSE_MIN_TOKENS`
+tokens the shared expert is not among the assignments: it runs first as dense FP8 products
+(three more launches), and launch 3's combine adds its fp32 row after the routed slots. All
+grids are functions of T only and nothing reads device values on the host, so a decode step is
+capturable in a CUDA graph.
 
 Every weight byte of a hit expert is read once per token tile; with up to 16 tokens per tile (BT)
 a decode step reads each hit expert about once — the bandwidth floor benchmarks/moe_bench.py
