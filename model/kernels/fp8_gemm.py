@@ -63,8 +63,9 @@ TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed buffer of split-K arrival counters for the decode products of a weight with `rows`
     rows (`fp8_linear`'s `arrivals`): one counter per output tile of either decode kernel at any M
-    up to `KERNEL_MAX_M` (tiles of at least 64 weight rows and 16 tokens) and up to 64 groups. The kernel sets every counter it used back to zero, so the buffer is
-    filled once, not before every product (a fill launch per split GEMM, ~90 per decode step)."""
+    up to `KERNEL_MAX_M` (tiles of at least 64 weight rows and 16 tokens) and up to 64 groups. The
+    kernel sets every counter it used back to zero, so the buffer is filled once, not before every
+    product (a fill launch per split GEMM, ~90 per decode step)."""
     return torch.zeros((triton.cdiv(rows, 64) + 64) * triton.cdiv(KERNEL_MAX_M, 16), dtype=torch.int32, device=device)
 
 
