@@ -42,12 +42,13 @@ def shapes() -> dict[str, tuple[int, int, int]]:
 
 
 def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
-    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; tokens_m
+    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; dense (the weight dequantised, then cuBLAS:
+    the path above `KERNEL_MAX_M` rows); tokens_m
     (the tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M
     kernel: 16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight
     tiles and 8 warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4;
     split=xF multiplies SPLIT_K by F)."""
-    if name == "default":
+    if name in ("default", "dense"):
         return None
     if name == "tokens_m":
         if M <= 64:
@@ -79,12 +80,18 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
     for name in names:
         cfg = variant(name, M, N, K, G)
         ref = fp8_gemm.reference(x.float(), *weights[0], G)
-        out = fp8_gemm.decode_product(x, *weights[0], arrivals, cfg).float()
+        if name == "dense":  # dequantised weights and cuBLAS, the prefill-size path
+            def product(q, s, cfg=None):
+                return fp8_gemm.dense_product(x if G > 1 else x[:, 0], q, s, G).reshape(M, G, N)
+        else:
+            def product(q, s, cfg=cfg):
+                return fp8_gemm.decode_product(x, q, s, arrivals, cfg)
+        out = product(*weights[0]).float()
         err = ((out - ref).norm() / ref.norm()).item()
 
-        def step(cfg=cfg):
+        def step():
             for q, s in weights:
-                fp8_gemm.decode_product(x, q, s, arrivals, cfg)
+                product(q, s)
 
         step()
         torch.cuda.synchronize()
@@ -99,7 +106,7 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         t = bench(graph.replay, warmup=2, reps=10) / copies
         rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": t * 1e3, "bytes": nbytes,
                      "flops": 2 * M * G * N * K, "rel_err": err,
-                     "cfg": cfg if cfg is not None else fp8_gemm.decode_config(M, N, K, G)})
+                     "cfg": "dense" if name == "dense" else cfg or fp8_gemm.decode_config(M, N, K, G)})
     return rows
 
 

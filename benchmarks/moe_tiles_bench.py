@@ -47,12 +47,17 @@ VARIANTS = {
 }
 # name → `fused_moe`'s shared_dense: the whole call captured as the decode step runs it (the
 # `preorder` copy and, dense, the shared expert's products and SwiGLU included), decode tiles
-FUSED_VARIANTS = {"fused": None, "fused_shared_in_kernels": False, "fused_shared_dense": True}
+# (`_stream` variants: the dense shared expert on a side stream of normal or high priority)
+FUSED_VARIANTS = {"fused": None, "fused_shared_in_kernels": False, "fused_shared_dense": True,
+                  "fused_shared_stream": "side", "fused_shared_stream_high": "side_high"}
 
 
-def plan_fused(moe, T: int, seed: int, dense: bool | None) -> tuple[list, int]:
+def plan_fused(moe, T: int, seed: int, dense: bool | str | None, side: dict) -> tuple[list, int]:
     x, _, weights, ids = routed_inputs(moe, T, seed)
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    if isinstance(dense, str):
+        stream = side.setdefault(dense, torch.cuda.Stream(priority=-1 if dense == "side_high" else 0))
+        return [lambda: moe_fused.fused_moe(*args, side=stream)], bytes_read(moe, x, ids)
     return [lambda: moe_fused.fused_moe(*args, shared_dense=dense)], bytes_read(moe, x, ids)
 
 
@@ -107,13 +112,13 @@ def main() -> None:
     args = ap.parse_args()
     ceil = ceilings()
     layers = [build_layer(seed=i) for i in range(args.layers)]
-    rows = []
+    rows, streams = [], {}
     for T in map(int, args.tokens.split(",")):
         for name in args.variants.split(","):
             if name in FUSED_VARIANTS:
                 gateup, down = moe_fused.decode_tiles(T)
                 shared, pre = FUSED_VARIANTS[name], True
-                planned = [plan_fused(m, T, 100 + i, shared) for i, m in enumerate(layers)]
+                planned = [plan_fused(m, T, 100 + i, shared, streams) for i, m in enumerate(layers)]
             else:
                 gateup, down, shared, pre = VARIANTS[name]
                 planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]

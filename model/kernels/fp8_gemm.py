@@ -78,13 +78,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     if check_impl(impl) == "torch":
         return reference(x, weight, scale, groups)
     if rows > KERNEL_MAX_M:
-        w = dequantize(weight, scale, x.dtype)
-        if groups == 1:
-            return torch.nn.functional.linear(x, w)
-        # group g's [N, M] product in one batched GEMM; returned as the [M, G, N] view of [G, N, M],
-        # whose flatten(1) is a (transposed) view that the next GEMM reads as it is: no permuting copy
-        # of the output (the grouped wo_a of an 8K-token V4-Flash prefill: 128 MB)
-        return torch.bmm(w.view(groups, w.shape[0] // groups, w.shape[1]), x.permute(1, 2, 0)).permute(2, 0, 1)
+        return dense_product(x, weight, scale, groups)
     rows, K = weight.shape
     N = rows // groups
     if groups == 1:
@@ -97,6 +91,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         x3 = x3.contiguous()
     out = decode_product(x3, weight, scale, arrivals)
     return out.view(*lead, N) if lead is not None else out
+
+
+def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """`reference`'s product by dequantising the weight once (one pass) and calling cuBLAS."""
+    w = dequantize(weight, scale, x.dtype)
+    if groups == 1:
+        return torch.nn.functional.linear(x, w)
+    # group g's [N, M] product in one batched GEMM; returned as the [M, G, N] view of [G, N, M],
+    # whose flatten(1) is a (transposed) view that the next GEMM reads as it is: no permuting copy
+    # of the output (the grouped wo_a of an 8K-token V4-Flash prefill: 128 MB)
+    return torch.bmm(w.view(groups, w.shape[0] // groups, w.shape[1]), x.permute(1, 2, 0)).permute(2, 0, 1)
 
 
 def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, arrivals: torch.Tensor | None,

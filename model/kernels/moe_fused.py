@@ -18,8 +18,9 @@ across either boundary needs a grid-wide wait (programs spinning on flags), whic
 unless every program of the grid is resident at once; a launch boundary is that barrier for
 free. The combine rides on launch 3 through the arrival counters instead of a fourth kernel, and
 the counters are zeroed by launch 2 instead of a memset. From `moe_shared.DENSE_MIN_TOKENS`
-tokens the shared expert is not among the assignments: it runs first as dense FP8 products
-(three more launches), and launch 3's combine adds its fp32 row after the routed slots. All
+tokens the shared expert is not among the assignments: it runs as dense FP8 products (three
+more launches; on a side stream when given, beside launches 1-2), and launch 3, which waits for
+them, adds its fp32 row after the routed slots in its combine. All
 grids are functions of T only and nothing reads device values on the host, so a decode step is
 capturable in a CUDA graph.
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.kernels import moe_shared
-from model.kernels.moe_grouped import Tiles, fit, run_kernels
+from model.kernels.moe_grouped import Tiles, fit, plan_kernels
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -66,15 +67,36 @@ def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
               shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
-              down: Tiles | None = None, shared_dense: bool | None = None) -> torch.Tensor:
+              down: Tiles | None = None, shared_dense: bool | None = None,
+              side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
     Tiles default to `decode_tiles(T)`; the shared expert runs as dense products outside the
-    kernels (`shared_dense`) from `moe_shared.DENSE_MIN_TOKENS` tokens by default."""
+    kernels (`shared_dense`) from `moe_shared.DENSE_MIN_TOKENS` tokens by default, on stream
+    `side` when given, beside the sort and gate/up kernels (the down kernel waits for it)."""
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
     # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
     # in-register permutes: ~5% of the layer at 64 tokens, benchmarks/moe_tiles_bench.py)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
-    shared, add = moe_shared.split_shared(x, shared, limit, shared_dense)
-    return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=True, preordered=preordered, add=add)
+    dense = moe_shared.runs_dense(x, shared, shared_dense)
+    main = torch.cuda.current_stream(x.device) if dense and side is not None else None
+    if main is not None and side == main:  # (a stream from the pool can be the current one)
+        main = None
+    if main is not None:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            add = moe_shared.shared_expert(x, shared, limit)
+        add.record_stream(main)  # freed for reuse only after main's use of it
+        shared = None
+    else:
+        shared, add = (None, moe_shared.shared_expert(x, shared, limit)) if dense else (shared, None)
+    launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
+                                    fit(down, experts.dim, experts.inter), fuse_combine=True,
+                                    preordered=preordered, add=add)
+    for launch in launches[:-1]:
+        launch()
+    if main is not None:
+        main.wait_stream(side)  # the down kernel's combine adds the shared expert's rows
+    for launch in launches[-1:]:
+        launch()
+    return result()

@@ -41,9 +41,14 @@ def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, 
     """(the shared expert for the expert kernels, the output they add) for x [T, D]: (shared, None)
     to run it in the kernels, (None, `shared_expert`'s fp32 [T, D]) to run it here first. `dense`
     None: from `DENSE_MIN_TOKENS` tokens."""
-    if shared is None or not (x.shape[0] >= DENSE_MIN_TOKENS if dense is None else dense):
+    if not runs_dense(x, shared, dense):
         return shared, None
     return None, shared_expert(x, shared, limit)
+
+
+def runs_dense(x: torch.Tensor, shared: "PackedExperts | None", dense: bool | None) -> bool:
+    """Whether x [T, D]'s shared expert runs here (`split_shared`'s decision)."""
+    return shared is not None and (x.shape[0] >= DENSE_MIN_TOKENS if dense is None else dense)
 
 
 def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float) -> torch.Tensor:

@@ -9,7 +9,8 @@ fused path is deterministic across runs and batch-invariant among steps of one t
 output does not depend on the other tokens of the batch: the combine sums slots in a fixed order;
 steps of up to `moe_fused.SMALL_T` tokens split K and round differently), and a whole MoE layer
 (gate, sort, kernels) replays correctly from a CUDA graph. From `moe_shared.DENSE_MIN_TOKENS`
-tokens the shared expert runs as dense FP8 products by default; it is tested in the kernels too.
+tokens the shared expert runs as dense FP8 products by default (on a side stream in `MoE.forward`);
+it is tested in the kernels too.
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def test_shared_expert_in_the_kernels(poisoned, flash_fp4, path, T):
     assert T >= moe_shared.DENSE_MIN_TOKENS
     x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 13)
     check(run(flash_fp4, path, x, weights, ids, shared_dense=False), x, weights, ids, flash_fp4)
+
+
+@pytest.mark.parametrize("T", [64, 256])
+def test_shared_expert_on_a_side_stream(poisoned, flash_fp4, T):
+    """The dense shared expert on a side stream (as `MoE.forward` runs it) gives the bits it gives
+    on the current stream, also when the side stream starts late: the down kernel's combine must
+    wait for it (a sleep queued on the side stream holds its products back ~10 ms)."""
+    x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 17)
+    same_stream = run(flash_fp4, "fused", x, weights, ids)
+    check(same_stream, x, weights, ids, flash_fp4)
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+        assert torch.equal(run(flash_fp4, "fused", x, weights, ids, side=side), same_stream)
 
 
 @pytest.mark.parametrize("path", ["grouped", "prefill"])
