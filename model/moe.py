@@ -216,8 +216,8 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     Float experts run the torch path whatever `impl` (the kernels need packed weights); packed ones
     run the reference (impl "torch"), the fused decode path (`fused`), the FP4 prefill path (from
     `moe_prefill.MIN_TOKENS` tokens) or the grouped path, on the decode tiles up to
-    `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers and the MTP block decode there). `side`: the
-    stream the fused path runs a dense shared expert on."""
+    `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers and the MTP block decode there). `side`: a
+    stream for the dense shared expert at decode sizes (`moe_shared.split_shared`)."""
     if not isinstance(experts, PackedExperts):
         y = moe_grouped.expert_outputs(x, ids, lambda e, rows: experts[e](rows))
         return moe_grouped.combine(y, weights, shared(x) if shared is not None else None)
@@ -225,8 +225,10 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return moe_fused.fused_moe(x, weights, ids, experts, shared, limit, side=side)
     if impl == "triton" and experts.fmt == "fp4" and x.shape[0] >= moe_prefill.MIN_TOKENS:
         return moe_prefill.prefill_moe(x, weights, ids, experts, shared, limit)
-    tiles = moe_fused.decode_tiles(x.shape[0]) if x.shape[0] <= moe_fused.DECODE_MAX_TOKENS else ()
-    return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl, *tiles)
+    if x.shape[0] > moe_fused.DECODE_MAX_TOKENS:
+        return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl)
+    return moe_grouped.grouped_moe(x, weights, ids, experts, shared, limit, impl,
+                                   *moe_fused.decode_tiles(x.shape[0]), side=side)
 
 
 class MoE(nn.Module):
@@ -290,11 +292,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         weights, ids = self.gate(x, input_ids)
-        fused = self.uses_fused(x.shape[0])
-        # the fused path's dense shared expert runs on a side stream, beside the routed kernels
-        # (H100, one V4-Flash layer: 0.895 → 0.881 ms at 64 tokens, 1.144 → 1.114 at 128, 1.364 →
-        # 1.335 at 256; benchmarks/moe_tiles_bench.py, variants `fused` and `fused_shared_stream`).
-        # torch hands out streams from a per-device pool: taking one per call costs no CUDA call
-        side = torch.cuda.Stream(x.device) if fused and x.is_cuda else None
+        # at decode sizes the dense shared expert runs on a side stream, beside the routed kernels
+        # (H100, one V4-Flash layer on the fused path: 0.895 → 0.881 ms at 64 tokens, 1.144 →
+        # 1.114 at 128, 1.364 → 1.335 at 256; benchmarks/moe_tiles_bench.py, variants `fused` and
+        # `fused_shared_stream`). torch hands out streams from a per-device pool: taking one per
+        # call costs no CUDA call
+        side = torch.cuda.Stream(x.device) if x.is_cuda else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
-                               self.impl, fused, side)
+                               self.impl, self.uses_fused(x.shape[0]), side)

@@ -78,25 +78,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
     # in-register permutes: ~5% of the layer at 64 tokens, benchmarks/moe_tiles_bench.py)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
-    dense = moe_shared.runs_dense(x, shared, shared_dense)
-    main = torch.cuda.current_stream(x.device) if dense and side is not None else None
-    if main is not None and side == main:  # (a stream from the pool can be the current one)
-        main = None
-    if main is not None:
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            add = moe_shared.shared_expert(x, shared, limit)
-        add.record_stream(main)  # freed for reuse only after main's use of it
-        shared = None
-    else:
-        shared, add = (None, moe_shared.shared_expert(x, shared, limit)) if dense else (shared, None)
+    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                                     fit(down, experts.dim, experts.inter), fuse_combine=True,
                                     preordered=preordered, add=add)
     for launch in launches[:-1]:
         launch()
-    if main is not None:
-        main.wait_stream(side)  # the down kernel's combine adds the shared expert's rows
+    join()  # the down kernel's combine adds the shared expert's rows
     for launch in launches[-1:]:
         launch()
     return result()

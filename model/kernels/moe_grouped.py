@@ -311,17 +311,22 @@ def run_kernels(*args, **kwargs) -> torch.Tensor:
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
                 shared: "PackedExperts | None", limit: float, impl: str,
-                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN, shared_dense: bool | None = None
-                ) -> torch.Tensor:
+                gateup: Tiles = GROUPED_GATEUP, down: Tiles = GROUPED_DOWN, shared_dense: bool | None = None,
+                side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] (x.dtype); impl "torch" is `reference`. The
-    shared expert runs as in `moe_fused.fused_moe` (`moe_shared.split_shared`)."""
+    shared expert runs as in `moe_fused.fused_moe` (`moe_shared.split_shared`; with `side`, beside
+    the expert kernels, joined before the sum over slots)."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
     # (no split K here: its partial sums need the fused path's arrival counters)
     gateup, down = replace(gateup, split_k=1), replace(down, split_k=1)
-    shared, add = moe_shared.split_shared(x, shared, limit, shared_dense)
-    return run_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                       fit(down, experts.dim, experts.inter), fuse_combine=False, add=add)
+    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
+    launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
+                                    fit(down, experts.dim, experts.inter), fuse_combine=False, add=add)
+    for launch in launches:
+        launch()
+    join()
+    return result()
 
 
 def fit(t: Tiles, n: int, k: int) -> Tiles:

@@ -16,7 +16,7 @@ products and sums; the output is fp32 [T, D], added to the routed sum before its
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import triton
@@ -36,14 +36,28 @@ if TYPE_CHECKING:
 DENSE_MIN_TOKENS = 32
 
 
-def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, dense: bool | None
-                 ) -> tuple["PackedExperts | None", torch.Tensor | None]:
-    """(the shared expert for the expert kernels, the output they add) for x [T, D]: (shared, None)
-    to run it in the kernels, (None, `shared_expert`'s fp32 [T, D]) to run it here first. `dense`
-    None: from `DENSE_MIN_TOKENS` tokens."""
+def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, dense: bool | None,
+                 side: "torch.cuda.Stream | None" = None
+                 ) -> tuple["PackedExperts | None", torch.Tensor | None, Callable[[], None]]:
+    """(the shared expert for the expert kernels, the output they add, join) for x [T, D]: (shared,
+    None) to run it in the kernels, (None, `shared_expert`'s fp32 [T, D]) to run it here. `dense`
+    None: from `DENSE_MIN_TOKENS` tokens. With a `side` stream the dense products run there,
+    beside whatever the caller launches next, and `join()` makes the current stream wait for them:
+    call it before launching what reads the output."""
     if not runs_dense(x, shared, dense):
-        return shared, None
-    return None, shared_expert(x, shared, limit)
+        return shared, None, _no_join
+    main = torch.cuda.current_stream(x.device) if side is not None else None
+    if main is None or side == main:  # (a stream from torch's pool can be the current one)
+        return None, shared_expert(x, shared, limit), _no_join
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = shared_expert(x, shared, limit)
+    out.record_stream(main)  # its memory is reused only after the current stream's use of it
+    return None, out, lambda: main.wait_stream(side)
+
+
+def _no_join() -> None:
+    pass
 
 
 def runs_dense(x: torch.Tensor, shared: "PackedExperts | None", dense: bool | None) -> bool:

@@ -70,18 +70,20 @@ def test_shared_expert_in_the_kernels(poisoned, flash_fp4, path, T):
 
 
 @pytest.mark.parametrize("T", [64, 256])
-def test_shared_expert_on_a_side_stream(poisoned, flash_fp4, T):
-    """The dense shared expert on a side stream (as `MoE.forward` runs it) gives the bits it gives
-    on the current stream, also when the side stream starts late: the down kernel's combine must
-    wait for it (a sleep queued on the side stream holds its products back ~10 ms)."""
+@pytest.mark.parametrize("path", ["fused", "grouped_decode_tiles"])
+def test_shared_expert_on_a_side_stream(poisoned, flash_fp4, path, T):
+    """The dense shared expert on a side stream (as `MoE.forward` runs it at decode sizes) gives the
+    bits it gives on the current stream, also when the side stream starts late: the fused down
+    kernel's combine, or the grouped path's sum over slots, must wait for it (a sleep queued on
+    the side stream holds its products back ~10 ms)."""
     x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 17)
-    same_stream = run(flash_fp4, "fused", x, weights, ids)
+    same_stream = run(flash_fp4, path, x, weights, ids)
     check(same_stream, x, weights, ids, flash_fp4)
     side = torch.cuda.Stream()
     for _ in range(3):
         with torch.cuda.stream(side):
             torch.cuda._sleep(20_000_000)
-        assert torch.equal(run(flash_fp4, "fused", x, weights, ids, side=side), same_stream)
+        assert torch.equal(run(flash_fp4, path, x, weights, ids, side=side), same_stream)
 
 
 @pytest.mark.parametrize("path", ["grouped", "prefill"])

@@ -448,10 +448,10 @@ def test_shared_expert_goes_dense_from_the_threshold():
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=62, device=DEVICE)
     x = torch.randn(moe_shared.DENSE_MIN_TOKENS, moe.cfg.hidden_size, device=DEVICE)
     shared = moe.shared_experts
-    assert moe_shared.split_shared(x[:-1], shared, 10.0, None) == (shared, None)
-    kept, add = moe_shared.split_shared(x, shared, 10.0, None)
+    assert moe_shared.split_shared(x[:-1], shared, 10.0, None)[:2] == (shared, None)
+    kept, add, _ = moe_shared.split_shared(x, shared, 10.0, None)
     assert kept is None and add.shape == x.shape and add.dtype == torch.float32
-    assert moe_shared.split_shared(x, None, 10.0, True) == (None, None)
+    assert moe_shared.split_shared(x, None, 10.0, True)[:2] == (None, None)
 
 
 @pytest.mark.parametrize("inter", [128, 32])  # w3's scale rows continue w1's / start a block row of their own
