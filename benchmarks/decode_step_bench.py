@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_batch, decode_pools, layers_that_fit, roofline_bytes, stack  # noqa: E402
+from benchmarks.decode_inputs_bench import host_ms  # noqa: E402
 from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
@@ -122,6 +123,8 @@ def main() -> None:
             graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
             t = bench(lambda: graph.run(fb), warmup=3, reps=20)
             replay = bench(graph.graph.replay, warmup=3, reps=20)  # the GPU's part alone: no input copy
+            # the host's part of a step before the GPU starts it: loading the inputs (the GPU idle)
+            load = host_ms(lambda: graph._load(fb.segments, list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
             need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
@@ -130,11 +133,11 @@ def main() -> None:
                    "roofline_ms": total / bw * 1e3, "fraction_of_roofline": total / bw / t,
                    "bytes": total, "weight_bytes": sum(d["weights"] for d in need),
                    "kv_bytes": sum(d["kv"] for d in need), "experts_hit_mean": sum(hit) / len(hit),
-                   "replay_ms": replay * 1e3}
+                   "replay_ms": replay * 1e3, "load_host_ms": load}
             result["decode"].append(row)
             print(f"decode B={batch:4d} ctx={context:6d}: {t * 1e3:8.2f} ms ({t * 1e3 / n:.3f}/layer)  roofline "
                   f"{total / bw * 1e3:8.2f} ms  → {total / bw / t:6.1%}   experts hit/layer {sum(hit) / len(hit):.0f}"
-                  f"  (graph replay alone {replay * 1e3:.2f} ms)",
+                  f"  (graph replay alone {replay * 1e3:.2f} ms, input load on the host {load:.2f} ms)",
                   flush=True)
             graph.close()
             del graph, pools, seqs

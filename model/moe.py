@@ -245,6 +245,7 @@ class MoE(nn.Module):
         self.shared_experts: Expert | PackedExperts | None = (
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit) if cfg.n_shared_experts else None)
         self.fused_max_tokens = self.FUSED_MAX_TOKENS
+        self.shared_on_side_stream = True  # see `forward` (off: benchmarks/shared_stream_bench.py's baseline)
 
     @property
     def packed(self) -> bool:
@@ -297,6 +298,6 @@ class MoE(nn.Module):
         # 1.114 at 128, 1.364 → 1.335 at 256; benchmarks/moe_tiles_bench.py, variants `fused` and
         # `fused_shared_stream`). torch hands out streams from a per-device pool: taking one per
         # call costs no CUDA call
-        side = torch.cuda.Stream(x.device) if x.is_cuda else None
+        side = torch.cuda.Stream(x.device) if x.is_cuda and self.shared_on_side_stream else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
                                self.impl, self.uses_fused(x.shape[0]), side)
