@@ -191,7 +191,14 @@ def decode_config(M: int, N: int, K: int, groups: int, **tiles) -> dict:
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                      stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0):
+    # PDL (benchmarks/pdl_probe.py only; launched with launch_pdl): programmatic dependent launch,
+    # 1 triggering the next kernel on entry, 2 only waiting for the previous one, 3 triggering
+    # after the K loop. Measured not worth a launch mode of its own yet (docs/benchmarks.md).
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,6 +221,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
         s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
     _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
                 mask_m[:, None] & mask_n[None, :], split, stride_part, SPLIT_K)

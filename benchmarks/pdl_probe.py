@@ -1,0 +1,65 @@
+"""What programmatic dependent launch (PDL) saves between short decode kernels.
+
+    python benchmarks/pdl_probe.py
+
+A CUDA graph of twelve CSA layers' six FP8 products at one token (`fp8_gemm._fp8_gemm_kernel`
+with `decode_config`'s tiles and K splits; twelve layers of weights, so none is read from L2),
+launched plainly and with PDL in three forms: every kernel triggering its dependents on entry,
+only waiting for its predecessor, or triggering after its K loop. Replay medians, two rounds;
+each form's outputs are checked against the torch reference. A decode step at batch 1 is ~55
+kernels a layer of a few µs each: this is the gain PDL would bring to each of their boundaries.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.fp8_gemm_bench import shapes  # noqa: E402
+from benchmarks.gpu_ceilings import bench  # noqa: E402
+from model import quant  # noqa: E402
+from model.kernels import fp8_gemm  # noqa: E402
+
+MODES = ["plain", "PDL, trigger on entry", "PDL, wait only", "PDL, trigger after the K loop"]
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(12):
+        ops = []
+        for N, K, G in shapes().values():
+            q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
+            x = torch.randn(1, G, K, device="cuda", generator=g).bfloat16()
+            ops.append((x, q, s.float(), fp8_gemm.arrival_counters(G * N, "cuda"), fp8_gemm.decode_config(1, N, K, G), G))
+        layers.append(ops)
+
+    def run(mode: int) -> list[torch.Tensor]:
+        return [fp8_gemm.decode_product(x, q, s, arrivals, {**cfg, "PDL": mode, "launch_pdl": mode > 0})
+                for ops in layers for x, q, s, arrivals, cfg, _ in ops]
+
+    for _ in range(2):
+        for mode, name in enumerate(MODES):
+            outs = run(mode)
+            ok = all(torch.allclose(out.float(), fp8_gemm.reference(x.float(), q, s, G).float(), rtol=2e-2, atol=2e-2)
+                     for out, (x, q, s, _, _, G) in zip(outs, [op for ops in layers for op in ops]))
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run(mode)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run(mode)
+            ms = bench(graph.replay) * 1e3
+            print(f"{name:30s} {ms:.3f} ms for {6 * len(layers)} products ({ms / len(layers) * 1e3:.1f} µs a layer)"
+                  f"  outputs {'match' if ok else 'DIFFER'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
