@@ -35,7 +35,8 @@ def main() -> None:
         for N, K, G in shapes().values():
             q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
             x = torch.randn(1, G, K, device="cuda", generator=g).bfloat16()
-            ops.append((x, q, s.float(), fp8_gemm.arrival_counters(G * N, "cuda"), fp8_gemm.decode_config(1, N, K, G), G))
+            arrivals = fp8_gemm.arrival_counters(G * N, "cuda")
+            ops.append((x, q, s.float(), arrivals, fp8_gemm.decode_config(1, N, K, G), G))
         layers.append(ops)
 
     def run(mode: int) -> list[torch.Tensor]:
