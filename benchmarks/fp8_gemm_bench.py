@@ -42,12 +42,12 @@ def shapes() -> dict[str, tuple[int, int, int]]:
 
 
 def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
-    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; dense (the weight dequantised, then cuBLAS:
-    the path above `KERNEL_MAX_M` rows); tokens_m
-    (the tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M
-    kernel: 16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight
-    tiles and 8 warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4;
-    split=xF multiplies SPLIT_K by F)."""
+    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; dense (the
+    weight dequantised, then cuBLAS: the path above `KERNEL_MAX_M` rows); tokens_m (the
+    tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M kernel:
+    16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight tiles and 8
+    warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
+    multiplies SPLIT_K by F)."""
     if name in ("default", "dense"):
         return None
     if name == "tokens_m":
@@ -81,7 +81,7 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         cfg = variant(name, M, N, K, G)
         ref = fp8_gemm.reference(x.float(), *weights[0], G)
         if name == "dense":  # dequantised weights and cuBLAS, the prefill-size path
-            def product(q, s, cfg=None):
+            def product(q, s):
                 return fp8_gemm.dense_product(x if G > 1 else x[:, 0], q, s, G).reshape(M, G, N)
         else:
             def product(q, s, cfg=cfg):
