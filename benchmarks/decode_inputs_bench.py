@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,19 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_batch, decode_pools, stack  # noqa: E402
-from benchmarks.gpu_ceilings import bench  # noqa: E402
+from benchmarks.gpu_ceilings import bench, host_ms  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import ALL_KINDS  # noqa: E402
-
-
-def host_ms(fn, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2] * 1e3
 
 
 def main() -> None:

@@ -26,8 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_batch, decode_pools, layers_that_fit, roofline_bytes, stack  # noqa: E402
-from benchmarks.decode_inputs_bench import host_ms  # noqa: E402
-from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
+from benchmarks.gpu_ceilings import bench, ceilings, host_ms  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402

@@ -4,6 +4,8 @@ dense bf16 matmul rate (8192³ on random data). Both through torch, timed with C
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -22,6 +24,17 @@ def bench(fn, warmup: int = 3, reps: int = 20) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def host_ms(fn, reps: int = 20) -> float:
+    """Median host wall milliseconds of `fn()`, the GPU idle before each call."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2] * 1e3
 
 
 def bench_graph(fn, calls: int = 10, reps: int = 10) -> float:

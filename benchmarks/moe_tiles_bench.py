@@ -45,20 +45,17 @@ VARIANTS = {
     "down_w8": (GU, replace(DN, num_warps=8), True, True),
     "down_bn256_w8": (GU, replace(DN, BN=256, num_warps=8), True, True),
 }
-# name → `fused_moe`'s shared_dense: the whole call captured as the decode step runs it (the
-# `preorder` copy and, dense, the shared expert's products and SwiGLU included), decode tiles
-# (`_stream` variants: the dense shared expert on a side stream of normal or high priority)
-FUSED_VARIANTS = {"fused": None, "fused_shared_in_kernels": False, "fused_shared_dense": True,
-                  "fused_shared_stream": "side", "fused_shared_stream_high": "side_high"}
+# name → (`fused_moe`'s shared_dense, the priority of a side stream for the dense shared expert or
+# None): the whole call captured as the decode step runs it (the `preorder` copy and, dense, the
+# shared expert's products and SwiGLU included), decode tiles
+FUSED_VARIANTS = {"fused": (None, None), "fused_shared_in_kernels": (False, None), "fused_shared_dense": (True, None),
+                  "fused_shared_stream": (None, 0), "fused_shared_stream_high": (None, -1)}
 
 
-def plan_fused(moe, T: int, seed: int, dense: bool | str | None, side: dict) -> tuple[list, int]:
+def plan_fused(moe, T: int, seed: int, dense: bool | None, side: torch.cuda.Stream | None) -> tuple[list, int]:
     x, _, weights, ids = routed_inputs(moe, T, seed)
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
-    if isinstance(dense, str):
-        stream = side.setdefault(dense, torch.cuda.Stream(priority=-1 if dense == "side_high" else 0))
-        return [lambda: moe_fused.fused_moe(*args, side=stream)], bytes_read(moe, x, ids)
-    return [lambda: moe_fused.fused_moe(*args, shared_dense=dense)], bytes_read(moe, x, ids)
+    return [lambda: moe_fused.fused_moe(*args, shared_dense=dense, side=side)], bytes_read(moe, x, ids)
 
 
 def plan(moe, T: int, seed: int, gateup: Tiles, down: Tiles, shared: bool, pre: bool) -> tuple[list[Launch], int]:
@@ -112,13 +109,15 @@ def main() -> None:
     args = ap.parse_args()
     ceil = ceilings()
     layers = [build_layer(seed=i) for i in range(args.layers)]
-    rows, streams = [], {}
+    rows = []
     for T in map(int, args.tokens.split(",")):
         for name in args.variants.split(","):
             if name in FUSED_VARIANTS:
                 gateup, down = moe_fused.decode_tiles(T)
-                shared, pre = FUSED_VARIANTS[name], True
-                planned = [plan_fused(m, T, 100 + i, shared, streams) for i, m in enumerate(layers)]
+                shared, priority = FUSED_VARIANTS[name]
+                side = None if priority is None else torch.cuda.Stream(priority=priority)
+                pre = True
+                planned = [plan_fused(m, T, 100 + i, shared, side) for i, m in enumerate(layers)]
             else:
                 gateup, down, shared, pre = VARIANTS[name]
                 planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]
