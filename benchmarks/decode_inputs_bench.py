@@ -2,8 +2,8 @@
 
     python benchmarks/decode_inputs_bench.py --out inputs.json [--layers 4]
 
-For each (batch, context): the step as the serving loop runs it (`DecodeGraph.run`) and the graph
-replay alone, GPU-timed by events (benchmarks/gpu_ceilings.py's `bench`), then host wall times
+For each (batch, context): a step that loads its own inputs (`DecodeGraph.run` on one batch over
+and over, so that nothing staged by the previous step fits) and the graph replay alone, GPU-timed by events (benchmarks/gpu_ceilings.py's `bench`), then host wall times
 (median of 20, the GPU idle before each) of `_load` and of its page-table part
 (`HostInputs.update_tables` with unchanged page lists, as most rows are in a decode step). The
 input path does not depend on the layer count, so a few layers do.
@@ -43,10 +43,11 @@ def main() -> None:
         ids = fb.input_ids.tolist()
         rows_pages = [[s.seq.pages[k] for s in fb.segments] + [graph.scratch.pages[k]] * (B - len(fb.segments))
                       for k in ALL_KINDS]
-        row = {"batch": B, "context": C, "input_bytes": int(graph.host.array.nbytes),
+        host = graph.staging.buffers[0]
+        row = {"batch": B, "context": C, "input_bytes": int(host.array.nbytes),
                "step_ms": bench(lambda: graph.run(fb)) * 1e3, "replay_ms": bench(graph.graph.replay) * 1e3,
-               "load_host_ms": host_ms(lambda: graph._load(fb.segments, ids)),
-               "update_tables_host_ms": host_ms(lambda: graph.host.update_tables(rows_pages))}
+               "load_host_ms": host_ms(lambda: graph._load(graph.staging.rows(fb.segments), ids)),
+               "update_tables_host_ms": host_ms(lambda: host.update_tables(rows_pages))}
         rows.append(row)
         print(row, flush=True)
         graph.close()

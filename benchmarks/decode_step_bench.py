@@ -6,6 +6,9 @@ the same run.
 
 * decode: batch 1 / 64 / 256 at contexts 8K / 32K, one step of as many layers as fit (the V4-Flash
   pattern from layer 0: window, window, then ratio 4 / 128 alternating), replayed as a CUDA graph.
+  Steps run as a serving loop runs them, each one position on from the last (so each finds its
+  inputs staged during the previous one, model/cuda_graph.py); for comparison, the same batch over
+  and over (each step loads its own inputs with the GPU idle) and the graph replay alone.
   Roofline: the fewest bytes the step must move — every dense weight, the experts the step's routing
   actually hit (counted from the gates), the KV entries read (window, picks or all compressed
   entries, the indexer's full key scan) and the activations — over the copy bandwidth.
@@ -25,11 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.flash_model import decode_batch, decode_pools, layers_that_fit, roofline_bytes, stack  # noqa: E402
+from benchmarks.flash_model import decode_batches, decode_pools, layers_that_fit, roofline_bytes, stack  # noqa: E402
 from benchmarks.gpu_ceilings import bench, ceilings, host_ms  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
+
+STEPS = 32  # decode positions per (batch, context): the timed steps (23) and their warm-up fit
 
 
 def experts_hit(model, batch, pools) -> list[int]:
@@ -116,14 +121,19 @@ def main() -> None:
 
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:
-            pools, seqs = decode_pools(cfg, n, batch, context)
-            fb = decode_batch(seqs)
+            pools, seqs = decode_pools(cfg, n, batch, context, steps=STEPS)
+            fbs = decode_batches(seqs, STEPS)
+            fb = fbs[0]
             hit = experts_hit(model, fb, pools)
-            graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
-            t = bench(lambda: graph.run(fb), warmup=3, reps=20)
+            graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + STEPS)
+            # consecutive steps, as a serving loop runs them: each finds its inputs staged by the last
+            steps = iter(fbs)
+            t = bench(lambda: graph.run(next(steps)), warmup=3, reps=20)
+            staged = graph.staging.hits
+            # one batch over and over: nothing staged fits, each step loads its inputs (the GPU idle)
+            unstaged = bench(lambda: graph.run(fb), warmup=3, reps=20)
             replay = bench(graph.graph.replay, warmup=3, reps=20)  # the GPU's part alone: no input copy
-            # the host's part of a step before the GPU starts it: loading the inputs (the GPU idle)
-            load = host_ms(lambda: graph._load(fb.segments, list(fb.host_ids)))
+            load = host_ms(lambda: graph._load(graph.staging.rows(fb.segments), list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
             need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
@@ -132,11 +142,13 @@ def main() -> None:
                    "roofline_ms": total / bw * 1e3, "fraction_of_roofline": total / bw / t,
                    "bytes": total, "weight_bytes": sum(d["weights"] for d in need),
                    "kv_bytes": sum(d["kv"] for d in need), "experts_hit_mean": sum(hit) / len(hit),
-                   "replay_ms": replay * 1e3, "load_host_ms": load}
+                   "replay_ms": replay * 1e3, "load_host_ms": load, "unstaged_ms": unstaged * 1e3,
+                   "staged_steps": staged}
             result["decode"].append(row)
             print(f"decode B={batch:4d} ctx={context:6d}: {t * 1e3:8.2f} ms ({t * 1e3 / n:.3f}/layer)  roofline "
                   f"{total / bw * 1e3:8.2f} ms  → {total / bw / t:6.1%}   experts hit/layer {sum(hit) / len(hit):.0f}"
-                  f"  (graph replay alone {replay * 1e3:.2f} ms, input load on the host {load:.2f} ms)",
+                  f"  (graph replay alone {replay * 1e3:.2f} ms; steps loading their own inputs {unstaged * 1e3:.2f} "
+                  f"ms, the load {load:.2f} ms on the host; {staged}/23 steps staged)",
                   flush=True)
             graph.close()
             del graph, pools, seqs

@@ -142,6 +142,20 @@ def decode_batch(seqs: list[SeqKV], device: str = "cuda", seed: int = 0) -> Forw
     return ForwardBatch.build([(s, [int(torch.randint(0, 1024, (1,), generator=g))]) for s in seqs], device=device)
 
 
+def decode_batches(seqs: list[SeqKV], steps: int, device: str = "cuda") -> list[ForwardBatch]:
+    """`steps` consecutive decode batches of `seqs` (positions num_tokens, num_tokens + 1, ...), as a
+    serving loop feeds a decode graph; the requests' token counts are left as they were (pools
+    from `decode_pools(..., steps=steps)` hold the pages)."""
+    start = [s.num_tokens for s in seqs]
+    out = []
+    for i in range(steps):
+        out.append(decode_batch(seqs, device, seed=i))
+        out[-1].commit()
+    for s, n in zip(seqs, start):
+        s.num_tokens = n
+    return out
+
+
 def roofline_bytes(cfg: ModelConfig, layer: int, block: Block, batch: int, context: int, experts_hit: int) -> dict:
     """Fewest bytes a decode step of one layer must move: the weights it uses and the KV it reads."""
     dense = sum(t.numel() * t.element_size() for n, t in list(block.named_parameters()) + list(block.named_buffers())

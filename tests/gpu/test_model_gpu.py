@@ -89,4 +89,5 @@ def test_cuda_graph_decode_equals_eager(models):
         twin = copy.deepcopy(pools)  # keep the eager twin in step with the graph's pools
         assert rel_err(replay, eager) < 1e-3
         tokens = replay.argmax(-1).tolist()
+    assert graph.staging.hits == 5  # every step after the first found its inputs staged by the last
     graph.close()
