@@ -121,11 +121,14 @@ def main() -> None:
 
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:
-            pools, seqs = decode_pools(cfg, n, batch, context, steps=STEPS)
+            # the steps decode positions context - STEPS .. context - 1 in a graph sized for context + 1
+            # tokens, as before steps ran in sequence (a larger capacity widens the indexer's scan
+            # and top-k: at 32K and batch 1, 32 more tokens cost 0.4 ms a step)
+            pools, seqs = decode_pools(cfg, n, batch, context - STEPS, steps=STEPS)
             fbs = decode_batches(seqs, STEPS)
             fb = fbs[0]
             hit = experts_hit(model, fb, pools)
-            graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + STEPS)
+            graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
             # consecutive steps, as a serving loop runs them: each finds its inputs staged by the last
             steps = iter(fbs)
             t = bench(lambda: graph.run(next(steps)), warmup=3, reps=20)
@@ -136,7 +139,8 @@ def main() -> None:
             load = host_ms(lambda: graph._load(graph.staging.rows(fb.segments), list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
-            need = [roofline_bytes(cfg, i, b, batch, context, h) for i, b, h in zip(layers, model.blocks, hit)]
+            # bytes of the first (shortest) of the steps: the roofline errs low
+            need = [roofline_bytes(cfg, i, b, batch, context - STEPS, h) for i, b, h in zip(layers, model.blocks, hit)]
             total = sum(sum(d.values()) for d in need)
             row = {"batch": batch, "context": context, "ms": t * 1e3, "ms_per_layer": t * 1e3 / n,
                    "roofline_ms": total / bw * 1e3, "fraction_of_roofline": total / bw / t,

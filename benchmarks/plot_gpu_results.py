@@ -18,13 +18,13 @@ RESULTS, IMG = ROOT / "docs" / "results", ROOT / "docs" / "img"
 
 
 def decode_step() -> None:
-    r = json.loads((RESULTS / "decode_step_h100_v19.json").read_text())
+    r = json.loads((RESULTS / "decode_step_h100_v20.json").read_text())
     rows = r["decode"]
     labels = [f"B={d['batch']}\n{d['context'] // 1024}K" for d in rows]
     x = range(len(rows))
     n = r["layers"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar([i - 0.27 for i in x], [d["ms_per_layer"] for d in rows], 0.27, label="step (inputs loaded, graph replayed)")
+    ax.bar([i - 0.27 for i in x], [d["ms_per_layer"] for d in rows], 0.27, label="step (inputs staged, graph replayed)")
     ax.bar(list(x), [d["replay_ms"] / n for d in rows], 0.27, label="graph replay alone")
     ax.bar([i + 0.27 for i in x], [d["roofline_ms"] / n for d in rows], 0.27, label="bytes roofline")
     for i, d in zip(x, rows):
