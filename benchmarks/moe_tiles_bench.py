@@ -49,7 +49,8 @@ VARIANTS = {
 # None): the whole call captured as the decode step runs it (the `preorder` copy and, dense, the
 # shared expert's products and SwiGLU included), decode tiles
 FUSED_VARIANTS = {"fused": (None, None), "fused_shared_in_kernels": (False, None), "fused_shared_dense": (True, None),
-                  "fused_shared_stream": (None, 0), "fused_shared_stream_high": (None, -1)}
+                  "fused_shared_stream": (None, 0), "fused_shared_stream_high": (None, -1),
+                  "fused_shared_dense_high": (True, -1)}
 
 
 def plan_fused(moe, T: int, seed: int, dense: bool | None, side: torch.cuda.Stream | None) -> tuple[list, int]:

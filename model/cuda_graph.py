@@ -76,10 +76,11 @@ class DecodeGraph:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode batch (one token per segment); the caller commits it."""
         segs = batch.segments
-        if len(segs) > self.B or any(s.length != 1 for s in segs):
-            raise ValueError(f"a decode graph of {self.B} rows runs up to {self.B} one-token segments, "
-                             f"got {[s.length for s in segs]}")
-        if any(s.end > self.max_context for s in segs):
+        # (one pass over the rows: until the replay is queued the GPU waits on the host)
+        if len(segs) > self.B or any(s.length != 1 or s.end > self.max_context for s in segs):
+            if len(segs) > self.B or any(s.length != 1 for s in segs):
+                raise ValueError(f"a decode graph of {self.B} rows runs up to {self.B} one-token segments, "
+                                 f"got {[s.length for s in segs]}")
             raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
         rows = self.staging.rows(segs)
         staged = self._load(rows, list(batch.host_ids) if batch.host_ids else batch.input_ids.tolist())
@@ -197,8 +198,7 @@ class HostStaging:
         staged and only the ids were written."""
         host = self.buffers[self.current]
         B, a = host.rows, host.array
-        staged = self.staged is not None and len(self.staged) == len(rows) and all(
-            s is t and p == q for (s, p), (t, q) in zip(rows, self.staged))
+        staged = rows == self.staged  # in C: requests by identity (SeqKV), positions by value
         a[:B] = ids + [0] * (B - len(ids))
         if staged:
             self.hits += 1

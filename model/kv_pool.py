@@ -96,9 +96,10 @@ class PageAllocator:
                 self._free.append(p)
 
 
-@dataclass
+@dataclass(eq=False)
 class SeqKV:
     """One request's view of the pools: page ids per kind and how many tokens are cached.
+    Compared by identity: two requests never hold the same pages, whatever their lists say.
 
     `pages["swa"][i]` covers tokens [i*P, (i+1)*P); -1 marks a page released because it fell out
     of the sliding window. Compressed kinds index pages by compressed entry; state kinds hold one

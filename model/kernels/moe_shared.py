@@ -7,7 +7,8 @@ expert kernels (the fused decode path's virtual expert E), it is T/BT token tile
 stream and dequantise the whole expert again; from a few dozen tokens that costs more than its
 own dense products (H100, one V4-Flash layer at 256 tokens: 0.154 ms of the fused layer's 1.425,
 where the 25 MB of FP8 weights take 8 µs at copy speed). Below `DENSE_MIN_TOKENS` it stays in the
-kernels, where it saves three launches.
+kernels, where it saves three launches, unless it can run on a side stream beside them (as
+`MoE.forward` runs it on a GPU): then it runs here at every size.
 
 Semantics are `moe_grouped.reference`'s with the kernels' two roundings: x and h in bf16, fp32
 products and sums; the output is fp32 [T, D], added to the routed sum before its one rounding
@@ -33,7 +34,11 @@ if TYPE_CHECKING:
 # From this many tokens the fused and grouped decode paths run the shared expert here rather than
 # in their kernels (H100, one V4-Flash layer: 0.649 against 0.668 ms at 32 tokens, 0.903 against
 # 0.935 at 64; benchmarks/moe_tiles_bench.py, variants `fused` and `fused_shared_in_kernels`).
+# Given a side stream to run on, beside the routed kernels, it pays from one token (80.2 → 78.0 µs
+# at 1 token, 117.8 → 112.9 at 2, 277.1 → 253.9 at 8, 437.3 → 414.6 at 16; the same benchmark,
+# `fused` against `fused_shared_dense_high`; on the current stream it loses below 8 tokens).
 DENSE_MIN_TOKENS = 32
+DENSE_MIN_TOKENS_BESIDE = 1
 
 
 def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, dense: bool | None,
@@ -41,10 +46,10 @@ def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, 
                  ) -> tuple["PackedExperts | None", torch.Tensor | None, Callable[[], None]]:
     """(the shared expert for the expert kernels, the output they add, join) for x [T, D]: (shared,
     None) to run it in the kernels, (None, `shared_expert`'s fp32 [T, D]) to run it here. `dense`
-    None: from `DENSE_MIN_TOKENS` tokens. With a `side` stream the dense products run there,
-    beside whatever the caller launches next, and `join()` makes the current stream wait for them:
-    call it before launching what reads the output."""
-    if not runs_dense(x, shared, dense):
+    None: from `DENSE_MIN_TOKENS` tokens, `DENSE_MIN_TOKENS_BESIDE` given a `side` stream. With a
+    `side` stream the dense products run there, beside whatever the caller launches next, and
+    `join()` makes the current stream wait for them: call it before launching what reads the output."""
+    if not runs_dense(x, shared, dense, beside=side is not None):
         return shared, None, _no_join
     main = torch.cuda.current_stream(x.device) if side is not None else None
     if main is None or side == main:  # (a stream from torch's pool can be the current one)
@@ -60,9 +65,11 @@ def _no_join() -> None:
     pass
 
 
-def runs_dense(x: torch.Tensor, shared: "PackedExperts | None", dense: bool | None) -> bool:
-    """Whether x [T, D]'s shared expert runs here (`split_shared`'s decision)."""
-    return shared is not None and (x.shape[0] >= DENSE_MIN_TOKENS if dense is None else dense)
+def runs_dense(x: torch.Tensor, shared: "PackedExperts | None", dense: bool | None, beside: bool = False) -> bool:
+    """Whether x [T, D]'s shared expert runs here (`split_shared`'s decision; `beside`: on a side stream)."""
+    if dense is None:
+        dense = x.shape[0] >= (DENSE_MIN_TOKENS_BESIDE if beside else DENSE_MIN_TOKENS)
+    return shared is not None and dense
 
 
 def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float) -> torch.Tensor:

@@ -69,15 +69,15 @@ def test_shared_expert_in_the_kernels(poisoned, flash_fp4, path, T):
     check(run(flash_fp4, path, x, weights, ids, shared_dense=False), x, weights, ids, flash_fp4)
 
 
-@pytest.mark.parametrize("T", [64, 256])
+@pytest.mark.parametrize("T", [1, 4, 64, 256])
 @pytest.mark.parametrize("path", ["fused", "grouped_decode_tiles"])
 def test_shared_expert_on_a_side_stream(poisoned, flash_fp4, path, T):
-    """The dense shared expert on a side stream (as `MoE.forward` runs it at decode sizes) gives the
-    bits it gives on the current stream, also when the side stream starts late: the fused down
+    """The dense shared expert on a side stream (as `MoE.forward` runs it at every decode size) gives
+    the bits it gives on the current stream, also when the side stream starts late: the fused down
     kernel's combine, or the grouped path's sum over slots, must wait for it (a sleep queued on
     the side stream holds its products back ~10 ms)."""
     x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 17)
-    same_stream = run(flash_fp4, path, x, weights, ids)
+    same_stream = run(flash_fp4, path, x, weights, ids, shared_dense=True)
     check(same_stream, x, weights, ids, flash_fp4)
     side = torch.cuda.Stream()
     for _ in range(3):

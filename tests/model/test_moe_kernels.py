@@ -452,6 +452,10 @@ def test_shared_expert_goes_dense_from_the_threshold():
     kept, add, _ = moe_shared.split_shared(x, shared, 10.0, None)
     assert kept is None and add.shape == x.shape and add.dtype == torch.float32
     assert moe_shared.split_shared(x, None, 10.0, True)[:2] == (None, None)
+    # beside the routed kernels, on a side stream (a GPU's, so only the decision is tested here)
+    assert moe_shared.DENSE_MIN_TOKENS_BESIDE == 1
+    assert moe_shared.runs_dense(x[:1], shared, None, beside=True)
+    assert not moe_shared.runs_dense(x[:1], shared, None) and not moe_shared.runs_dense(x[:1], shared, False, True)
 
 
 @pytest.mark.parametrize("inter", [128, 32])  # w3's scale rows continue w1's / start a block row of their own
