@@ -18,7 +18,7 @@ RESULTS, IMG = ROOT / "docs" / "results", ROOT / "docs" / "img"
 
 
 def decode_step() -> None:
-    r = json.loads((RESULTS / "decode_step_h100_v20.json").read_text())
+    r = json.loads((RESULTS / "decode_step_h100_v21.json").read_text())
     rows = r["decode"]
     labels = [f"B={d['batch']}\n{d['context'] // 1024}K" for d in rows]
     x = range(len(rows))
