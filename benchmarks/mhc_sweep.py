@@ -6,7 +6,6 @@ and also sweep K splits up to 128.
 
     python benchmarks/mhc_sweep.py --out $OUT/mhc_sweep.json --tokens 8192
     python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 64 256
-    python benchmarks/mhc_sweep.py --out $OUT/mhc_few.json --tokens 1 4 8 --bk 128 --warps 4 --fma-bk 128 256 512
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ def main() -> None:
     ap.add_argument("--bk", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--splits", type=int, nargs="+", help="K splits (default: by token count; 0 = the heuristic)")
-    ap.add_argument("--fma-bk", type=int, nargs="*", default=[],
-                    help="also the CUDA-core mixes (`MixTiles.fma`) at these K steps, over the same warps and splits")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(MIX, HC * D, device="cuda", generator=g) / (HC * D) ** 0.5
@@ -52,8 +49,6 @@ def main() -> None:
         bts = args.bt or ((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,))
         shapes = [None] + [mhc.MixTiles(bt, bk, nw, split) for bt, bk, nw, split in
                            itertools.product(bts, args.bk, args.warps, splits)]
-        shapes += [mhc.MixTiles(1, bk, nw, split, fma=True) for bk, nw, split in
-                   itertools.product(args.fma_bk, args.warps, splits)]
         for tiles in shapes:
             row = {"tokens": T, "tiles": str(tiles or default), "default": tiles is None}
             try:

@@ -14,9 +14,8 @@ Kernels: `hc_pre` is two launches where the reference takes ~50 small torch ops.
 does the skinny mixes GEMM on the tensor cores with Σx² for the RMS factor, its K split over
 programs when there are few tokens (decode: one block of tokens would otherwise run the whole
 16K-long dot alone); the partial sums are added in a fixed order, so results are deterministic.
-A step of up to `MIX_FMA_MAX_TOKENS` tokens takes `_mix_fma_kernel` instead: one token a
-program, fp32 products on the CUDA cores. `_pre_kernel` takes the mixes to pre/post, runs every
-Sinkhorn iteration in registers and writes the weighted collapse. `_post_kernel` fuses the mixing of `hc_post`, rounding where the
+`_pre_kernel` takes the mixes to pre/post, runs every Sinkhorn iteration in registers and writes
+the weighted collapse. `_post_kernel` fuses the mixing of `hc_post`, rounding where the
 reference rounds.
 """
 
@@ -80,7 +79,6 @@ class MixTiles:
     num_warps: int = 4
     split: int | None = None
     collapse_split: int | None = None
-    fma: bool = False  # `_mix_fma_kernel`: one token per program, products on the CUDA cores (bt unused)
 
 
 # Every program loads and splits the fn tile of each K step: 64 tokens share it (benchmarks/
@@ -88,13 +86,6 @@ class MixTiles:
 # out of the kernel, 0.60 before), in decode too, K split to fill the GPU (T = 256 / 64 / 1: 19.2 /
 # 16.0 / 15.1 µs against 41.3 / 19.6 / 18.0 with the 16-token programs decode had)
 MIX_TILES = MixTiles(bt=64)
-# A step of a few tokens: one token a program, fp32 FMAs, K in 32 splits of four 128-wide steps
-# (a 64-row MMA tile would be nearly all padding). hc_pre per call, `python benchmarks/mhc_sweep.py
-# --tokens 1 4 8 --bk 128 --warps 4 --splits 0 8 16 32 64 --fma-bk 128 256 512` (H100): 11.1 / 11.3
-# / 11.8 µs at 1 / 4 / 8 tokens against 12.0 / 12.5 / 17.4 on the MMA tiles; more splits make
-# `_pre_kernel`'s sum of the partials the cost (128 splits: 29.7 µs at 1 token).
-MIX_TILES_FEW = MixTiles(bt=1, bk=128, split=32, fma=True)
-MIX_FMA_MAX_TOKENS = 8
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
@@ -138,19 +129,15 @@ def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tile
     if T:
         if hc * hc != 16:
             raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
-        tiles = tiles or (MIX_TILES_FEW if T <= MIX_FMA_MAX_TOKENS else MIX_TILES)
+        tiles = tiles or MIX_TILES
         fn = fn.float().contiguous()
-        blocks, k_steps = (T if tiles.fma else triton.cdiv(T, tiles.bt)), triton.cdiv(hc * D, tiles.bk)
+        blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
         split = tiles.split or 1
         while tiles.split is None and blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
             split *= 2  # decode: spread K over programs until ~2 waves of the GPU
         partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=x.device)  # mixes | Σx²
-        if tiles.fma:
-            _mix_fma_kernel[(T, split)](x, fn, partial, T, D, HC=hc, BK=tiles.bk, NP=16, SPLIT=split, HEAD=head,
-                                        num_warps=tiles.num_warps)
-        else:
-            _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
-                                         HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
+        _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
+                                     HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
         bt = 16 if T <= 2048 else 32
         # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
         # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
@@ -223,44 +210,6 @@ def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr
     tl.store(row + NP + cols[None, :], a_post, mask=m)
     tl.store(row + 2 * NP + cols[None, :], a_comb, mask=m)
     tl.store(row + 3 * NP + cols[None, :] * 0, sq[:, None], mask=m & (cols == 0)[None, :])
-
-
-@triton.jit
-def _fn_fma(xf, fn_ptr, row0, n_rows, offs_k, kmask, K, NP: tl.constexpr):
-    """[NP]: x [BK] · fn[row0 : row0+n_rows, offs_k]ᵀ in fp32 (rows past n_rows are zero)."""
-    r = tl.arange(0, NP)
-    w = tl.load(fn_ptr + (row0 + r)[:, None] * K + offs_k[None, :], mask=(r < n_rows)[:, None] & kmask[None, :],
-                other=0.0)
-    return tl.sum(w * xf[None, :], axis=1)
-
-
-@triton.jit
-def _mix_fma_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
-                    SPLIT: tl.constexpr, HEAD: tl.constexpr):
-    """`_mix_kernel`'s partial mixes and Σ x² for one token (program 0) over this program's share
-    of K (steps split, split + SPLIT, ...), as fp32 products on the CUDA cores; same output rows."""
-    t = tl.program_id(0)
-    split = tl.program_id(1)
-    K = HC * D
-    a_pre = tl.zeros((NP,), tl.float32)
-    a_post = tl.zeros((NP,), tl.float32)
-    a_comb = tl.zeros((NP,), tl.float32)
-    sq = tl.zeros((BK,), tl.float32)
-    for k0 in range(split * BK, K, SPLIT * BK):
-        offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
-        xf = tl.load(x_ptr + t.to(tl.int64) * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        sq += xf * xf
-        a_pre += _fn_fma(xf, fn_ptr, 0, HC, offs_k, kmask, K, NP)
-        if not HEAD:
-            a_post += _fn_fma(xf, fn_ptr, HC, HC, offs_k, kmask, K, NP)
-            a_comb += _fn_fma(xf, fn_ptr, 2 * HC, HC * HC, offs_k, kmask, K, NP)
-    cols = tl.arange(0, NP)
-    row = out_ptr + (split * T + t).to(tl.int64) * (3 * NP + 1)
-    tl.store(row + cols, a_pre)
-    tl.store(row + NP + cols, a_post)
-    tl.store(row + 2 * NP + cols, a_comb)
-    tl.store(row + 3 * NP, tl.sum(sq, axis=0))
 
 
 @triton.jit
