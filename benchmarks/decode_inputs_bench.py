@@ -3,8 +3,9 @@
     python benchmarks/decode_inputs_bench.py --out inputs.json [--layers 4]
 
 For each (batch, context): a step that loads its own inputs (`DecodeGraph.run` on one batch over
-and over, so that nothing staged by the previous step fits) and the graph replay alone, GPU-timed by events (benchmarks/gpu_ceilings.py's `bench`), then host wall times
-(median of 20, the GPU idle before each) of `_load` and of its page-table part
+and over, so that nothing staged by the previous step fits) and the graph replay alone, GPU-timed
+by events (benchmarks/gpu_ceilings.py's `bench`), then host wall times (median of 20, the GPU
+idle before each) of `_load` and of its page-table part
 (`HostInputs.update_tables` with unchanged page lists, as most rows are in a decode step). The
 input path does not depend on the layer count, so a few layers do.
 """

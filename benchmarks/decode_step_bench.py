@@ -122,8 +122,8 @@ def main() -> None:
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:
             # the steps decode positions context - STEPS .. context - 1 in a graph sized for context + 1
-            # tokens, as before steps ran in sequence (a larger capacity widens the indexer's scan
-            # and top-k: at 32K and batch 1, 32 more tokens cost 0.4 ms a step)
+            # tokens, as before steps ran in sequence (a graph 32 tokens larger made the batch-1 step
+            # at 32K 0.3-0.4 ms slower: docs/benchmarks.md, round v20)
             pools, seqs = decode_pools(cfg, n, batch, context - STEPS, steps=STEPS)
             fbs = decode_batches(seqs, STEPS)
             fb = fbs[0]

@@ -12,7 +12,7 @@ A bucket of B rows serves any decode batch of n ≤ B requests: rows n..B-1 are 
 decodes a private scratch request whose pages are reserved here, so their writes never touch a
 real request's pages and their logits are dropped.
 
-A step's host work, writing its positions and page tables into pinned memory, costs 0.7-1.2 ms
+A step's host work, writing its positions and page tables into pinned memory, costs 0.3-1.2 ms
 at 256 requests (H100 host), time the GPU would sit idle before the replay. `HostStaging` moves
 it into the previous step: right after a replay is queued, the next step's inputs are written
 for the same requests one position on, and when the next batch is exactly that, its step writes
