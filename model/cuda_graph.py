@@ -49,6 +49,7 @@ class DecodeGraph:
                                    pools.page_size, pinned=True)
         # the per-step inputs as views of one device buffer laid out as a `HostInputs` array: a
         # step's inputs arrive in one copy, and only ids and positions are widened to int64 after it
+        # (inside the graph)
         self.flat = torch.from_numpy(self.staging.buffers[0].array).to(device)
         ids, positions, seg_start, seg_end, *tables = self.flat.split([B] * 4 + [B * self.widths[k] for k in ALL_KINDS])
         self.ids = ids.long()
@@ -67,10 +68,12 @@ class DecodeGraph:
         self.batch.__dict__["meta"] = self.meta  # the static meta, in place of the per-batch build
         self._load(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
+            self._widen()
             self.model(self.batch, pools, all_logits=True)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph):  # the widening copies are the graph's first nodes
+            self._widen()
             self.logits = self.model(self.batch, pools, all_logits=True)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -97,17 +100,20 @@ class DecodeGraph:
         self._stage_next(rows, staged)
 
     def _load(self, rows: list[tuple[SeqKV, int]], ids: list[int]) -> bool:
-        """Copy a step's inputs into the static buffers (one host→device copy and two widening
-        copies, queued behind the previous step without waiting for it). True when they were
-        staged during the previous step and only the ids were written now."""
+        """Copy a step's inputs into the static buffer `flat` (one host→device copy, queued behind
+        the previous step without waiting for it; the graph widens ids and positions itself).
+        True when they were staged during the previous step and only the ids were written now."""
         i = self.staging.current
         self.copied[i].synchronize()  # that buffer's last copy has read it: it may be rewritten
         staged = self.staging.load(rows, ids)
         self.flat.copy_(torch.from_numpy(self.staging.buffers[i].array), non_blocking=True)
         self.copied[i].record()
+        return staged
+
+    def _widen(self) -> None:
+        """ids and positions from `flat`'s int32 into the int64 tensors the model reads."""
         self.ids.copy_(self.flat[:self.B])
         self.positions.copy_(self.flat[self.B:2 * self.B])
-        return staged
 
     def _stage_next(self, rows: list[tuple[SeqKV, int]], staged: bool) -> None:
         """While the GPU runs the step just queued: check the staged tables it read, then stage the
