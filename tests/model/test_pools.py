@@ -1,5 +1,7 @@
 """Pool geometry, storage formats and exact page accounting."""
 
+import random
+
 import pytest
 import torch
 
@@ -132,3 +134,28 @@ def test_resume_pages_move_a_request_between_replicas(cfg):
     src.release(seq)
     dst.release(moved)
     assert src.num_free() == src.idle_free() and dst.num_free() == dst.idle_free()
+
+
+def test_trim_window_frees_what_a_full_scan_frees(cfg):
+    """Trims at random token counts over SWA lists with pages already freed here and there and
+    with pinned pages: the pages freed, and the lists left, are those of freeing every live,
+    unpinned page below the window."""
+    rng = random.Random(3)
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=4096, max_seqs=2)
+    for trial in range(60):
+        seq = SeqKV()
+        pools.reserve(seq, 4096)
+        for i in rng.sample(range(32), rng.randrange(8)):  # freed earlier (trims, adopt, a cache)
+            pools.allocators["swa"].free([seq.pages["swa"][i]])
+            seq.pages["swa"][i] = -1
+        pinned = frozenset(rng.sample(range(32), rng.randrange(4)))
+        for tokens in sorted(rng.sample(range(4096), 5)):
+            seq.num_tokens = tokens
+            first = max(0, tokens - cfg.sliding_window + 1) // pools.page_size
+            want = [-1 if i < first and i not in pinned else p for i, p in enumerate(seq.pages["swa"])]
+            expect = sum(p >= 0 for p, w in zip(seq.pages["swa"], want) if w < 0)
+            free = pools.num_free()["swa"]
+            assert pools.trim_window(seq, pinned) == expect, trial
+            assert seq.pages["swa"] == want and pools.num_free()["swa"] == free + expect
+        pools.release(seq)
+    assert pools.num_free() == pools.idle_free()
