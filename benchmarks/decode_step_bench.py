@@ -34,7 +34,8 @@ from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
 
-STEPS = 32  # decode positions per (batch, context): the timed steps (23) and their warm-up fit
+WARMUP, REPS = 3, 20  # untimed and timed calls of each `bench`
+STEPS = 32  # decode positions per (batch, context): room for the staged steps' WARMUP + REPS
 
 
 def experts_hit(model, batch, pools) -> list[int]:
@@ -131,11 +132,11 @@ def main() -> None:
             graph = DecodeGraph(model, pools, batch_size=batch, max_context=context + 1)
             # consecutive steps, as a serving loop runs them: each finds its inputs staged by the last
             steps = iter(fbs)
-            t = bench(lambda: graph.run(next(steps)), warmup=3, reps=20)
+            t = bench(lambda: graph.run(next(steps)), warmup=WARMUP, reps=REPS)
             staged = graph.staging.hits
             # one batch over and over: nothing staged fits, each step loads its inputs (the GPU idle)
-            unstaged = bench(lambda: graph.run(fb), warmup=3, reps=20)
-            replay = bench(graph.graph.replay, warmup=3, reps=20)  # the GPU's part alone: no input copy
+            unstaged = bench(lambda: graph.run(fb), warmup=WARMUP, reps=REPS)
+            replay = bench(graph.graph.replay, warmup=WARMUP, reps=REPS)  # the GPU's part alone: no input copy
             load = host_ms(lambda: graph._load(graph.staging.rows(fb.segments), list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
@@ -152,7 +153,7 @@ def main() -> None:
             print(f"decode B={batch:4d} ctx={context:6d}: {t * 1e3:8.2f} ms ({t * 1e3 / n:.3f}/layer)  roofline "
                   f"{total / bw * 1e3:8.2f} ms  → {total / bw / t:6.1%}   experts hit/layer {sum(hit) / len(hit):.0f}"
                   f"  (graph replay alone {replay * 1e3:.2f} ms; steps loading their own inputs {unstaged * 1e3:.2f} "
-                  f"ms, the load {load:.2f} ms on the host; {staged}/23 steps staged)",
+                  f"ms, the load {load:.2f} ms on the host; {staged}/{WARMUP + REPS} steps staged)",
                   flush=True)
             graph.close()
             del graph, pools, seqs
