@@ -4,6 +4,7 @@ HTTP: always a clear OpenAI-style 4xx/5xx body, never a 500 trace and never a ha
 import json
 import socket
 import ssl
+import sys
 import time
 
 import httpx
@@ -12,6 +13,8 @@ import pytest
 from cluster.messages import ErrorCode
 from harness import RouterThread, wait_for
 from router.config import RouterConfig
+from router.errors import APIError
+from router.http_server import MAX_JSON_DEPTH, nests_deeper_than, parse_json
 
 GOOD = {"model": "stub", "prompt": "hi", "max_tokens": 4}
 
@@ -20,6 +23,8 @@ CASES = [
     ("bad json", "/v1/completions", b'{"prompt": ', 400, None, "invalid_request"),
     ("bad utf8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "invalid_request"),
     ("not an object", "/v1/completions", b"[1, 2]", 400, None, "invalid_request"),
+    ("brackets in a string", "/v1/completions", {**GOOD, "prompt": "[" * 300, "max_tokens": -1}, 400,
+     "max_tokens", "invalid_request"),
     ("nan", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None, "invalid_request"),
     ("deep nesting", "/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "invalid_request"),
     ("missing prompt", "/v1/completions", {"model": "stub"}, 400, "prompt", "invalid_request"),
@@ -83,6 +88,25 @@ def test_malformed_input(router, name, path, body, status, param, code):
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == param and err["message"]
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_deep_nesting_is_refused_without_recursing():
+    """The depth check runs before json.loads, so no body reaches the interpreter's recursion
+    limit; brackets inside strings, escaped quotes included, do not count."""
+    at_limit = "[" * MAX_JSON_DEPTH + "1" + "]" * MAX_JSON_DEPTH
+    assert parse_json(at_limit.encode()) is not None
+    with pytest.raises(APIError, match=f"more than {MAX_JSON_DEPTH} levels"):
+        parse_json(("[" + at_limit + "]").encode())
+    quoted = json.dumps({"prompt": '\\"[{' * 1000, "x": [[{"y": "]]]"}]]})
+    assert parse_json(quoted.encode())["x"] == [[{"y": "]]]"}]]
+    assert not nests_deeper_than(quoted, 4) and nests_deeper_than(quoted, 3)  # {, [, [, {
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(60)  # json.loads would fail at this limit on the deep body
+    try:
+        with pytest.raises(APIError, match="levels"):
+            parse_json(b"[" * 100000 + b"]" * 100000)
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_wrong_method(router):
