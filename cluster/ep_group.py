@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.commands import Commands
+from cluster.messages import StepShape
 from cluster.options import ExpertParallelOptions
 from model.ep import ExpertParallelMoE, shard_experts
 from model.transformer import Transformer
@@ -65,22 +66,6 @@ ABORT_WAIT_S = 5.0  # how long `fail` waits for each process group's abort
 class GroupState(enum.Enum):
     ACTIVE = "active"  # in lockstep with every peer
     FAILED = "failed"  # broken for good: never called again
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one rank's step needs, and (taken as the maximum over the ranks) what every rank of
-    the group runs: a step at all; the most decode rows of any rank; whether any rank needs the
-    eager exact-split exchange (a prefill, a prompt chunk, or more rows than the largest CUDA
-    graph). A step with `eager` 0 replays, on every rank, the decode graph of the smallest bucket
-    that holds `rows` — captured with that fixed exchange capacity on every rank alike."""
-
-    busy: int
-    rows: int = 0
-    eager: int = 1
-
-    def as_list(self) -> list[int]:
-        return [self.busy, self.rows, self.eager]
 
 
 class GroupFailed(RuntimeError):

@@ -24,9 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.ep_group import StepShape
-from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, TokenChunk, Usage,
-                              WorkerLoad)
+from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, StepShape, TokenChunk,
+                              Usage, WorkerLoad)
 from cluster.replica import DecodeGraphs
 from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch

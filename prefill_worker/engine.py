@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.ep_group import StepShape
-from cluster.messages import GenerateRequest, RequestState, WorkerLoad
+from cluster.messages import GenerateRequest, RequestState, StepShape, WorkerLoad
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
