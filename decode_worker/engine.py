@@ -31,7 +31,7 @@ from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.sampling import sample
+from model.sampling import sample_rows
 from model.transformer import Transformer
 
 
@@ -242,7 +242,7 @@ class DecodeEngine:
         return ForwardBatch.build(items, device=self.pools.device), owners
 
     def _run(self, batch: ForwardBatch, agreed: StepShape | None = None):
-        """Logits [rows, vocab] on the host (one copy per step, not one per sampled row)."""
+        """Logits [rows, vocab] on the model's device (sampling runs there too)."""
         if agreed is None:
             graph = self.graphs.for_batch(batch) if self.graphs else None
         elif not agreed.eager:  # every rank of the group replays the same bucket
@@ -254,10 +254,12 @@ class DecodeEngine:
         else:
             logits = graph.run(batch)
             self.graphs.replays += 1
-        return logits.float().cpu()
+        return logits
 
     def _postprocess(self, owners: list[tuple[Running, bool]], logits) -> list[TokenChunk]:
-        out = []
+        """Sample every row that yields a token in one batch on the device (only the ids reach
+        the host), then emit them in row order."""
+        out, rows, sampled = [], [], []
         for i, (r, yields) in enumerate(owners):
             self.pools.trim_window(r.seq)
             if not yields or r.req.request_id not in self.running:
@@ -265,8 +267,15 @@ class DecodeEngine:
             if r.req.deadline is not None and time.time() > r.req.deadline:
                 out.append(self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
                 continue
+            rows.append(i)
+            sampled.append(r)
+        if not rows:
+            return out
+        tokens = sample_rows(logits[rows] if len(rows) < len(owners) else logits,
+                             [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled])
+        for r, token in zip(sampled, tokens):
             r.state = RequestState.DECODING
-            out.append(self._emit(r, sample(logits[i], r.req.sampling, position=r.seq.num_tokens)))
+            out.append(self._emit(r, token))
         return out
 
     # --- output ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from cluster.messages import GenerateRequest, RequestState, StepShape, WorkerLoa
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.sampling import sample
+from model.sampling import sample_rows
 from model.transformer import Transformer
 from prefill_worker.prefix_store import PrefixStore, Reuse
 
@@ -137,9 +137,9 @@ class PrefillEngine:
     def run(self, planned: Planned, agreed: StepShape | None = None) -> list[Prefilled]:
         """run → postprocess a planned step (the forward; with expert parallelism, a collective)."""
         batch, owners = planned.batch, planned.owners
-        logits = self.model(batch, self.pools).float().cpu()  # one copy to the host per step
+        logits = self.model(batch, self.pools)
         batch.commit()
-        out = []
+        rows, done = [], []
         for i, job in enumerate(owners):
             if job.reuse is not None:
                 if job.done in job.reuse.snapshot_points:
@@ -150,10 +150,15 @@ class PrefillEngine:
             if job.done == len(job.req.prompt_ids):
                 del self.running[job.req.request_id]
                 job.state = RequestState.TRANSFERRING
-                first = sample(logits[i], job.req.sampling, position=job.seq.num_tokens)
-                computed = len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0)
-                out.append(Prefilled(job.req.request_id, job.seq, first, computed, job))
-        return out
+                rows.append(i)
+                done.append(job)
+        if not done:
+            return []
+        # every finished prompt's first token in one batch on the device; only the ids come back
+        firsts = sample_rows(logits[rows], [j.req.sampling for j in done], [j.seq.num_tokens for j in done])
+        return [Prefilled(job.req.request_id, job.seq, first,
+                          len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job)
+                for job, first in zip(done, firsts)]
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:

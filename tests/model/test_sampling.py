@@ -1,9 +1,11 @@
-"""Sampling is a pure function of (logits, seed, position)."""
+"""Sampling is a pure function of (logits, seed, position), batched or not."""
+
+import random
 
 import pytest
 import torch
 
-from model.sampling import SamplingParams, filter_logits, sample
+from model.sampling import SamplingParams, _hash32, sample, sample_rows, support, uniform_noise
 
 
 def logits(seed=0, vocab=50):
@@ -37,8 +39,67 @@ def test_top_k_and_top_p_restrict_support():
     assert picked <= set(order[:3].tolist()) and len(picked) == 3
     probs = (x / 1.0).softmax(-1)[order]
     keep = int((probs.cumsum(-1) < 0.6).sum()) + 1
-    kept = filter_logits(x, SamplingParams(temperature=1.0, top_p=0.6)) > float("-inf")
-    assert set(kept.nonzero().flatten().tolist()) == set(order[:keep].tolist())
+    rows = [SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=1.0, top_k=3, top_p=0.99),
+            SamplingParams(temperature=1.0), SamplingParams()]
+    spiked = x.clone()
+    spiked[order[0]] = 60.0  # the tail's mass rounds away: cum - p reaches 1.0 in fp32
+    kept = support(torch.stack([x, x, spiked, x]), rows)
+    assert set(kept[0].nonzero().flatten().tolist()) == set(order[:keep].tolist())
+    assert set(kept[1].nonzero().flatten().tolist()) <= set(order[:3].tolist())
+    assert kept[2].all()  # top_p = 1 cuts nothing, whatever the rounding, in a batch with top_p rows
+    assert kept[3].nonzero().flatten().tolist() == [int(x.argmax())]
+
+
+def test_top_k_ties_keep_the_lowest_ids():
+    x = torch.tensor([0.0, 2.0, 1.0, 2.0, 2.0, 2.0])
+    assert support(x[None], [SamplingParams(temperature=1.0, top_k=2)])[0].nonzero().flatten().tolist() == [1, 3]
+    picked = {sample(x, SamplingParams(temperature=1.0, top_k=2, seed=5), pos) for pos in range(100)}
+    assert picked == {1, 3}
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_noise_hash_is_exact_32_bit_arithmetic():
+    """The tensor hash must equal the integer one bit for bit: that is what makes the noise the
+    same on every device (an int64 product that overflowed would not be)."""
+    xs = [0, 1, 0xFFFF, 0x10000, 0xFFFFFFFF, 0x80000000] + random.Random(0).sample(range(1 << 32), 200)
+    assert _hash32(torch.tensor(xs)).tolist() == [_lowbias32(x) for x in xs]
+
+
+def test_noise_is_uniform():
+    u = uniform_noise(torch.tensor([[1, 2, 3], [7, 8, 9]]), torch.arange(50000).repeat(2, 1))
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert torch.histc(u.float(), bins=10, min=0, max=1).sub(10000).abs().max() < 400  # ~4 sigma
+    assert abs(float(torch.corrcoef(u)[0, 1])) < 0.03  # different keys, unrelated noise
+
+
+def test_noise_belongs_to_the_token_not_its_rank():
+    """Logits that differ only in the order of near-equal values (as a CPU and a GPU forward may)
+    draw the same tokens: each token's noise is keyed by its id."""
+    x = 1.0 + 1e-7 * torch.arange(64.0)
+    p = SamplingParams(temperature=1.0, seed=9)
+    ups = [sample(x, p, pos) for pos in range(100)]
+    assert ups == [sample(x.flip(0), p, pos) for pos in range(100)] and len(set(ups)) > 20
+
+
+def test_a_row_samples_the_same_in_any_batch():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 300, generator=gen) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=i)
+              for i, (t, k, p) in enumerate([(0, 0, 1), (1.0, 0, 1), (0.7, 20, 1), (1.3, 0, 0.8)] * 3)]
+    positions = list(range(40, 52))
+    batched = sample_rows(x, params, positions)
+    assert batched == [sample(x[i], p, pos) for i, (p, pos) in enumerate(zip(params, positions))]
+    perm = torch.randperm(12, generator=gen).tolist()
+    shuffled = sample_rows(x[perm], [params[i] for i in perm], [positions[i] for i in perm])
+    assert shuffled == [batched[i] for i in perm]
+    assert sample_rows(x[:1].bfloat16(), params[:1], positions[:1]) == [int(x[0].bfloat16().argmax())]
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
