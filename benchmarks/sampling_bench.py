@@ -1,11 +1,12 @@
 """Time from a decode step's logits to its token ids on the host: sampling on the logits' device
-(`model.sampling.sample_rows`, the engines' path) against copying the fp32 logits to the host
-and sampling there (what the engines did before).
+(`model.sampling.sample_rows`, the engines' path; the draw by the Triton kernel and by its torch
+reference) against copying the fp32 logits to the host and sampling there (what the engines did
+before).
 
     python benchmarks/sampling_bench.py [--batches 1 64 256] [--vocab 129280] [--reps 10] [--out F]
 
-The copy alone is also timed: it is what the old path cost even for greedy rows. Two request mixes: every row greedy, and every row drawn (temperature 0.8, top_p 0.95, half
-the rows with top_k 50). Both paths give the same ids (checked). Prints ms per step, median of
+The copy alone is also timed: it is what the old path cost even for greedy rows. Three request mixes: every row greedy; every row drawn from the whole vocabulary (temperature
+0.8, the API's default top_p 1); every row drawn with top_p 0.95, half of them with top_k 50. Both paths give the same ids (checked). Prints ms per step, median of
 `--reps`, and writes JSON with `--out`.
 """
 
@@ -51,7 +52,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mixes = {
         "greedy": lambda i: SamplingParams(),
-        "drawn": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50 * (i % 2), seed=i),
+        "drawn": lambda i: SamplingParams(temperature=0.8, seed=i),
+        "top_p": lambda i: SamplingParams(temperature=0.8, top_p=0.95, top_k=50 * (i % 2), seed=i),
     }
     results = []
     for batch in args.batches:
@@ -63,13 +65,16 @@ def main() -> None:
             on_device = sample_rows(logits, params, positions)
             on_host = sample_rows(logits.float().cpu(), params, positions)
             row = {"batch": batch, "vocab": args.vocab, "mix": mix, "device": str(device),
-                   "same_ids": on_device == on_host,
+                   "same_ids": on_device == on_host == sample_rows(logits, params, positions, "torch"),
                    "copy_ms": _median_ms(lambda: logits.float().cpu(), device, args.reps),
                    "device_ms": _median_ms(lambda: sample_rows(logits, params, positions), device, args.reps),
+                   "device_torch_ms": _median_ms(lambda: sample_rows(logits, params, positions, "torch"), device,
+                                                 args.reps),
                    "host_ms": _median_ms(lambda: sample_rows(logits.float().cpu(), params, positions), device,
                                          args.reps)}
             results.append(row)
-            print(f"B{batch:<4} {mix:<7} on device {row['device_ms']:8.2f} ms   copy + host {row['host_ms']:8.2f} ms"
+            print(f"B{batch:<4} {mix:<7} on device {row['device_ms']:8.2f} ms (torch draw {row['device_torch_ms']:.2f})"
+                  f"   copy + host {row['host_ms']:8.2f} ms"
                   f" (copy alone {row['copy_ms']:.2f})"
                   f"   same ids {row['same_ids']}", flush=True)
     if args.out:

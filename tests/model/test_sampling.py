@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from model.sampling import SamplingParams, _hash32, sample, sample_rows, support, uniform_noise
+from model.kernels.gumbel import hash32, uniform_noise
+from model.sampling import SamplingParams, sample, sample_rows, support
 
 
 def logits(seed=0, vocab=50):
@@ -69,7 +70,7 @@ def test_noise_hash_is_exact_32_bit_arithmetic():
     """The tensor hash must equal the integer one bit for bit: that is what makes the noise the
     same on every device (an int64 product that overflowed would not be)."""
     xs = [0, 1, 0xFFFF, 0x10000, 0xFFFFFFFF, 0x80000000] + random.Random(0).sample(range(1 << 32), 200)
-    assert _hash32(torch.tensor(xs)).tolist() == [_lowbias32(x) for x in xs]
+    assert hash32(torch.tensor(xs)).tolist() == [_lowbias32(x) for x in xs]
 
 
 def test_noise_is_uniform():
