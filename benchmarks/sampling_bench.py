@@ -5,9 +5,10 @@ before).
 
     python benchmarks/sampling_bench.py [--batches 1 64 256] [--vocab 129280] [--reps 10] [--out F]
 
-The copy alone is also timed: it is what the old path cost even for greedy rows. Three request mixes: every row greedy; every row drawn from the whole vocabulary (temperature
-0.8, the API's default top_p 1); every row drawn with top_p 0.95, half of them with top_k 50. Both paths give the same ids (checked). Prints ms per step, median of
-`--reps`, and writes JSON with `--out`.
+The copy alone is also timed: it is what the old path cost even for greedy rows. Three request
+mixes: every row greedy; every row drawn from the whole vocabulary (temperature 0.8, the API's
+default top_p 1); every row drawn with top_p 0.95, half of them with top_k 50. All paths give
+the same ids (checked). Prints ms per step, median of `--reps`, and writes JSON with `--out`.
 """
 
 from __future__ import annotations

@@ -135,11 +135,12 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one rank of an expert-parallel group (`cluster.ep_group`) needs of a step, and (taken as the maximum over the ranks) what every rank of
-    the group runs: a step at all; the most decode rows of any rank; whether any rank needs the
-    eager exact-split exchange (a prefill, a prompt chunk, or more rows than the largest CUDA
-    graph). A step with `eager` 0 replays, on every rank, the decode graph of the smallest bucket
-    that holds `rows` — captured with that fixed exchange capacity on every rank alike."""
+    """What one rank of an expert-parallel group (`cluster.ep_group`) needs of a step, and (taken
+    as the maximum over the ranks) what every rank of the group runs: a step at all; the most
+    decode rows of any rank; whether any rank needs the eager exact-split exchange (a prefill, a
+    prompt chunk, or more rows than the largest CUDA graph). A step with `eager` 0 replays, on
+    every rank, the decode graph of the smallest bucket that holds `rows` — captured with that
+    fixed exchange capacity on every rank alike."""
 
     busy: int
     rows: int = 0
