@@ -27,10 +27,11 @@ def bench(fn, warmup: int = 3, reps: int = 20) -> float:
 
 
 def host_ms(fn, reps: int = 20) -> float:
-    """Median host wall milliseconds of `fn()`, the GPU idle before each call."""
+    """Median host wall milliseconds of `fn()`, the GPU (if any) idle before each call."""
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

@@ -8,39 +8,27 @@ before).
 The copy alone is also timed: it is what the old path cost even for greedy rows. Three request
 mixes: every row greedy; every row drawn from the whole vocabulary (temperature 0.8, the API's
 default top_p 1); every row drawn with top_p 0.95, half of them with top_k 50. All paths give
-the same ids (checked). Prints ms per step, median of `--reps`, and writes JSON with `--out`.
+the same ids (checked). Prints ms per step, median of `--reps` (the upper median for an even count), and writes JSON with `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.gpu_ceilings import host_ms  # noqa: E402
 from model.sampling import SamplingParams, sample_rows  # noqa: E402
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn, device: torch.device, reps: int) -> float:
-    fn()  # warm: allocator, kernels
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _warm_ms(fn, reps: int) -> float:
+    fn()  # allocator, kernels
+    return host_ms(fn, reps)
 
 
 def main() -> None:
@@ -67,12 +55,10 @@ def main() -> None:
             on_host = sample_rows(logits.float().cpu(), params, positions)
             row = {"batch": batch, "vocab": args.vocab, "mix": mix, "device": str(device),
                    "same_ids": on_device == on_host == sample_rows(logits, params, positions, "torch"),
-                   "copy_ms": _median_ms(lambda: logits.float().cpu(), device, args.reps),
-                   "device_ms": _median_ms(lambda: sample_rows(logits, params, positions), device, args.reps),
-                   "device_torch_ms": _median_ms(lambda: sample_rows(logits, params, positions, "torch"), device,
-                                                 args.reps),
-                   "host_ms": _median_ms(lambda: sample_rows(logits.float().cpu(), params, positions), device,
-                                         args.reps)}
+                   "copy_ms": _warm_ms(lambda: logits.float().cpu(), args.reps),
+                   "device_ms": _warm_ms(lambda: sample_rows(logits, params, positions), args.reps),
+                   "device_torch_ms": _warm_ms(lambda: sample_rows(logits, params, positions, "torch"), args.reps),
+                   "host_ms": _warm_ms(lambda: sample_rows(logits.float().cpu(), params, positions), args.reps)}
             results.append(row)
             print(f"B{batch:<4} {mix:<7} on device {row['device_ms']:8.2f} ms (torch draw {row['device_torch_ms']:.2f})"
                   f"   copy + host {row['host_ms']:8.2f} ms"
