@@ -2,7 +2,7 @@
 the device format: FP8 projections, FP4 experts; fp8_pack pools), against rooflines measured in
 the same run.
 
-    python benchmarks/decode_step_bench.py --out $OUT/decode_step.json [--layers N]
+    python benchmarks/decode_step_bench.py --out $OUT/decode_step.json [--layers N] [--activations bf16]
 
 * decode: batch 1 / 64 / 256 at contexts 8K / 32K, one step of as many layers as fit (the V4-Flash
   pattern from layer 0: window, window, then ratio 4 / 128 alternating), replayed as a CUDA graph.
@@ -107,18 +107,21 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true", help="decode only")
     ap.add_argument("--profile-ops", action="store_true",
                     help="also profile the prefill by torch op and input shape (what the small kernels are)")
+    ap.add_argument("--activations", choices=("fp8", "bf16"), default="fp8",
+                    help="the FP8 projections' inputs: fp8 (W8A8, the V4 checkpoints' dynamic activation "
+                         "scheme) or bf16 (W8A16, every run before round v24)")
     args = ap.parse_args()
     ceil = ceilings()
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
     free, _ = torch.cuda.mem_get_info()
     reserve = kv_reserve_bytes(16, max(args.batches), max(args.contexts))
     n = args.layers or layers_that_fit(free, reserve)
-    model = stack(n)
+    model = stack(n, act_fp8=args.activations == "fp8")
     cfg = model.cfg
     layers = list(range(n))
     print(f"{n} layers ({[cfg.compress_ratios[i] for i in layers]}), "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", flush=True)
-    result = {"ceilings": ceil, "layers": n, "decode": [], "prefill": None}
+    result = {"ceilings": ceil, "layers": n, "activations": args.activations, "decode": [], "prefill": None}
 
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:

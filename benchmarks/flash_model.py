@@ -30,7 +30,9 @@ def layer_bytes(cfg: ModelConfig, layer: int) -> int:
     return sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
 
 
-def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0) -> Block:
+def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,
+                act_fp8: bool = False) -> Block:
+    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections)."""
     with torch.device("meta"):
         block = Block(dataclasses_replace_no_experts(cfg), layer, cfg.compress_ratios[layer], impl)
     block.cfg = cfg
@@ -42,9 +44,10 @@ def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
                     with torch.device("meta"):
                         w = torch.empty(child.out_features, child.in_features, dtype=torch.float8_e4m3fn)
                         s = torch.empty(-(-child.out_features // 128), -(-child.in_features // 128))
-                    setattr(module, child_name, Fp8Linear(w, s, impl))
+                    setattr(module, child_name, Fp8Linear(w, s, impl, act_fp8))
                 else:
-                    setattr(module, child_name, Fp8Linear.random(child.out_features, child.in_features, device, impl, g))
+                    setattr(module, child_name, Fp8Linear.random(child.out_features, child.in_features, device, impl, g,
+                                                                 act_fp8))
     block.ffn = MoE.random_packed(cfg, layer, "fp4", impl, device=device, seed=seed)
     shapes = {n: p.shape for n, p in block.named_parameters() if p.is_meta and not n.startswith("ffn.")}
     values = random_weights(shapes, cfg, seed) if torch.device(device).type != "meta" else {}
@@ -81,9 +84,11 @@ class LayerStack(nn.Module):
         return x
 
 
-def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0) -> LayerStack:
+def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0,
+          act_fp8: bool = False) -> LayerStack:
     cfg = flash_config(43)
-    blocks = [build_block(cfg, i, impl, device, seed=i) for i in range(first_layer, first_layer + num_layers)]
+    blocks = [build_block(cfg, i, impl, device, seed=i, act_fp8=act_fp8)
+              for i in range(first_layer, first_layer + num_layers)]
     return LayerStack(cfg, blocks, device)
 
 

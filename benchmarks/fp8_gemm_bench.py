@@ -1,7 +1,7 @@
 """Decode FP8 projections of one V4-Flash layer, per tile choice: the six dense products of a CSA
 layer (wq_a, wq_b, wkv, grouped wo_a, wo_b, indexer wq_b) at decode batch sizes.
 
-    python benchmarks/fp8_gemm_bench.py --out fp8.json [--batches 1 64 256] [--variants default,tokens_m]
+    python benchmarks/fp8_gemm_bench.py --out fp8.json [--batches 1 64 256] [--variants default,a8,tokens_m]
 
 Each product runs in a CUDA graph over enough different weights of its shape (>= 256 MB in all)
 that none is read from L2, as a decode step meets them. Fraction of copy: the weight, scale,
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
 from model import quant  # noqa: E402
-from model.kernels import fp8_gemm  # noqa: E402
+from model.kernels import act_quant, fp8_gemm  # noqa: E402
 from model.tiny import flash_config  # noqa: E402
 
 CFG = flash_config(4)
@@ -42,14 +42,18 @@ def shapes() -> dict[str, tuple[int, int, int]]:
 
 
 def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
-    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; dense (the
+    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; a8 (W8A8:
+    the input quantised, then `_fp8_a8_kernel`); a8_kernel (that kernel alone); dense (the
     weight dequantised, then cuBLAS: the path above `KERNEL_MAX_M` rows); tokens_m (the
     tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M kernel:
     16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight tiles and 8
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
-    multiplies SPLIT_K by F)."""
-    if name in ("default", "dense"):
+    multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default."""
+    if name in ("default", "dense", "a8", "a8_kernel"):
         return None
+    a8 = name.startswith("a8_kernel+")
+    if a8:
+        name = name[len("a8_kernel+"):]
     if name == "tokens_m":
         if M <= 64:
             return fp8_gemm.decode_config(M, N, K, G, BLOCK_M=16 if M <= 16 else 64)
@@ -61,7 +65,7 @@ def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
             factor = float(value.lstrip("x"))
         else:
             tiles[key] = int(value)
-    cfg = fp8_gemm.decode_config(M, N, K, G, **tiles)
+    cfg = fp8_gemm.decode_config(M, N, K, G, a8=a8, **tiles)
     cfg["SPLIT_K"] = max(1, int(cfg["SPLIT_K"] * factor))
     return cfg
 
@@ -83,10 +87,21 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         if name == "dense":  # dequantised weights and cuBLAS, the prefill-size path
             def product(q, s):
                 return fp8_gemm.dense_product(x if G > 1 else x[:, 0], q, s, G).reshape(M, G, N)
+        elif name == "a8":  # W8A8: the input quantised (act_quant), then the FP8 × FP8 kernel
+            ref = fp8_gemm.fp8_linear(x.float(), *weights[0], "torch", G, act_fp8=True).reshape(M, G, N)
+
+            def product(q, s):
+                return fp8_gemm.fp8_linear(x, q, s, "triton", G, arrivals, act_fp8=True)
+        elif name.startswith("a8_kernel"):  # the W8A8 kernel alone, on codes quantised once
+            codes, x_scale = act_quant.quantize(x, "triton")
+            ref = fp8_gemm.fp8_linear(x.float(), *weights[0], "torch", G, act_fp8=True).reshape(M, G, N)
+
+            def product(q, s, cfg=cfg):
+                return fp8_gemm.decode_product(codes, q, s, arrivals, cfg, out_dtype=x.dtype, x_scale=x_scale)
         else:
             def product(q, s, cfg=cfg):
                 return fp8_gemm.decode_product(x, q, s, arrivals, cfg)
-        out = product(*weights[0]).float()
+        out = product(*weights[0]).float().reshape(M, G, N)
         err = ((out - ref).norm() / ref.norm()).item()
 
         def step():
@@ -106,7 +121,8 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         t = bench(graph.replay, warmup=2, reps=10) / copies
         rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": t * 1e3, "bytes": nbytes,
                      "flops": 2 * M * G * N * K, "rel_err": err,
-                     "cfg": "dense" if name == "dense" else cfg or fp8_gemm.decode_config(M, N, K, G)})
+                     "cfg": "dense" if name == "dense" else cfg or fp8_gemm.decode_config(M, N, K, G,
+                                                                                          a8=name.startswith("a8"))})
     return rows
 
 

@@ -4,7 +4,9 @@ kernels its options name, over the KV pools it serves from.
     device "cpu":  float32 weights, the torch reference ops (the path every oracle test uses)
     device "cuda": the device format (FP8 block-scaled projections, packed FP4 experts, bf16
                    activations; `model/quantized.py`) through `kernels` ("triton" or the torch
-                   reference ops), optionally with CUDA graphs for decode steps
+                   reference ops), optionally with CUDA graphs for decode steps; the FP8
+                   projections quantise their inputs too where the checkpoint says so
+                   (`activation_scheme` "dynamic", W8A8)
 
 Inside a Ray actor "cuda" is cuda:0: Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor asked
 for (`--gpus-per-worker`).
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from cluster.options import WorkerOptions
-from model.checkpoint import load_checkpoint
+from model.checkpoint import fp8_activations, load_checkpoint
 from model.config import ModelConfig
 from model.cuda_graph import DecodeGraph
 from model.ep import set_capacity
@@ -32,7 +34,7 @@ def load_replica(options: WorkerOptions) -> tuple[ModelConfig, Transformer, KVPo
                            "(--gpus-per-worker 1) on a node that has them")
     cfg, model = load_checkpoint(options.model_dir, device=options.device)
     if options.device == "cuda":
-        quantize_model(model, options.kernels)
+        quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device)
     return cfg, model, pools

@@ -169,6 +169,23 @@ def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(str(e)) from e
 
 
+def fp8_activations(ckpt_dir: str | os.PathLike) -> bool:
+    """Whether the checkpoint's FP8 projections quantise their inputs on the fly (W8A8): its
+    `quantization_config` says `"activation_scheme": "dynamic"`, as the official V4 checkpoints
+    do. A checkpoint without one (float weights) runs bf16 activations. "static" would need
+    per-tensor input scales, which no V4 checkpoint carries: refused with the scheme named."""
+    path = Path(ckpt_dir) / CONFIG_FILE
+    try:
+        quant_cfg = json.loads(path.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from e
+    scheme = quant_cfg.get("activation_scheme")
+    if scheme not in (None, "dynamic"):
+        raise CheckpointError(f"{path}: quantization_config.activation_scheme {scheme!r} is not supported "
+                              "(only 'dynamic': FP8 activations scaled per 128 on the fly)")
+    return scheme == "dynamic" and quant_cfg.get("quant_method", "fp8") == "fp8"
+
+
 def _weight_block(ckpt_dir: Path) -> tuple[int, int]:
     try:
         raw = json.loads((ckpt_dir / CONFIG_FILE).read_text())

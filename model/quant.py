@@ -29,8 +29,12 @@ KV_SCALE_BLOCK = 64
 # ---------------------------------------------------------------------------------------
 
 def ue8m0_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
-    """Power-of-two scale `2^ceil(log2(amax / fmax))` (float32), as the official kernels round."""
-    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(AMAX_FLOOR) / fmax)))
+    """Power-of-two scale `2^ceil(log2(amax / fmax))` (float32), as the official kernels round it:
+    from the bits of the quotient (its exponent, plus one unless the mantissa is zero), which is
+    exact where a float log2 rounds a quotient just above a power of two down to it."""
+    bits = (amax.float().clamp_min(AMAX_FLOOR) / fmax).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def scale_to_ue8m0_byte(scale: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,11 @@ FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "e_proj", "h_proj")
 
 
 class Fp8Linear(nn.Module):
-    """y = x · dequant(weight)ᵀ. weight e4m3 [out, in]; scale fp32 [⌈out/128⌉, ⌈in/128⌉] (powers of 2)."""
+    """y = x · dequant(weight)ᵀ. weight e4m3 [out, in]; scale fp32 [⌈out/128⌉, ⌈in/128⌉] (powers of 2).
+    `act_fp8`: W8A8, x quantised to e4m3 per 128 along K first (`kernels/act_quant.py`), as the
+    checkpoint's `"activation_scheme": "dynamic"` declares."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch"):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch", act_fp8: bool = False):
         super().__init__()
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"Fp8Linear needs float8_e4m3fn weights, got {weight.dtype}")
@@ -39,6 +41,7 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"Fp8Linear scale shape {tuple(scale.shape)} does not match weight "
                              f"{tuple(weight.shape)} (expected {(rows, cols)})")
         self.impl = check_impl(impl)
+        self.act_fp8 = act_fp8
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.float())
         # split-K arrival counters of the decode products (the kernel leaves them zeroed); a module
@@ -46,28 +49,28 @@ class Fp8Linear(nn.Module):
         self.register_buffer("arrivals", fp8_gemm.arrival_counters(weight.shape[0], weight.device), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, impl: str = "torch") -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, impl: str = "torch", act_fp8: bool = False) -> "Fp8Linear":
         q, s = quant.fp8_quantize_weight(linear.weight.detach().float())
-        return cls(q, s, impl)
+        return cls(q, s, impl, act_fp8)
 
     @classmethod
     def random(cls, out_features: int, in_features: int, device: torch.device | str, impl: str = "torch",
-               generator: torch.Generator | None = None) -> "Fp8Linear":
+               generator: torch.Generator | None = None, act_fp8: bool = False) -> "Fp8Linear":
         """Random e4m3 codes with scales giving unit-variance outputs (benchmarks at full size)."""
         w = torch.randn(out_features, in_features, device=device, generator=generator) / in_features ** 0.5
         q, s = quant.fp8_quantize_weight(w)
-        return cls(q, s, impl)
+        return cls(q, s, impl, act_fp8)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, arrivals=self.arrivals)
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, arrivals=self.arrivals, act_fp8=self.act_fp8)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals)
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals, self.act_fp8)
 
 
 def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -80,12 +83,13 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
-                   dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Convert a float model (on its target device) to the device format (table above), in place."""
+                   dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False) -> nn.Module:
+    """Convert a float model (on its target device) to the device format (table above), in place;
+    `act_fp8`: the FP8 projections quantise their inputs (W8A8, `Fp8Linear`)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
-                setattr(module, child_name, Fp8Linear.from_linear(child, impl))
+                setattr(module, child_name, Fp8Linear.from_linear(child, impl, act_fp8))
     for module in model.modules():
         if hasattr(module, "pack_experts"):
             module.pack_experts(expert_format)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from model import quant
-from model.kernels import check_impl
+from model.kernels import act_quant, check_impl
 from model.kernels.fp4 import fp8_to_bf16
 
 BLOCK = 128  # scale block along N and K
@@ -70,15 +70,15 @@ def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1,
-               arrivals: torch.Tensor | None = None) -> torch.Tensor:
+               arrivals: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
     """See module docstring; `impl` "torch" or "triton". `arrivals`: an `arrival_counters` buffer,
     used by one product at a time (products on it run in stream order); without it the counters
-    are zero-filled per call."""
+    are zero-filled per call. `act_fp8`: W8A8, x quantised per 128 along K first (`act_quant`)."""
     rows = x.numel() // x.shape[-1] // (groups if groups > 1 else 1)
     if check_impl(impl) == "torch":
-        return reference(x, weight, scale, groups)
+        return reference(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
     if rows > KERNEL_MAX_M:
-        return dense_product(x, weight, scale, groups)
+        return dense_product(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
     rows, K = weight.shape
     N = rows // groups
     if groups == 1:
@@ -89,7 +89,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         x3 = x
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    out = decode_product(x3, weight, scale, arrivals)
+    if act_fp8:
+        codes, x_scale = act_quant.quantize(x3, impl)
+        out = decode_product(codes, weight, scale, arrivals, out_dtype=x.dtype, x_scale=x_scale)
+    else:
+        out = decode_product(x3, weight, scale, arrivals)
     return out.view(*lead, N) if lead is not None else out
 
 
@@ -105,17 +109,20 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gr
 
 
 def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, arrivals: torch.Tensor | None,
-                   cfg: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   cfg: dict | None = None, out_dtype: torch.dtype | None = None,
+                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x3 [M, G, K] (unit stride along K) · weight [G·N, K] → [M, G, N] in `out_dtype` (default
     x3's) with a decode kernel; `scale` float or UE8M0 bytes (uint8, as `PackedExperts` stores
-    them); `cfg` (a `decode_config`) overrides the choice (benchmarks)."""
+    them); `cfg` (a `decode_config`) overrides the choice (benchmarks). W8A8 when x3 is e4m3 with
+    `x_scale` fp32 [M, G, ⌈K/128⌉] (`act_quant.quantize`): `_fp8_a8_kernel`."""
     M, groups, K = x3.shape
     N = weight.shape[0] // groups
-    cfg = dict(cfg or decode_config(M, N, K, groups))
-    kernel = _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
+    a8 = x_scale is not None
+    cfg = dict(cfg or decode_config(M, N, K, groups, a8=a8))
+    kernel = _fp8_a8_kernel if a8 else _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
-    out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype or x3.dtype)
-    if scale.dtype == torch.uint8 and kernel is _fp8_gemm_kernel:  # it multiplies by float scales
+    out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype or (torch.bfloat16 if a8 else x3.dtype))
+    if scale.dtype == torch.uint8 and kernel is not _fp8_swap_kernel:  # they multiply by float scales
         scale = quant.ue8m0_byte_to_scale(scale)
     elif scale.dtype not in (torch.uint8, torch.float32):
         scale = scale.float()
@@ -130,7 +137,12 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         arrivals = torch.zeros(tiles * groups, device=x3.device, dtype=torch.int32)
     if kernel is _fp8_swap_kernel:
         cfg.update(EVEN_K=K % BLOCK == 0, ASM=x3.is_cuda)
-    if M:
+    if M and a8:
+        kernel[(tiles, groups, split)](
+            x3, x_scale, weight, scale, out, part, arrivals, M, N, K,
+            x3.stride(0), x3.stride(1), x_scale.stride(0), x_scale.stride(1), weight.stride(0), scale.stride(0),
+            out.stride(0), out.stride(1), M * groups * N, BLOCK_K=BLOCK, **cfg)
+    elif M:
         kernel[(tiles, groups, split)](
             x3, weight, scale, out, part, arrivals,
             M, N, K,
@@ -162,11 +174,12 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, stride_w, stride_s, stride_o
              mask=mask)
 
 
-def decode_config(M: int, N: int, K: int, groups: int, **tiles) -> dict:
+def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles) -> dict:
     """Kernel and tiles of a decode-size product by shape (no autotuning: deterministic and
     capturable in graphs); `tiles` overrides the choice (benchmarks), the K split follows it.
-    `_fp8_gemm_kernel`'s configurations hold BLOCK_M (token rows), `_fp8_swap_kernel`'s BLOCK_T."""
-    if "BLOCK_M" in tiles or (M <= TOKENS_M_MAX and "BLOCK_T" not in tiles):
+    `_fp8_gemm_kernel`'s configurations hold BLOCK_M (token rows), `_fp8_swap_kernel`'s and
+    `_fp8_a8_kernel`'s (`a8`: weights as M at every row count) BLOCK_T."""
+    if not a8 and ("BLOCK_M" in tiles or (M <= TOKENS_M_MAX and "BLOCK_T" not in tiles)):
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, **tiles}
         rows = cfg["BLOCK_M"]
     else:
@@ -174,7 +187,12 @@ def decode_config(M: int, N: int, K: int, groups: int, **tiles) -> dict:
         # 128, which halves how often the activations are read (H100: wq_b at 64 tokens 27.7 →
         # 22.0 µs; wo_b, 256 tiles, would go 41.2 → 45.3 µs at 128 tokens)
         bt = max(16, min(triton.next_power_of_2(M), 64))
-        bn = 128 if triton.cdiv(M, bt) * triton.cdiv(N, 64) * groups >= 512 else 64
+        if a8 and M > 32 and N * groups <= 1024:
+            # W8A8, narrow outputs: twice the token tiles (H100: wq_a / wkv at 64 tokens 11.8 / 10.5
+            # → 8.0 / 9.3 µs, at 256 tokens 12.3 / 11.1 → 11.9 / 8.9; docs/benchmarks.md, round v24)
+            bt = 32
+        # 128-row weight tiles from 512 output tiles, W8A8 from 256 (wo_b at 256 tokens 50.8 → 42.0 µs)
+        bn = 128 if triton.cdiv(M, bt) * triton.cdiv(N, 64) * groups >= (256 if a8 else 512) else 64
         cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **tiles}
         rows = cfg["BLOCK_T"]
     n_tiles = triton.cdiv(M, rows) * triton.cdiv(N, cfg["BLOCK_N"]) * groups
@@ -297,6 +315,40 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
             x = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(fp8_to_bf16(w, s, ASM), tl.trans(x.to(tl.bfloat16)), acc)
         s = s_next
+    tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
+    _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
+                mask_n[:, None] & mask_t[None, :], split, stride_part, SPLIT_K)
+
+
+@triton.jit
+def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
+                   stride_xm, stride_xg, stride_xsm, stride_xsg, stride_w, stride_s, stride_ym, stride_yg,
+                   stride_part, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr):
+    """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
+    out), each 128-wide K step's product scaled by its weight block's scale times each token's
+    scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
+    V4-Flash layer's products take 158 against 268 µs for the W8A16 kernel (H100)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    t_tiles = tl.cdiv(M, BLOCK_T)
+    pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = g * N + offs_n
+    mask_n, mask_t = offs_n < N, offs_t < M
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
+                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        sw = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
+        sx = tl.load(xs_ptr + offs_t * stride_xsm + g * stride_xsg + kb, mask=mask_t, other=0.0)
+        acc += tl.dot(w, tl.trans(x)) * (sw[:, None] * sx[None, :])
     tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
     _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
                 mask_n[:, None] & mask_t[None, :], split, stride_part, SPLIT_K)

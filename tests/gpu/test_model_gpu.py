@@ -1,7 +1,7 @@
 """The whole model on the GPU: the device format (FP8 projections, packed experts, bf16
 activations, fp8_pack pools) through the Triton kernels, against (a) the same model through the
-torch reference ops on the GPU and (b) the CPU fp32 reference of the same checkpoint; and CUDA
-graph replay of decode steps against eager decode."""
+torch reference ops on the GPU and (b) the CPU fp32 reference of the same checkpoint, with bf16
+and with FP8 projection inputs (W8A8); and CUDA graph replay of decode steps against eager decode."""
 
 import copy
 
@@ -19,7 +19,10 @@ from tests.model.kernel_cases import rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _logits(model, pools, prompts, steps, device, chunk=64):
+def _logits(model, pools, prompts, steps, device, chunk=64, fed=None, forced=None):
+    """Logits of the prompts' prefill chunks and `steps` greedy decode steps. The tokens each
+    decode step is fed are appended to `fed`; `forced` (another run's `fed`) feeds those instead,
+    so two runs see the same inputs however their logits differ."""
     seqs = [SeqKV() for _ in prompts]
     for s, p in zip(seqs, prompts):
         pools.reserve(s, len(p) + steps)
@@ -30,7 +33,10 @@ def _logits(model, pools, prompts, steps, device, chunk=64):
         out.append(model(b, pools).float().cpu())
         b.commit()
     last = out[-1].argmax(-1).tolist()
-    for _ in range(steps):
+    for i in range(steps):
+        last = forced[i] if forced is not None else last
+        if fed is not None:
+            fed.append(last)
         b = ForwardBatch.build([(s, [t]) for s, t in zip(seqs, last)], device=device)
         out.append(model(b, pools).float().cpu())
         b.commit()
@@ -66,6 +72,41 @@ def test_gpu_path_matches_cpu_reference(models):
     got = _logits(gpu, KVPools(gpu.cfg, "fp8_pack", max_tokens=512, max_seqs=2, device="cuda"), PROMPTS, 8, "cuda")
     assert rel_err(got, ref) < 0.12
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+
+
+@pytest.fixture(scope="module")
+def w8a8(tiny_official_ckpt):
+    """The GPU model as the checkpoint declares it (`activation_scheme` "dynamic"): W8A8 projections."""
+    _, gpu = load_checkpoint(tiny_official_ckpt, device="cuda")
+    return quantize_model(gpu, "triton", act_fp8=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_w8a8_path_matches_cpu_reference(models, w8a8, impl):
+    """Documented tolerance (docs/gpu.md): W8A8 projections + fp8_pack pools vs fp32 everything,
+    on the reference's tokens, through the kernels and through the reference ops. The two W8A8
+    paths are not compared with each other tightly: an ulp of difference in a projection's input
+    moves some values across an e4m3 rounding step (1/16 of the value), so their differences grow
+    with every quantised projection (rel 0.17 between them on H100, each 0.12 from fp32); the
+    products themselves are checked bit for bit in tests/model/test_kernels_act_quant.py. The W8A8
+    logits differ from the W8A16 model's of the same checkpoint: the projections really quantise
+    their inputs."""
+    cpu, gpu = models
+    model = w8a8
+    if impl == "torch":
+        model = copy.deepcopy(w8a8)
+        set_impl(model, "torch")
+    fed = []
+    ref = _logits(cpu, KVPools(cpu.cfg, "fp32", max_tokens=512, max_seqs=2), PROMPTS, 8, "cpu", fed=fed)
+    got = _logits(model, KVPools(model.cfg, "fp8_pack", max_tokens=512, max_seqs=2, device="cuda"), PROMPTS, 8,
+                  "cuda", forced=fed)
+    a16 = _logits(gpu, KVPools(gpu.cfg, "fp8_pack", max_tokens=512, max_seqs=2, device="cuda"), PROMPTS, 8, "cuda",
+                  forced=fed)
+    err, agree = rel_err(got, ref), (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"W8A8 ({impl}) vs CPU fp32: rel {err:.4f}, greedy agreement {agree:.3f}; W8A16 rel {rel_err(a16, ref):.4f}")
+    assert err < 0.2
+    assert agree >= 0.85
+    assert rel_err(got, a16) > 5e-2
 
 
 def test_cuda_graph_decode_equals_eager(models):

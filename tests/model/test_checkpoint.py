@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from model import quant
 from model.batch import ForwardBatch
-from model.checkpoint import (CheckpointError, detect_format, expected_shapes, load_checkpoint, load_weights,
-                              read_config, write_checkpoint)
+from model.checkpoint import (CheckpointError, detect_format, expected_shapes, fp8_activations, load_checkpoint,
+                              load_weights, read_config, write_checkpoint)
 from model.checkpoint_formats import official_storage
 from model.hf_names import to_hf_state_dict
 from model.kv_pool import KVPools, SeqKV
@@ -351,6 +351,18 @@ def test_fp8_weight_without_scale(tmp_path, tiny_official_ckpt):
     rewrite(tiny_official_ckpt, tmp_path / "c", lambda t: t.pop("layers.1.attn.wkv.scale"))
     with pytest.raises(CheckpointError, match=r"'layers\.1\.attn\.wkv\.weight'.*float8_e4m3fn but has no scale"):
         load_checkpoint(tmp_path / "c")
+
+
+def test_activation_scheme(tmp_path, tiny_official_ckpt, tiny_hf_ckpt):
+    """The official format declares dynamic FP8 activations (W8A8 on the GPU); a float checkpoint
+    has none; a scheme the format cannot serve is refused by name."""
+    assert fp8_activations(tiny_official_ckpt) and not fp8_activations(tiny_hf_ckpt)
+    shutil.copytree(tiny_official_ckpt, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "config.json").read_text())
+    raw["quantization_config"]["activation_scheme"] = "static"
+    (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"activation_scheme 'static' is not supported"):
+        fp8_activations(tmp_path / "c")
 
 
 def test_missing_config(tmp_path, tiny_official_ckpt):

@@ -1,0 +1,81 @@
+"""Dynamic FP8 activations: x → e4m3 codes with a UE8M0 (power-of-two) scale per 128 along K.
+
+The official checkpoint declares `"activation_scheme": "dynamic"` for its FP8 projections: the
+inference code quantises each projection's input on the fly (`act_quant(x, 128, "ue8m0")`) and
+multiplies FP8 by FP8 (W8A8). The scale of a block is `2^ceil(log2(amax / 448))` (amax floored at
+1e-4), so every code times its scale is exact in bf16: `fake_quantize` (the dequantised values)
+multiplied by bf16 weights gives the W8A8 product up to the order of the fp32 sums, which is how
+prefill-size products run it on cuBLAS.
+
+K need not be a multiple of 128: the last block is shorter (its scale from its own values).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model import quant
+from model.kernels import check_impl
+
+BLOCK = 128  # activation scale block along K (the weights' block)
+COLS = 2048  # columns per program: 16 blocks, ~4 KB of bf16 read
+
+
+def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] → (e4m3 [..., K], fp32 scales [..., ⌈K/128⌉])."""
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -k % BLOCK))
+    q, s = quant.fp8_quantize_rows(padded, BLOCK)
+    return q[..., :k], s
+
+
+def quantize(x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (unit stride along K) → (e4m3 [..., K] contiguous, fp32 scales [..., ⌈K/128⌉])."""
+    if check_impl(impl) == "torch":
+        return reference(x)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, blocks = x2.shape[0], triton.cdiv(k, BLOCK)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
+    cols = min(COLS, triton.next_power_of_2(blocks * BLOCK))
+    if rows:
+        _quantize_kernel[(rows, triton.cdiv(k, cols))](x2, q, s, k, x2.stride(0), blocks, COLS=cols, BLOCK=BLOCK)
+    return q.view(x.shape), s.view(*x.shape[:-1], blocks)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize` (exact in bf16 and fp32): [..., K] in `dtype`."""
+    k = q.shape[-1]
+    s = scale.repeat_interleave(BLOCK, -1)[..., :k]
+    return (q.float() * s).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, impl: str) -> torch.Tensor:
+    """x [..., K] → what its W8A8 product sees, in x's dtype: `dequantize(quantize(x))`."""
+    if check_impl(impl) == "torch":
+        return dequantize(*reference(x), x.dtype)
+    return dequantize(*quantize(x, impl), x.dtype)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    blocks = tl.reshape(x, (COLS // BLOCK, BLOCK))
+    amax = tl.maximum(tl.max(tl.abs(blocks), axis=1), 1e-4)  # quant.AMAX_FLOOR
+    # quant.ue8m0_scale from the quotient's bits (IEEE division: the GPU's default is approximate)
+    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
+    codes = tl.clamp(blocks * inverse[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + row * K + cols, tl.reshape(codes, (COLS,)), mask=mask)
+    b = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
+    tl.store(s_ptr + row * n_blocks + b, scale, mask=b < n_blocks)

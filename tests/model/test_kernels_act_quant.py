@@ -1,0 +1,123 @@
+"""Dynamic FP8 activations (W8A8): the quantisation kernel against its reference bit for bit, the
+UE8M0 scale's rounding at powers of two, and the W8A8 products (decode kernel and the prefill
+path) against the reference's dequantise-then-matmul of the same codes."""
+
+import pytest
+import torch
+
+from model import quant
+from model.kernels import act_quant, fp8_gemm
+from model.quantized import Fp8Linear
+from tests.model.kernel_cases import block_weights, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def spread_rows(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random bf16 values whose 128-blocks span many scales (each block its own magnitude)."""
+    x = torch.randn(*shape, generator=g)
+    k = shape[-1]
+    blocks = torch.exp2(torch.randint(-12, 12, (*shape[:-1], -(-k // 128)), generator=g).float())
+    return (x * blocks.repeat_interleave(128, -1)[..., :k]).to(DEVICE, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 256), (5, 2, 300), (7, 100), (33, 1024)])
+def test_quantize_is_the_reference_bit_for_bit(shape):
+    """Codes and scales, K a multiple of 128 or not (the short last block has its own scale)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = spread_rows(shape, g)
+    q, s = act_quant.quantize(x, "triton")
+    rq, rs = act_quant.reference(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert s.shape == (*shape[:-1], -(-shape[-1] // 128))
+    assert s.unique().numel() >= min(s.numel() // 2, 8)  # the data really spans scales
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    # every block uses the code range: its largest code lies in [224, 448] (rounded from (224, 448])
+    top = act_quant.dequantize(q, torch.ones_like(s), torch.float32).abs()
+    top = torch.nn.functional.pad(top, (0, -shape[-1] % 128)).unflatten(-1, (-1, 128)).amax(-1)
+    assert ((top >= 224) & (top <= 448)).all()
+
+
+def test_quantize_zero_block_and_strided_input():
+    """An all-zero block takes the floor's scale and zero codes; a strided view quantises as its copy."""
+    g = torch.Generator().manual_seed(1)
+    x = spread_rows((4, 512), g)
+    x[1, 128:256] = 0
+    q, s = act_quant.quantize(x, "triton")
+    assert s[1, 1].item() == quant.ue8m0_scale(torch.tensor(0.0), quant.FP8_MAX).item()
+    assert not q[1, 128:256].float().any()
+    view = spread_rows((4, 2, 384), g)[:, 1]
+    assert torch.equal(act_quant.quantize(view, "triton")[0].view(torch.uint8),
+                       act_quant.quantize(view.contiguous(), "triton")[0].view(torch.uint8))
+
+
+def test_ue8m0_scale_rounds_up_just_above_a_power_of_two():
+    """amax / 448 one ulp above 2^k needs 2^(k+1) (else the largest value overflows the code
+    range); a float log2 rounds that quotient's log down to k for large k."""
+    for k in (-20, -3, 0, 5, 30):
+        exact = torch.tensor(2.0 ** k, dtype=torch.float32)
+        above = torch.nextafter(exact, torch.tensor(float("inf")))
+        assert quant.ue8m0_scale(exact * 448, 448.0).item() == 2.0 ** k
+        assert quant.ue8m0_scale(above * 448, 448.0).item() == 2.0 ** (k + 1)
+        x = torch.zeros(1, 128)
+        x[0, 0] = above * 448
+        q, s = act_quant.quantize(x.to(DEVICE), "triton")
+        assert s.item() == 2.0 ** (k + 1) and q.float().abs().max().item() <= 448
+
+
+def test_dequantize_is_exact_in_bf16():
+    g = torch.Generator().manual_seed(2)
+    q, s = act_quant.quantize(spread_rows((6, 640), g), "triton")
+    assert torch.equal(act_quant.dequantize(q, s, torch.bfloat16).float(), act_quant.dequantize(q, s, torch.float32))
+
+
+@pytest.mark.parametrize("M,G,N,K", [(1, 1, 96, 200), (3, 1, 64, 1024), (20, 1, 130, 256), (70, 1, 130, 384),
+                                     (5, 2, 32, 128), (17, 4, 64, 300), (200, 1, 64, 1024),
+                                     (fp8_gemm.KERNEL_MAX_M + 1, 2, 64, 256)])
+def test_w8a8_linear_matches_reference(M, G, N, K):
+    """The W8A8 product (decode kernel, split K or not; prefill size through cuBLAS on the
+    dequantised codes) against the reference of the same codes. The tolerance is far below the
+    W8A8-to-W8A16 gap, so a path that skipped the activations' quantisation fails."""
+    g = torch.Generator().manual_seed(M * 1000 + N + G)
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = spread_rows((M, G, K) if G > 1 else (M, K), g)
+    ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G, act_fp8=True)
+    out = fp8_gemm.fp8_linear(x, q, s, "triton", G, act_fp8=True)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert rel_err(out, ref) < 6e-3  # one bf16 rounding of the output
+    assert rel_err(fp8_gemm.fp8_linear(x.float(), q, s, "torch", G), ref) > 1.5e-2
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", G, act_fp8=True), out)  # split order fixed
+
+
+def test_w8a8_decode_product_reads_ue8m0_bytes():
+    """Weight scales as UE8M0 bytes give the float scales' product bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    q, s = quant.fp8_quantize_weight(block_weights(256, 384, g))
+    x8, xs = act_quant.quantize(spread_rows((9, 1, 384), g), "triton")
+    q = q.to(DEVICE)
+    out = fp8_gemm.decode_product(x8, q, s.view(torch.uint8).to(DEVICE), None, out_dtype=torch.float32, x_scale=xs)
+    assert torch.equal(out, fp8_gemm.decode_product(x8, q, s.float().to(DEVICE), None, out_dtype=torch.float32,
+                                                    x_scale=xs))
+    want = fp8_gemm.reference(act_quant.dequantize(x8, xs, torch.float32)[:, 0], q, s.float().to(DEVICE))
+    # exact products; Hopper's FP8 MMA adds them at reduced precision within each 128-wide K step
+    # (hence the promotion to fp32 between steps), the interpreter in fp32
+    assert rel_err(out[:, 0], want) < (1e-3 if out.is_cuda else 1e-5)
+
+
+def test_fp8_linear_module_with_fp8_activations():
+    """`Fp8Linear(act_fp8=True)`: plain and grouped products are W8A8 on both impls."""
+    g = torch.Generator().manual_seed(6)
+    w = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton", act_fp8=True)
+    w = w.to(DEVICE)
+    x = spread_rows((5, 4, 1024), g)
+    ref = fp8_gemm.fp8_linear(x.float(), w.weight, w.scale, "torch", 4, act_fp8=True)
+    assert rel_err(w.grouped(x), ref) < 6e-3
+    w.impl = "torch"
+    assert rel_err(w.grouped(x), ref) < 6e-3
+    flat = x.flatten(1)
+    plain = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(64, 4096, generator=g)), "triton", act_fp8=True)
+    plain = plain.to(DEVICE)
+    assert rel_err(plain(flat), fp8_gemm.fp8_linear(flat.float(), plain.weight, plain.scale, "torch",
+                                                    act_fp8=True)) < 6e-3
