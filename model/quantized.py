@@ -1,4 +1,5 @@
-"""The model in its device format: FP8 dense projections, packed experts, bf16 activations.
+"""The model in its device format: FP8 dense projections, packed experts, bf16 activations (the
+projections' inputs FP8 too where the checkpoint declares dynamic activation scaling: W8A8).
 
 The checkpoint's dense projections are FP8 e4m3 with UE8M0 scales per 128×128 block
 (`model.checkpoint_formats`); on a GPU they stay in that form and multiply through
