@@ -1,10 +1,12 @@
 """FP8 block-scaled GEMM: y = x · dequant(W)ᵀ with W in e4m3 and UE8M0 scales per 128×128 block.
 
 This is how the official checkpoint stores the dense projections (`wq_a`, `wq_b`, `wkv`, `wo_a`,
-`wo_b`, `indexer.wq_b`, shared experts). Activations stay bf16 (W8A16): the weight tile is
+`wo_b`, `indexer.wq_b`, shared experts). With bf16 activations (W8A16) the weight tile is
 dequantised in registers (an e4m3 value times a power of two is exact in bf16) and multiplied on
 the tensor cores with fp32 accumulation, so the kernel computes exactly the reference's product up
-to the order of the fp32 sums.
+to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic activation scheme)
+the input is quantised first (`act_quant`) and `_fp8_a8_kernel` multiplies the codes on the FP8
+tensor cores at every decode size; prefill-size M multiplies the quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
@@ -328,7 +330,8 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
     out), each 128-wide K step's product scaled by its weight block's scale times each token's
     scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
-    V4-Flash layer's products take 158 against 268 µs for the W8A16 kernel (H100)."""
+    V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
+    docs/benchmarks.md round v24)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
