@@ -34,7 +34,10 @@ def ue8m0_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     exact where a float log2 rounds a quotient just above a power of two down to it."""
     bits = (amax.float().clamp_min(AMAX_FLOOR) / fmax).view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+    # into a fresh tensor: the shift of an empty [0, 1] operand comes out with a last stride of 0,
+    # which callers viewing the scales as bytes (EP dispatch of no rows) cannot take
+    out = torch.empty(amax.shape, dtype=torch.int32, device=amax.device)
+    return torch.bitwise_left_shift(exponent, 23, out=out).view(torch.float32)
 
 
 def scale_to_ue8m0_byte(scale: torch.Tensor) -> torch.Tensor:
