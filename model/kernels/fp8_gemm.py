@@ -283,6 +283,19 @@ def _scale_bytes(s_ptr, rows, kb, stride_s, mask_n):
 
 
 @triton.jit
+def _weight_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's output tile in the weights-as-M kernels: (program, group, K split, weight row
+    offsets within the group [BLOCK_N], token offsets [BLOCK_T], weight rows, their masks)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    t_tiles = tl.cdiv(M, BLOCK_T)
+    pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    return pid, g, tl.program_id(2), offs_n, offs_t, g * N + offs_n, offs_n < N, offs_t < M
+
+
+@triton.jit
 def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                      stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -290,15 +303,7 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
     """yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ: the weight tile is the MMA's register operand,
     dequantised in registers with its block scale folded in, so the products chain in one
     accumulator (no per-step scale pass)."""
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
-    t_tiles = tl.cdiv(M, BLOCK_T)
-    pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = g * N + offs_n
-    mask_n, mask_t = offs_n < N, offs_t < M
+    pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     k_blocks = tl.cdiv(K, BLOCK_K)
     s = _scale_bytes(s_ptr, rows, split, stride_s, mask_n)
@@ -332,15 +337,7 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
     V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
     docs/benchmarks.md round v24)."""
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
-    t_tiles = tl.cdiv(M, BLOCK_T)
-    pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = g * N + offs_n
-    mask_n, mask_t = offs_n < N, offs_t < M
+    pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
