@@ -35,18 +35,8 @@ def quantize(x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (unit stride along K) → (e4m3 [..., K] contiguous, fp32 scales [..., ⌈K/128⌉])."""
     if check_impl(impl) == "torch":
         return reference(x)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows, blocks = x2.shape[0], triton.cdiv(k, BLOCK)
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
-    cols = min(COLS, triton.next_power_of_2(blocks * BLOCK))
-    if rows:
-        _quantize_kernel[(rows, triton.cdiv(k, cols))](x2, q, s, k, x2.stride(0), blocks, COLS=cols, BLOCK=BLOCK,
-                                                       FAKE=False)
-    return q.view(x.shape), s.view(*x.shape[:-1], blocks)
+    q, s = _launch(x, fake=False)
+    return q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,16 +52,24 @@ def fake_quantize(x: torch.Tensor, impl: str) -> torch.Tensor:
     8192 × 32768)."""
     if check_impl(impl) == "torch":
         return dequantize(*reference(x), x.dtype)
+    return _launch(x, fake=True)[0].view(x.shape)
+
+
+def _launch(x: torch.Tensor, fake: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_quantize_kernel` over x's rows: (e4m3 codes [rows, K], fp32 scales [rows, ⌈K/128⌉]), or
+    with `fake` (code × scale [rows, K] in x's dtype, None)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    cols = min(COLS, triton.next_power_of_2(triton.cdiv(k, BLOCK) * BLOCK))
+    blocks = triton.cdiv(k, BLOCK)
+    out = torch.empty(x2.shape, dtype=x.dtype if fake else torch.float8_e4m3fn, device=x.device)
+    scale = None if fake else torch.empty(x2.shape[0], blocks, dtype=torch.float32, device=x.device)
+    cols = min(COLS, triton.next_power_of_2(blocks * BLOCK))
     if x2.shape[0]:
-        _quantize_kernel[(x2.shape[0], triton.cdiv(k, cols))](x2, out, out, k, x2.stride(0), 0, COLS=cols, BLOCK=BLOCK,
-                                                              FAKE=True)
-    return out.view(x.shape)
+        _quantize_kernel[(x2.shape[0], triton.cdiv(k, cols))](x2, out, out if fake else scale, k, x2.stride(0),
+                                                              blocks, COLS=cols, BLOCK=BLOCK, FAKE=fake)
+    return out, scale
 
 
 @triton.jit
