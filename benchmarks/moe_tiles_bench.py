@@ -28,6 +28,7 @@ from model.kernels import moe_fused  # noqa: E402
 from model.kernels.moe_grouped import Launch, Tiles, fit, plan_kernels  # noqa: E402
 
 GU, DN = moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN
+SG, SD = moe_fused.SMALL_GATEUP, moe_fused.SMALL_DOWN
 # name → (gate/up tiles, down tiles, with the shared expert, activations in `preorder`'s layout)
 VARIANTS = {
     "default": (GU, DN, True, True),
@@ -44,6 +45,13 @@ VARIANTS = {
     "down_stages4": (GU, replace(DN, num_stages=4), True, True),
     "down_w8": (GU, replace(DN, num_warps=8), True, True),
     "down_bn256_w8": (GU, replace(DN, BN=256, num_warps=8), True, True),
+    # the tiles of steps of up to SMALL_T tokens (split K), and their alternatives
+    "small": (SG, SD, False, True),
+    "small_gateup_stages4": (replace(SG, num_stages=4), SD, False, True),
+    "small_gateup_stages3": (replace(SG, num_stages=3), SD, False, True),
+    "small_gateup_split2": (replace(SG, split_k=2), SD, False, True),
+    "small_gateup_unsplit": (replace(SG, split_k=1, num_stages=4), SD, False, True),
+    "small_down_stages2": (SG, replace(SD, num_stages=2), False, True),
 }
 # name → (`fused_moe`'s shared_dense, the priority of a side stream for the dense shared expert or
 # None): the whole call captured as the decode step runs it (the `preorder` copy and, dense, the
