@@ -78,7 +78,7 @@ def prefill_flops(cfg, layers: list[int], model, T: int) -> float:
     pos = torch.arange(T, dtype=torch.float64)
     total = 0.0
     for i, block in zip(layers, model.blocks):
-        dense = sum(t.numel() for n, t in list(block.named_buffers()) + list(block.named_parameters())
+        dense = sum(t.numel() for n, t in block.state_dict().items()  # each weight once, fused or not
                     if t.dim() == 2 and not n.startswith("ffn.") and "hc_" not in n and "ape" not in n)
         total += 2 * dense * T + 2 * 24 * 4 * cfg.hidden_size * T * 2  # projections + mHC mixes
         ratio = cfg.compress_ratios[i]
@@ -110,18 +110,21 @@ def main() -> None:
     ap.add_argument("--activations", choices=("fp8", "bf16"), default="fp8",
                     help="the FP8 projections' inputs: fp8 (W8A8, the V4 checkpoints' dynamic activation "
                          "scheme) or bf16 (W8A16, every run before round v24)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="each projection its own launch (no `Attention.fuse_products`: every run before round v25)")
     args = ap.parse_args()
     ceil = ceilings()
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
     free, _ = torch.cuda.mem_get_info()
     reserve = kv_reserve_bytes(16, max(args.batches), max(args.contexts))
     n = args.layers or layers_that_fit(free, reserve)
-    model = stack(n, act_fp8=args.activations == "fp8")
+    model = stack(n, act_fp8=args.activations == "fp8", fuse=not args.unfused)
     cfg = model.cfg
     layers = list(range(n))
     print(f"{n} layers ({[cfg.compress_ratios[i] for i in layers]}), "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB of weights", flush=True)
-    result = {"ceilings": ceil, "layers": n, "activations": args.activations, "decode": [], "prefill": None}
+    result = {"ceilings": ceil, "layers": n, "activations": args.activations, "fused": not args.unfused,
+              "decode": [], "prefill": None}
 
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:

@@ -31,8 +31,9 @@ def layer_bytes(cfg: ModelConfig, layer: int) -> int:
 
 
 def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,
-                act_fp8: bool = False) -> Block:
-    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections)."""
+                act_fp8: bool = False, fuse: bool = True) -> Block:
+    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections;
+    `fuse`: products of one input as one, `Attention.fuse_products`, as `quantize_model` does)."""
     with torch.device("meta"):
         block = Block(dataclasses_replace_no_experts(cfg), layer, cfg.compress_ratios[layer], impl)
     block.cfg = cfg
@@ -57,6 +58,8 @@ def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
         dtype = _param_dtype(name, torch.empty(shape, device="meta"), torch.bfloat16)
         t = values[name].to(device, dtype) if name in values else torch.empty(shape, dtype=dtype, device="meta")
         setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
+    if fuse and torch.device(device).type != "meta":
+        block.attn.fuse_products()
     return block
 
 
@@ -85,9 +88,9 @@ class LayerStack(nn.Module):
 
 
 def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0,
-          act_fp8: bool = False) -> LayerStack:
+          act_fp8: bool = False, fuse: bool = True) -> LayerStack:
     cfg = flash_config(43)
-    blocks = [build_block(cfg, i, impl, device, seed=i, act_fp8=act_fp8)
+    blocks = [build_block(cfg, i, impl, device, seed=i, act_fp8=act_fp8, fuse=fuse)
               for i in range(first_layer, first_layer + num_layers)]
     return LayerStack(cfg, blocks, device)
 
@@ -163,8 +166,8 @@ def decode_batches(seqs: list[SeqKV], steps: int, device: str = "cuda") -> list[
 
 def roofline_bytes(cfg: ModelConfig, layer: int, block: Block, batch: int, context: int, experts_hit: int) -> dict:
     """Fewest bytes a decode step of one layer must move: the weights it uses and the KV it reads."""
-    dense = sum(t.numel() * t.element_size() for n, t in list(block.named_parameters()) + list(block.named_buffers())
-                if not n.startswith("ffn.experts."))
+    # the state dict: each weight once (a fused product's weight is its parts' rows, not counted again)
+    dense = sum(t.numel() * t.element_size() for n, t in block.state_dict().items() if not n.startswith("ffn.experts."))
     per_expert = sum(t.numel() * t.element_size() for t in block.ffn.experts.buffers()) / cfg.n_routed_experts
     ratio, entry = cfg.compress_ratios[layer], 584
     kv = cfg.sliding_window * entry

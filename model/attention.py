@@ -30,7 +30,7 @@ from model.config import ModelConfig
 from model.kernels import compressor, indexer, rmsnorm, sparse_attention
 from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
-from model.quantized import Fp8Linear, linear_fp32_out
+from model.quantized import Fp8Linear, fuse_fp8_linears, fuse_weights, linear_fp32_out
 from model.rope import Rope
 
 
@@ -72,10 +72,14 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps, impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
-        # compression runs in fp32 (the reference keeps wkv/wgate in fp32; the checkpoint's bf16
-        # values are exact there, so bf16 weights with fp32 accumulation and output lose nothing)
-        proj = torch.cat([linear_fp32_out(x, self.wkv.weight), linear_fp32_out(x, self.wgate.weight)], dim=-1)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] → (wkv | wgate)(x) [T, 2·coff·h] float32. Compression runs in fp32 (the reference
+        keeps wkv/wgate in fp32; the checkpoint's bf16 values are exact there, so bf16 weights with
+        fp32 accumulation and output lose nothing)."""
+        return torch.cat([linear_fp32_out(x, self.wkv.weight), linear_fp32_out(x, self.wgate.weight)], dim=-1)
+
+    def forward(self, proj: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
+        """proj: `project(x)` [T, 2·coff·h] float32 (rows may be strided: a slice of a fused product)."""
         compressor.compress(proj, batch, pools, self.layer, self.ratio, self.kind, self.state_kind, self.ape,
                             self.norm.weight, self.norm.eps, self.rope, self.impl)
 
@@ -99,12 +103,14 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, layer, 4, cfg.index_head_dim, "c4_indexer", "state_c4_indexer", impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
-        """→ picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
-        self.compressor(x, batch, pools)
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        q = rope_ops.rotate(q, batch.positions, self.rope, self.impl)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [T, n_I]
+    def forward(self, q: torch.Tensor, proj: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch,
+                pools: KVPools) -> torch.Tensor:
+        """The products of the attention's inputs (`Attention.forward` runs them, fused where it can):
+        q = wq_b(qr) [T, n_I·c], proj = compressor.project(x), weights = weights_proj(x) [T, n_I]
+        float32. → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
+        self.compressor(proj, batch, pools)
+        q = rope_ops.rotate(q.view(q.shape[0], self.n_heads, self.head_dim), batch.positions, self.rope, self.impl)
+        w = weights * self.n_heads ** -0.5  # [T, n_I]
         return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl)
 
 
@@ -140,21 +146,80 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, layer, ratio, cfg.head_dim, kind, f"state_{kind}", impl)
         if ratio == 4:
             self.indexer = Indexer(cfg, layer, impl)
+        # device format (`fuse_products`): products of one input as one launch
+        self.fused_x: Fp8Linear | None = None  # wq_a | wkv
+        self.fused_qr: Fp8Linear | None = None  # wq_b | indexer.wq_b
+        self.fused_firsts: dict[str, list[int]] = {}  # fused name → each part's first output column
+        self.register_buffer("x_products", None, persistent=False)  # the bf16 products of x, stacked
+        self.x_widths: list[int] = []  # x_products' output columns per `_bf16_products` entry
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         T, pos, eps = x.shape[0], batch.positions, self.cfg.rms_norm_eps
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = rope_ops.q_rms_rope(q, pos, self.rope, eps, self.impl)
-        rope_ops.store_kv(self.wkv(x), batch, pools, self.layer, self.kv_norm.weight, eps, self.rope, self.impl)
+        qa, kv = self._products("fused_x", (self.wq_a, self.wkv), x)
+        qr = self.q_norm(qa)
+        q, index_q = self._products("fused_qr", (self.wq_b, self.indexer.wq_b if self.indexer else None), qr)
+        q = rope_ops.q_rms_rope(q.view(T, self.n_heads, self.head_dim), pos, self.rope, eps, self.impl)
+        rope_ops.store_kv(kv, batch, pools, self.layer, self.kv_norm.weight, eps, self.rope, self.impl)
+        proj, index_proj, index_weights = self._bf16_products(x)
         if self.compressor is not None:
-            self.compressor(x, batch, pools)
-        picks = self.indexer(x, qr, batch, pools) if self.indexer is not None else None
+            self.compressor(proj, batch, pools)
+        picks = None
+        if self.indexer is not None:
+            picks = self.indexer(index_q, index_proj, index_weights, batch, pools)
         out = sparse_attention.attend(q, batch, pools, self.layer, self.ratio, picks, self.attn_sink,
                                       self.cfg.sliding_window, self.rope, self.impl, out_dtype=x.dtype)
         groups = out.view(T, self.cfg.o_groups, -1)
         return self.wo_b(grouped_linear(groups, self.wo_a).flatten(1))
+
+    def fuse_products(self) -> None:
+        """Device format (`quantize_model`): products of the same input run as one. A decode step's
+        layer then launches three products where it launched up to nine (each launch, and each
+        W8A8 input quantisation, costs a few µs at batch 1):
+
+        * `fused_x` = wq_a | wkv and `fused_qr` = wq_b | indexer.wq_b (FP8, one quantisation of
+          their input);
+        * `x_products` = compressor wkv | wgate | indexer compressor wkv | wgate | weights_proj
+          (bf16, fp32 out; weights_proj's output is no longer rounded to bf16).
+
+        The parts' weights become row views of the fused ones: same memory, same state-dict names.
+        Fuse on the model's final device: `.to()` afterwards would copy parts and fused tensors
+        apart, and the fused products would no longer see loads into the parts."""
+        pairs = {"fused_x": (self.wq_a, self.wkv), "fused_qr": (self.wq_b, self.indexer and self.indexer.wq_b)}
+        for name, parts in pairs.items():
+            if all(isinstance(p, Fp8Linear) for p in parts):
+                fused, self.fused_firsts[name] = fuse_fp8_linears(list(parts))
+                setattr(self, name, fused)
+        parts = self._bf16_linears()
+        if len(parts) > 1 and all(p.weight.dtype == torch.bfloat16 for p in parts):
+            self.x_products, _ = fuse_weights(parts)
+            rows = [p.weight.shape[0] for p in parts]  # [wkv, wgate] + [wkv, wgate, weights_proj] of the indexer
+            self.x_widths = [rows[0] + rows[1]] + ([rows[2] + rows[3], rows[4]] if len(rows) > 2 else [])
+
+    def _products(self, name: str, parts: tuple, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """[part(x) for part in parts] (None for a missing part), from one product when fused."""
+        fused = getattr(self, name)
+        if fused is None:
+            return [p(x) if p is not None else None for p in parts]
+        y = fused(x)
+        return [y[:, first:first + p.out_features] for p, first in zip(parts, self.fused_firsts[name])]
+
+    def _bf16_linears(self) -> list[nn.Linear]:
+        mods = [self.compressor.wkv, self.compressor.wgate] if self.compressor is not None else []
+        if self.indexer is not None:
+            mods += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+        return mods
+
+    def _bf16_products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """x [T, D] → float32 (compressor.project(x), indexer.compressor.project(x), weights_proj(x)),
+        None where the layer has no such module; one GEMM when fused (`x_products`)."""
+        if self.x_products is None:
+            proj = self.compressor.project(x) if self.compressor is not None else None
+            if self.indexer is None:
+                return proj, None, None
+            return proj, self.indexer.compressor.project(x), self.indexer.weights_proj(x).float()
+        out = list(linear_fp32_out(x, self.x_products).split(self.x_widths, dim=-1))
+        return tuple(out + [None] * (3 - len(out)))
 
 
 def grouped_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:

@@ -33,7 +33,8 @@ class Fp8Linear(nn.Module):
     `act_fp8`: W8A8, x quantised to e4m3 per 128 along K first (`kernels/act_quant.py`), as the
     checkpoint's `"activation_scheme": "dynamic"` declares."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch", act_fp8: bool = False):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch", act_fp8: bool = False,
+                 persistent: bool = True):
         super().__init__()
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"Fp8Linear needs float8_e4m3fn weights, got {weight.dtype}")
@@ -43,8 +44,9 @@ class Fp8Linear(nn.Module):
                              f"{tuple(weight.shape)} (expected {(rows, cols)})")
         self.impl = check_impl(impl)
         self.act_fp8 = act_fp8
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale.float())
+        # not persistent: a fused module (`fuse_fp8_linears`), whose rows are other modules' state
+        self.register_buffer("weight", weight, persistent=persistent)
+        self.register_buffer("scale", scale.float(), persistent=persistent)
         # split-K arrival counters of the decode products (the kernel leaves them zeroed); a module
         # runs one product at a time, in stream order
         self.register_buffer("arrivals", fp8_gemm.arrival_counters(weight.shape[0], weight.device), persistent=False)
@@ -84,9 +86,10 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
-                   dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False) -> nn.Module:
+                   dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False, fuse: bool = True) -> nn.Module:
     """Convert a float model (on its target device) to the device format (table above), in place;
-    `act_fp8`: the FP8 projections quantise their inputs (W8A8, `Fp8Linear`)."""
+    `act_fp8`: the FP8 projections quantise their inputs (W8A8, `Fp8Linear`); `fuse`: products of
+    one input run as one (`Attention.fuse_products`; off only to compare against)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
@@ -97,7 +100,46 @@ def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
     for name, p in model.named_parameters():
         p.data = p.data.to(_param_dtype(name, p, dtype))
     set_impl(model, impl)
+    for module in model.modules():
+        if fuse and hasattr(module, "fuse_products"):
+            module.fuse_products()
     return model
+
+
+@torch.no_grad()  # the copies into the stack are no autograd ops: the views stay leaves
+def fuse_weights(parts: list[nn.Module], name: str = "weight", align: int = 1) -> tuple[torch.Tensor, list[int]]:
+    """Stack the `name` tensors of `parts` along dim 0, each starting at a multiple of `align` rows
+    (zero rows between), and make each part's tensor a view of its rows: one allocation where there
+    were several, nothing copied twice, the parts' names and values unchanged. → (stacked, each
+    part's first row)."""
+    firsts, rows = [], 0
+    for part in parts:
+        rows = -(-rows // align) * align
+        firsts.append(rows)
+        rows += getattr(part, name).shape[0]
+    first = getattr(parts[0], name)
+    stacked = first.new_zeros(rows, *first.shape[1:])
+    for part, row in zip(parts, firsts):
+        t = getattr(part, name)
+        view = stacked[row:row + t.shape[0]]
+        view.copy_(t)
+        if isinstance(t, nn.Parameter):
+            view = nn.Parameter(view, requires_grad=t.requires_grad)
+        setattr(part, name, view)
+    return stacked, firsts
+
+
+def fuse_fp8_linears(parts: list[Fp8Linear]) -> tuple[Fp8Linear, list[int]]:
+    """One `Fp8Linear` over the rows of `parts` (linears of the same input): its output's columns
+    [first, first + part.out_features) are that part's product. Each part starts on a 128-row scale
+    block (zero rows pad the blocks between: none at V4 widths, whose rows are multiples of 128);
+    its weight and scale become views of the fused ones. → (fused, each part's first column)."""
+    if len({(p.act_fp8, p.impl, p.weight.shape[1]) for p in parts}) != 1:
+        raise ValueError("fused FP8 linears must share the input width, activation scheme and impl")
+    weight, firsts = fuse_weights(parts, "weight", fp8_gemm.BLOCK)
+    # part i's scale rows start at block firsts[i] / 128: every part before it fills whole blocks
+    scale, _ = fuse_weights(parts, "scale")
+    return Fp8Linear(weight, scale, parts[0].impl, parts[0].act_fp8, persistent=False), firsts
 
 
 def _is_projection(module_name: str) -> bool:

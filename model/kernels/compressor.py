@@ -73,7 +73,8 @@ def compress(proj: torch.Tensor, batch, pools, layer: int, ratio: int, kind: str
     meta = batch.meta
     out, state = pools.specs[kind], pools.specs[state_kind]
     state_off = pools._local[state_kind][layer] * state.layer_bytes
-    proj = proj.contiguous()
+    if proj.stride(1) != 1:  # rows may be strided (a slice of a fused product), columns not
+        proj = proj.contiguous()
     rows = 2 * ratio if overlap else ratio
     _emit_kernel[(T,)](
         proj, proj.stride(0), meta.token_seq, meta.positions, meta.seg_start,

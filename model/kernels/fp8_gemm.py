@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from model import quant
 from model.kernels import act_quant, check_impl
 from model.kernels.fp4 import fp8_to_bf16
 
@@ -124,9 +123,7 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     kernel = _fp8_a8_kernel if a8 else _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
     out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype or (torch.bfloat16 if a8 else x3.dtype))
-    if scale.dtype == torch.uint8 and kernel is not _fp8_swap_kernel:  # they multiply by float scales
-        scale = quant.ue8m0_byte_to_scale(scale)
-    elif scale.dtype not in (torch.uint8, torch.float32):
+    if scale.dtype not in (torch.uint8, torch.float32):  # the kernels read UE8M0 bytes or fp32
         scale = scale.float()
     tiles = triton.cdiv(M, cfg.get("BLOCK_M", cfg.get("BLOCK_T"))) * triton.cdiv(N, cfg["BLOCK_N"])
     # split K: each split writes its own fp32 partial and counts its arrival per output tile; the
@@ -238,7 +235,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        s = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
+        s = _scale_values(s_ptr, rows, kb, stride_s, mask_n)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
     if PDL == 3:
@@ -268,6 +265,20 @@ def _store_tile(acc, y_ptr, part_ptr, cnt_ptr, tile, mask, split, stride_part, S
             # every program of the tile has counted: the counter goes back to zero for the next product
             tl.store(cnt_ptr, 0)
             tl.store(y_ptr + tile, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_values(s_ptr, rows, kb, stride_s, mask_n):
+    """fp32 scales [BN] of the rows' 128×128 blocks at K block kb, from fp32 or from UE8M0 bytes
+    (the shared expert's, as `PackedExperts` stores them): 2^(byte - 127) built from its bits,
+    exact (byte 0, 2^-127, reads as 0: a subnormal scale no checkpoint uses). Converted here, a
+    product of the shared expert no longer runs three torch launches on its scales first."""
+    if s_ptr.dtype.element_ty == tl.uint8:
+        b = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=0)
+        s = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=0.0)
+    return s
 
 
 @triton.jit
@@ -346,7 +357,7 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
                     other=0.0)
         x = tl.load(x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        sw = tl.load(s_ptr + (rows // BLOCK_K) * stride_s + kb, mask=mask_n, other=0.0)
+        sw = _scale_values(s_ptr, rows, kb, stride_s, mask_n)
         sx = tl.load(xs_ptr + offs_t * stride_xsm + g * stride_xsg + kb, mask=mask_t, other=0.0)
         acc += tl.dot(w, tl.trans(x)) * (sw[:, None] * sx[None, :])
     tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile

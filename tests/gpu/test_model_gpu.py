@@ -74,6 +74,22 @@ def test_gpu_path_matches_cpu_reference(models):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
 
 
+def test_fused_products_match_unfused(tiny_official_ckpt, models):
+    """`Attention.fuse_products` through the kernels (W8A16, where the products' inputs are not
+    re-quantised): the fused model's logits are the unfused model's up to the order of the sums
+    (the fused products split K their own way) and the indexer head weights, now kept in fp32."""
+    _, fused = models
+    _, plain = load_checkpoint(tiny_official_ckpt, device="cuda")
+    quantize_model(plain, "triton", fuse=False)
+    assert fused.layers[1].attn.fused_qr is not None and plain.layers[1].attn.fused_qr is None
+    pools = KVPools(fused.cfg, "fp8_pack", max_tokens=512, max_seqs=2, device="cuda")
+    fed = []
+    want = _logits(plain, copy.deepcopy(pools), PROMPTS, 8, "cuda", fed=fed)
+    got = _logits(fused, pools, PROMPTS, 8, "cuda", forced=fed)
+    assert rel_err(got, want) < 1e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
 @pytest.fixture(scope="module")
 def w8a8(tiny_official_ckpt):
     """The GPU model as the checkpoint declares it (`activation_scheme` "dynamic"): W8A8 projections."""
