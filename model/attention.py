@@ -158,7 +158,7 @@ class Attention(nn.Module):
         T, pos, eps = x.shape[0], batch.positions, self.cfg.rms_norm_eps
         qa, kv = self._products("fused_x", (self.wq_a, self.wkv), x)
         qr = self.q_norm(qa)
-        q, index_q = self._products("fused_qr", (self.wq_b, self.indexer.wq_b if self.indexer else None), qr)
+        q, index_q = self._products("fused_qr", (self.wq_b, self._index_wq_b()), qr)
         q = rope_ops.q_rms_rope(q.view(T, self.n_heads, self.head_dim), pos, self.rope, eps, self.impl)
         rope_ops.store_kv(kv, batch, pools, self.layer, self.kv_norm.weight, eps, self.rope, self.impl)
         proj, index_proj, index_weights = self._bf16_products(x)
@@ -185,16 +185,16 @@ class Attention(nn.Module):
         The parts' weights become row views of the fused ones: same memory, same state-dict names.
         Fuse on the model's final device: `.to()` afterwards would copy parts and fused tensors
         apart, and the fused products would no longer see loads into the parts."""
-        pairs = {"fused_x": (self.wq_a, self.wkv), "fused_qr": (self.wq_b, self.indexer and self.indexer.wq_b)}
+        pairs = {"fused_x": (self.wq_a, self.wkv), "fused_qr": (self.wq_b, self._index_wq_b())}
         for name, parts in pairs.items():
             if all(isinstance(p, Fp8Linear) for p in parts):
                 fused, self.fused_firsts[name] = fuse_fp8_linears(list(parts))
                 setattr(self, name, fused)
-        parts = self._bf16_linears()
+        groups = self._bf16_linears()
+        parts = [p for group in groups for p in group]
         if len(parts) > 1 and all(p.weight.dtype == torch.bfloat16 for p in parts):
             self.x_products, _ = fuse_weights(parts)
-            rows = [p.weight.shape[0] for p in parts]  # [wkv, wgate] + [wkv, wgate, weights_proj] of the indexer
-            self.x_widths = [rows[0] + rows[1]] + ([rows[2] + rows[3], rows[4]] if len(rows) > 2 else [])
+            self.x_widths = [sum(p.weight.shape[0] for p in group) for group in groups]
 
     def _products(self, name: str, parts: tuple, x: torch.Tensor) -> list[torch.Tensor | None]:
         """[part(x) for part in parts] (None for a missing part), from one product when fused."""
@@ -204,11 +204,16 @@ class Attention(nn.Module):
         y = fused(x)
         return [y[:, first:first + p.out_features] for p, first in zip(parts, self.fused_firsts[name])]
 
-    def _bf16_linears(self) -> list[nn.Linear]:
-        mods = [self.compressor.wkv, self.compressor.wgate] if self.compressor is not None else []
+    def _index_wq_b(self) -> nn.Module | None:
+        return self.indexer.wq_b if self.indexer is not None else None
+
+    def _bf16_linears(self) -> list[list[nn.Linear]]:
+        """The bf16 products of x, one group per `_bf16_products` output: compressor wkv | wgate,
+        then (CSA) the indexer compressor's wkv | wgate and weights_proj."""
+        groups = [[self.compressor.wkv, self.compressor.wgate]] if self.compressor is not None else []
         if self.indexer is not None:
-            mods += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
-        return mods
+            groups += [[self.indexer.compressor.wkv, self.indexer.compressor.wgate], [self.indexer.weights_proj]]
+        return groups
 
     def _bf16_products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """x [T, D] → float32 (compressor.project(x), indexer.compressor.project(x), weights_proj(x)),

@@ -100,9 +100,10 @@ def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
     for name, p in model.named_parameters():
         p.data = p.data.to(_param_dtype(name, p, dtype))
     set_impl(model, impl)
-    for module in model.modules():
-        if fuse and hasattr(module, "fuse_products"):
-            module.fuse_products()
+    if fuse:
+        for module in model.modules():
+            if hasattr(module, "fuse_products"):
+                module.fuse_products()
     return model
 
 

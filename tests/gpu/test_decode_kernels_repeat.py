@@ -21,7 +21,7 @@ from model.kernels import fp8_gemm, mhc, sparse_attention
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import flash_config
-from tests.model.kernel_cases import block_weights, fill_random, random_batch, rel_err
+from tests.model.kernel_cases import block_weights, fill_random, mhc_inputs, random_batch, random_picks, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -76,10 +76,7 @@ def test_sparse_attention_decode_repeats_bit_for_bit(pools, rows, layer, ratio):
     g = torch.Generator(device=DEV).manual_seed(layer + rows)
     q = torch.randn(rows, 64, 512, device=DEV, generator=g).bfloat16()
     sink = torch.randn(64, device=DEV, generator=g)
-    picks = None
-    if ratio == 4:  # distinct random causal entries per query, as the indexer gives
-        n = int((batch.positions.min() + 1) // 4)
-        picks = torch.stack([torch.randperm(n, device=DEV, generator=g)[:512] for _ in range(rows)]).int()
+    picks = random_picks(batch, 512, rows, DEV) if ratio == 4 else None
     args = (q, batch, pools_, layer, ratio, picks, sink, 128, Rope.for_layer(CFG, ratio > 0))
 
     def call():
@@ -93,10 +90,7 @@ def test_sparse_attention_decode_repeats_bit_for_bit(pools, rows, layer, ratio):
 @pytest.mark.parametrize("T", [1, 4, 64])
 def test_mhc_pre_repeats_bit_for_bit(T):
     """The mixes' split-K partials are summed by the last program to arrive."""
-    g = torch.Generator(device=DEV).manual_seed(T)
-    x = torch.randn(T, 4, 4096, device=DEV, generator=g).bfloat16()
-    fn = torch.randn(24, 4 * 4096, device=DEV, generator=g) / 128
-    base, scale = 0.5 * torch.randn(24, device=DEV, generator=g), 0.5 + torch.rand(3, device=DEV, generator=g)
+    x, fn, base, scale = mhc_inputs(T, DEV)
 
     def call():
         return torch.cat([t.flatten().float() for t in mhc.hc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6, "triton")])

@@ -13,7 +13,8 @@ from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import flash_config
-from tests.model.kernel_cases import block_weights, fill_random, random_batch, rel_err, unpack_all
+from tests.model.kernel_cases import (block_weights, fill_random, mhc_inputs, random_batch, random_picks,
+                                      rel_err, unpack_all)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -29,16 +30,6 @@ def pools(request):
     return p
 
 
-def _picks(batch, k, seed):
-    """Distinct random causal entries per query (as the indexer gives), -1 padded."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    n = (batch.positions + 1) // 4
-    scores = torch.rand(n.shape[0], int(n.max()), device=DEV, generator=g)
-    scores = scores.masked_fill(torch.arange(scores.shape[1], device=DEV)[None, :] >= n[:, None], -1.0)
-    values, idx = scores.topk(k, dim=-1)
-    return torch.where(values < 0, -1, idx).int()
-
-
 @pytest.mark.parametrize("shapes", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("layer,ratio", [(0, 0), (2, 4), (3, 128)])
 def test_sparse_attention(pools, shapes, layer, ratio):
@@ -48,7 +39,7 @@ def test_sparse_attention(pools, shapes, layer, ratio):
     g = torch.Generator(device=DEV).manual_seed(3)
     q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
     sink = torch.randn(64, device=DEV, generator=g)
-    picks = _picks(batch, 512, 4) if ratio == 4 else None
+    picks = random_picks(batch, 512, 4, DEV) if ratio == 4 else None
     rope = Rope.for_layer(CFG, ratio > 0)
     args = (q, batch, pools_, layer, ratio, picks, sink, 128, rope)
     ref = sparse_attention.attend(*args, impl="torch")
@@ -136,10 +127,8 @@ def test_fp8_gemm(M, N, K, G):
 
 @pytest.mark.parametrize("T", [1, 256, 4096])
 def test_mhc(T):
-    g = torch.Generator(device=DEV).manual_seed(T)
-    x = torch.randn(T, 4, 4096, device=DEV, generator=g).bfloat16()
-    fn = torch.randn(24, 4 * 4096, device=DEV, generator=g) / 128
-    base, scale = 0.5 * torch.randn(24, device=DEV, generator=g), 0.5 + torch.rand(3, device=DEV, generator=g)
+    x, fn, base, scale = mhc_inputs(T, DEV)
+    g = torch.Generator(device=DEV).manual_seed(T + 1)
     ref = mhc.hc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6, "torch")
     out = mhc.hc_pre(x, fn, base, scale, 4, 20, 1e-6, 1e-6, "triton")
     assert rel_err(out[0], ref[0]) < 5e-3 and rel_err(out[1], ref[1]) < 1e-4 and rel_err(out[2], ref[2]) < 1e-4

@@ -72,3 +72,24 @@ def block_weights(rows: int, K: int, g: torch.Generator, device: str = "cpu") ->
     mag = torch.exp2(torch.randint(-3, 4, blocks, generator=g, device=device).float())
     mag = mag.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :K]
     return torch.randn(rows, K, generator=g, device=device) * mag
+
+
+def random_picks(batch: ForwardBatch, k: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """[T, k] int32: distinct random causal compressed entries per query (as the indexer gives them),
+    -1 padded where a query has fewer than k."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n = (batch.positions + 1) // 4
+    scores = torch.rand(n.shape[0], int(n.max()), device=device, generator=g)
+    scores = scores.masked_fill(torch.arange(scores.shape[1], device=device)[None, :] >= n[:, None], -1.0)
+    values, idx = scores.topk(k, dim=-1)
+    return torch.where(values < 0, -1, idx).int()
+
+
+def mhc_inputs(T: int, device: str = "cpu", hc: int = 4, D: int = 4096):
+    """Random V4-Flash mHC operands: (x [T, hc, D] bf16, fn [24, hc·D], base [24], scale [3])."""
+    g = torch.Generator(device=device).manual_seed(T)
+    x = torch.randn(T, hc, D, device=device, generator=g).bfloat16()
+    fn = torch.randn((2 + hc) * hc, hc * D, device=device, generator=g) / 128
+    base = 0.5 * torch.randn((2 + hc) * hc, device=device, generator=g)
+    scale = 0.5 + torch.rand(3, device=device, generator=g)
+    return x, fn, base, scale

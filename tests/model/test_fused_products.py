@@ -74,7 +74,7 @@ def test_fusion_keeps_the_state_and_adds_no_memory(pair):
                            b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
     for attn in attentions(fused):
         parts = [attn.wq_a, attn.wkv] + ([attn.wq_b, attn.indexer.wq_b] if attn.indexer is not None else [])
-        parts_bf16 = attn._bf16_linears()
+        parts_bf16 = [p for group in attn._bf16_linears() for p in group]
         for p in parts:
             owner = attn.fused_x if p in (attn.wq_a, attn.wkv) else attn.fused_qr
             for name in ("weight", "scale"):
