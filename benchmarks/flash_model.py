@@ -17,6 +17,7 @@ from torch import nn
 
 from model.batch import ForwardBatch
 from model.config import ModelConfig
+from model.kernels import mhc
 from model.kv_pool import KVPools, SeqKV, STATE_KINDS
 from model.moe import MoE
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
@@ -58,8 +59,10 @@ def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
         dtype = _param_dtype(name, torch.empty(shape, device="meta"), torch.bfloat16)
         t = values[name].to(device, dtype) if name in values else torch.empty(shape, dtype=dtype, device="meta")
         setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
-    if fuse and torch.device(device).type != "meta":
-        block.attn.fuse_products()
+    if torch.device(device).type != "meta":
+        block.hc_arrivals = mhc.arrival_counters(device)  # a buffer, built on the meta device above
+        if fuse:
+            block.attn.fuse_products()
     return block
 
 
@@ -81,10 +84,10 @@ class LayerStack(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = True) -> torch.Tensor:
-        x = self.table[batch.input_ids % self.table.shape[0]]
+        res = mhc.Residual(self.table[batch.input_ids % self.table.shape[0]])
         for block in self.blocks:
-            x = block(x, batch, pools)
-        return x
+            res = block(res, batch, pools)
+        return mhc.settle(res, self.blocks[-1].impl)
 
 
 def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0,

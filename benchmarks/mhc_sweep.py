@@ -1,11 +1,13 @@
-"""Launch-shape sweep of the mHC mixes kernel (`hc_pre`) at V4-Flash width (4 streams × 4096):
-tokens per program, K per step, warps, K splits. GPU time
-per hc_pre call (mixes + Sinkhorn + collapse) and its read bandwidth; decode sizes (up to 256
-tokens) are timed from CUDA-graph replays, where a call's launch overhead would otherwise dominate,
-and also sweep K splits up to 128.
+"""Launch-shape sweep of the mHC entry kernels at V4-Flash width (4 streams × 4096): the mixes
+kernel's tokens per program, K per step, warps, K splits, and up to 8 tokens the one-launch
+kernel's columns per program. GPU time per sub-block entry as the model runs it (`sublayer_input`:
+the pending hc_post, mixes, Sinkhorn, collapse and RMSNorm) and the bandwidth of its compulsory
+bytes (fn, the old streams, the sub-block output, the new streams written and read back, the
+normed row); decode sizes (up to 256 tokens) are timed from CUDA-graph replays, where a call's
+launch overhead would otherwise dominate, and also sweep K splits up to 64.
 
     python benchmarks/mhc_sweep.py --out $OUT/mhc_sweep.json --tokens 8192
-    python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 64 256
+    python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 2 4 64 256
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--bt", type=int, nargs="+", help="tokens per program (default: by token count)")
     ap.add_argument("--bk", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--columns", type=int, nargs="+", default=[16, 32, 64],
+                    help="D columns per program of the few-token kernel (up to 8 tokens)")
     ap.add_argument("--splits", type=int, nargs="+", help="K splits (default: by token count; 0 = the heuristic)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -40,23 +44,37 @@ def main() -> None:
     base, scale = 0.5 * torch.randn(MIX, device="cuda", generator=g), 0.5 + torch.rand(3, device="cuda", generator=g)
     results = []
     for T in args.tokens:
-        x = torch.randn(T, HC, D, device="cuda", generator=g).bfloat16()
-        ref = mhc.hc_pre(x, fn, base, scale, HC, 20, 1e-6, 1e-6, "torch")
+        res = mhc.Residual(torch.randn(T, HC, D, device="cuda", generator=g).bfloat16(),
+                           torch.randn(T, D, device="cuda", generator=g).bfloat16(),
+                           2 * torch.rand(T, HC, device="cuda", generator=g),
+                           torch.softmax(torch.randn(T, HC, HC, device="cuda", generator=g), -1))
+        w = 1 + 0.1 * torch.randn(D, device="cuda", generator=g)
+        arrivals = mhc.arrival_counters("cuda")
+
+        def entry(impl, tiles=None):
+            return mhc.sublayer_input(res, fn, base, scale, w, 1e-6, HC, 20, 1e-6, 1e-6, impl, arrivals, tiles)
+
+        ref = entry("torch")
+        nbytes = fn.numel() * 4 + T * D * 2 * (3 * HC + 2)
         default = mhc.MIX_TILES
         decode = T <= 256
         splits = ([sp or None for sp in args.splits] if args.splits else
-                  (None, 2, 4, 8, 16, 32, 64, 128) if decode else (None, 2, 4))
+                  (None, 2, 4, 8, 16, 32, 64) if decode else (None, 2, 4))
         bts = args.bt or ((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,))
         shapes = [None] + [mhc.MixTiles(bt, bk, nw, split) for bt, bk, nw, split in
                            itertools.product(bts, args.bk, args.warps, splits)]
+        if T <= 8:  # the one-launch kernel of a few tokens
+            shapes += [mhc.SmallTiles(cd, nw) for cd, nw in itertools.product(args.columns, args.warps)]
         for tiles in shapes:
-            row = {"tokens": T, "tiles": str(tiles or default), "default": tiles is None}
+            row = {"tokens": T, "tiles": str(tiles or (mhc.SMALL_TILES if T <= mhc.SMALL_TOKENS else default)),
+                   "default": tiles is None}
             try:
-                call = lambda: mhc.hc_pre(x, fn, base, scale, HC, 20, 1e-6, 1e-6, "triton", tiles=tiles)  # noqa: E731
+                call = lambda: entry("triton", tiles)  # noqa: E731
                 out = call()
-                row["max_diff_comb"] = float((out[2] - ref[2]).abs().max())
+                row["max_diff_comb"] = float((out[3] - ref[3]).abs().max())
+                row["max_diff_input"] = float((out[1].float() - ref[1].float()).abs().max())
                 row["ms"] = (bench_graph(call) if decode else bench(call, warmup=2, reps=10)) * 1e3
-                row["GBps"] = x.numel() * 2 * 2 / row["ms"] / 1e6  # mixes read x once, the collapse once more
+                row["GBps"] = nbytes / row["ms"] / 1e6
             except Exception as e:  # a shape that does not fit (shared memory, registers) is a result
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             results.append(row)

@@ -38,20 +38,26 @@ class Block(nn.Module):
         self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size))
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+        # the mixes kernel's arrival counters, zero between calls (the calls run in stream order)
+        self.register_buffer("hc_arrivals", mhc.arrival_counters(), persistent=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
-        """x [T, hc, D] → [T, hc, D]."""
-        collapsed, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = mhc.hc_post(self.attn(self.attn_norm(collapsed), batch, pools), x, post, comb, self.impl)
-        collapsed, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return mhc.hc_post(self.ffn(self.ffn_norm(collapsed), batch.input_ids), x, post, comb, self.impl)
+    def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
+        """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
+        entry's kernel to apply (`mhc.Residual`)."""
+        x, h, post, comb = self._enter(res, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        res = mhc.Residual(x, self.attn(h, batch, pools), post, comb)
+        x, h, post, comb = self._enter(res, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        return mhc.Residual(x, self.ffn(h, batch.input_ids), post, comb)
 
-    def _pre(self, x, fn, base, scale):
+    def _enter(self, res, fn, base, scale, norm: RMSNorm):
         c = self.cfg
-        return mhc.hc_pre(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, self.impl)
+        return mhc.sublayer_input(res, fn, base, scale, norm.weight, norm.eps, c.hc_mult, c.hc_sinkhorn_iters,
+                                  c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
 
-    def head(self, x: torch.Tensor, fn, base, scale) -> torch.Tensor:
-        return mhc.hc_head(x, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps, self.impl)
+    def head(self, res: mhc.Residual, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
+        """The LM head's input norm(hc_head(streams)) [T, D]."""
+        return mhc.head_input(res, fn, base, scale, norm.weight, norm.eps, self.cfg.hc_eps, self.cfg.rms_norm_eps,
+                              self.impl, self.hc_arrivals)
 
 
 class MTPBlock(Block):
@@ -88,6 +94,7 @@ class Transformer(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("hc_arrivals", mhc.arrival_counters(), persistent=False)
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
 
@@ -100,14 +107,17 @@ class Transformer(nn.Module):
         With `return_streams` also returns the final residual streams [T, hc, D] (the MTP input).
         """
         x = self.embed(batch.input_ids)
-        x = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        res = mhc.Residual(x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous())
         for layer in self.layers:
-            x = layer(x, batch, pools)
+            res = layer(res, batch, pools)
+        if return_streams:
+            res = mhc.Residual(mhc.settle(res, self.impl))
         rows = slice(None) if all_logits else batch.last_rows
-        h = self.norm(mhc.hc_head(x[rows], self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
-                                  self.cfg.rms_norm_eps, self.impl))
+        c = self.cfg
+        h = mhc.head_input(res.rows(rows), self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight,
+                           self.norm.eps, c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
         logits = self.head(h).float()
-        return (logits, x) if return_streams else logits
+        return (logits, res.x) if return_streams else logits
 
     @torch.no_grad()
     def forward_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
@@ -116,6 +126,6 @@ class Transformer(nn.Module):
         mtp = self.mtp[0]
         e = mtp.enorm(self.embed(batch.input_ids))
         x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
-        x = mtp(x, batch, pools)
-        h = mtp.norm(mtp.head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale))
+        res = mtp(mhc.Residual(x), batch, pools)
+        h = mtp.head(res, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
         return self.head(h).float()

@@ -7,16 +7,21 @@ x [T, hc, D]. Around each sub-block:
 * `hc_post`: new streams = post ⊗ out + combᵀ · x (in the activations' dtype);
 * `hc_head`: the final collapse with pre only.
 
-The mixes GEMM runs on the tensor cores with fn split into bf16 hi + lo parts (the streams are
-bf16 on the GPU, exact there), which keeps fp32-level accuracy at bf16 speed.
+The model enters each sub-block through `sublayer_input`: the previous sub-block's `hc_post`
+(left pending in a `Residual`), `hc_pre` and the RMSNorm of the collapse, which the reference runs
+as ~55 small torch ops. The kernels (kernels/mhc_kernels.py):
 
-Kernels: `hc_pre` is two launches where the reference takes ~50 small torch ops. `_mix_kernel`
-does the skinny mixes GEMM on the tensor cores with Σx² for the RMS factor, its K split over
-programs when there are few tokens (decode: one block of tokens would otherwise run the whole
-16K-long dot alone); the partial sums are added in a fixed order, so results are deterministic.
-`_pre_kernel` takes the mixes to pre/post, runs every Sinkhorn iteration in registers and writes
-the weighted collapse. `_post_kernel` fuses the mixing of `hc_post`, rounding where the
-reference rounds.
+* up to `SMALL_TOKENS` tokens (decode of a small batch), one launch, `_entry_small_kernel`: its
+  programs split D, settle the pending streams, take their share of the mixes on the CUDA cores,
+  and the last to arrive (a counter) adds the shares, runs the Sinkhorn iterations and writes the
+  normed collapse. Four launches before it (post, mixes, Sinkhorn with the collapse, norm) each
+  paid their latency at one token;
+* from more tokens, `_post_kernel`, then `_mix_kernel`: the skinny mixes GEMM on the tensor cores
+  with Σx² for the RMS factor, its K split over programs when there are few tokens (one block of
+  tokens would otherwise run the whole 16K-long dot alone), then `_pre_kernel`: the partial sums
+  added in split order (deterministic), every Sinkhorn iteration in registers and the collapse,
+  and the RMSNorm. The mixes GEMM splits fn into bf16 hi + lo parts (the streams are bf16 on
+  the GPU, exact there), which keeps fp32-level accuracy at bf16 speed.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from model.kernels import check_impl
+from model.kernels import check_impl, rmsnorm
+from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_kernel, _pre_kernel
 
 
 # ---------------------------------------------------------------------------------------
@@ -70,6 +75,23 @@ def reference_post(out, x, post, comb):
 # ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class Residual:
+    """The residual streams between sub-blocks: x [T, hc, D] and, while the last sub-block's
+    `hc_post` is pending, its output `out` [T, D] with post [T, hc] and comb [T, hc, hc] (fp32);
+    the streams' value is then post ⊗ out + combᵀ · x. The next `sublayer_input` settles them in
+    the kernel that reads them anyway (one launch and one pass over the streams fewer)."""
+    x: torch.Tensor
+    out: torch.Tensor | None = None
+    post: torch.Tensor | None = None
+    comb: torch.Tensor | None = None
+
+    def rows(self, rows) -> "Residual":
+        """The same residual for token rows `rows` (an index of the first dim)."""
+        pick = (lambda t: None if t is None else t[rows])  # noqa: E731
+        return Residual(self.x[rows], pick(self.out), pick(self.post), pick(self.comb))
+
+
+@dataclasses.dataclass(frozen=True)
 class MixTiles:
     """Launch shape of `_mix_kernel`: tokens per program, K per step, warps, K splits (None: enough
     programs for ~2 waves); and of `_pre_kernel`'s collapse: D splits (None: likewise, in chunks
@@ -88,13 +110,61 @@ class MixTiles:
 MIX_TILES = MixTiles(bt=64)
 
 
+@dataclasses.dataclass(frozen=True)
+class SmallTiles:
+    """Launch shape of `_entry_small_kernel`: D columns per program (of every stream), warps."""
+    columns: int = 32
+    num_warps: int = 4
+
+
+# Up to this many tokens a sub-block entry is one launch (`_entry_small_kernel`). H200, graph
+# replays of the entry with a pending hc_post (benchmarks/mhc_sweep.py against the four launches
+# it replaces): 15.4 / 16.2 µs at 1 / 2 tokens against 17.4 / 19.9; at 4 tokens 26.9 against 20.0
+SMALL_TOKENS = 2
+SMALL_TILES = SmallTiles()
+
+
+def arrival_counters(device: torch.device | str | None = None) -> torch.Tensor:
+    """A zeroed arrival counter of `_entry_small_kernel` (on `device`, else the default device).
+    The last program to arrive sets it back to zero, so it is filled once; calls on one counter
+    must run in stream order."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def settle(res: Residual, impl: str) -> torch.Tensor:
+    """The streams [T, hc, D] of `res`, its pending hc_post applied."""
+    return res.x if res.out is None else hc_post(res.out, res.x, res.post, res.comb, impl)
+
+
+def sublayer_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc: int, iters: int,
+                   hc_eps: float, rms_eps: float, impl: str, arrivals: torch.Tensor | None = None,
+                   tiles: "MixTiles | SmallTiles | None" = None):
+    """Enter a sub-block: → (streams x [T, hc, D] settled, its input rms_norm(collapsed) [T, D],
+    post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: an `arrival_counters` buffer (else
+    one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning)."""
+    if check_impl(impl) == "torch":
+        x = settle(res, impl)
+        collapsed, post, comb = reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
+        return x, rmsnorm.reference(collapsed, norm_weight, norm_eps), post, comb
+    return _enter(res, fn, base, scale, hc, iters, hc_eps, rms_eps, False, norm_weight, norm_eps, arrivals, tiles)
+
+
+def head_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc_eps: float, rms_eps: float,
+               impl: str, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head's input rms_norm(hc_head(streams)) [T, D] (fn [hc, hc·D], scale [1])."""
+    if check_impl(impl) == "torch":
+        x = settle(res, impl)
+        return rmsnorm.reference(reference_head(x, fn, base, scale, hc_eps, rms_eps), norm_weight, norm_eps)
+    return _enter(res, fn, base, scale, res.x.shape[1], 0, hc_eps, rms_eps, True, norm_weight, norm_eps, arrivals)[1]
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-           hc_eps: float, rms_eps: float, impl: str, tiles: MixTiles | None = None):
+           hc_eps: float, rms_eps: float, impl: str, tiles: "MixTiles | SmallTiles | None" = None):
     """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32).
-    `tiles` overrides `MIX_TILES` (tuning)."""
+    `tiles` overrides the launch shape and the kernel (tuning)."""
     if check_impl(impl) == "torch":
         return reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
-    return _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head=False, tiles=tiles)
+    return _enter(Residual(x), fn, base, scale, hc, iters, hc_eps, rms_eps, False, tiles=tiles)[1:]
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
@@ -102,7 +172,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """x [T, hc, D] → [T, D] (fn [hc, hc·D], scale [1])."""
     if check_impl(impl) == "torch":
         return reference_head(x, fn, base, scale, hc_eps, rms_eps)
-    return _launch_pre(x, fn, base, scale, x.shape[1], 0, hc_eps, rms_eps, head=True)[0]
+    return _enter(Residual(x), fn, base, scale, x.shape[1], 0, hc_eps, rms_eps, True)[1]
 
 
 def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, impl: str) -> torch.Tensor:
@@ -120,169 +190,61 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
     return new
 
 
-def _launch_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, tiles: MixTiles | None = None):
-    T, _, D = x.shape
-    x = x.contiguous()
-    collapsed = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
-    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
-    if T:
-        if hc * hc != 16:
-            raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
-        tiles = tiles or MIX_TILES
-        fn = fn.float().contiguous()
-        blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
-        split = tiles.split or 1
-        while tiles.split is None and blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
-            split *= 2  # decode: spread K over programs until ~2 waves of the GPU
-        partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=x.device)  # mixes | Σx²
-        _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
-                                     HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
-        bt = 16 if T <= 2048 else 32
-        # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
-        # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
-        d_split = tiles.collapse_split or max(1, min(264 // triton.cdiv(T, bt), triton.cdiv(D, 256)))
-        chunk = triton.cdiv(D, d_split)
-        bd = min(256, triton.next_power_of_2(chunk))
-        _pre_kernel[(triton.cdiv(T, bt), d_split)](
-            x, partial, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb,
-            T, D, triton.cdiv(chunk, bd) * bd, iters, hc_eps, rms_eps, HC=hc, BT=bt, NP=16, BD=bd,
-            SPLIT=split, HEAD=head, num_warps=4)
-    return collapsed, post, comb
-
-
-# ---------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------
-
-@triton.jit
-def _split(v):
-    """fp32 → bf16 hi + lo with hi + lo ≈ v to ~16 mantissa bits."""
-    hi = v.to(tl.bfloat16)
-    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, X_FP32: tl.constexpr):
-    """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero).
-
-    fn is fp32; it is split into bf16 hi + lo parts and both go through the tensor cores: with x
-    exact in bf16 (the GPU's streams) the sum carries ~16 mantissa bits of fn, where one bf16
-    product would carry 8. fp32 streams are split the same way (three products)."""
-    r = tl.arange(0, NP)
-    w = tl.load(fn_ptr + (row0 + r)[:, None] * K + offs_k[None, :], mask=(r < n_rows)[:, None] & (offs_k < K)[None, :],
-                other=0.0)
-    hi, lo = _split(w)
-    acc += tl.dot(x_hi, tl.trans(hi)) + tl.dot(x_hi, tl.trans(lo))
-    if X_FP32:
-        acc += tl.dot(x_lo, tl.trans(hi))
-    return acc
-
-
-@triton.jit
-def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                NP: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr, X_FP32: tl.constexpr):
-    """Partial mixes x · fnᵀ (three row groups of fn, each padded to NP) and Σ x² over this
-    program's share of K (steps split, split + SPLIT, ...) → out[split, t] = [pre | post | comb | Σx²]."""
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
-    split = tl.program_id(1)
-    tmask = tok < T
-    K = HC * D
-    a_pre = tl.zeros((BT, NP), tl.float32)
-    a_post = tl.zeros((BT, NP), tl.float32)
-    a_comb = tl.zeros((BT, NP), tl.float32)
-    sq = tl.zeros((BT,), tl.float32)
-    for k0 in range(split * BK, K, SPLIT * BK):
-        offs_k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        sq += tl.sum(xf * xf, axis=1)
-        x_hi, x_lo = _split(xf)
-        a_pre = _fn_dot(a_pre, x_hi, x_lo, fn_ptr, 0, HC, offs_k, K, NP, X_FP32)
-        if not HEAD:
-            a_post = _fn_dot(a_post, x_hi, x_lo, fn_ptr, HC, HC, offs_k, K, NP, X_FP32)
-            a_comb = _fn_dot(a_comb, x_hi, x_lo, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP, X_FP32)
-    cols = tl.arange(0, NP)
-    row = out_ptr + (split * T + tok)[:, None].to(tl.int64) * (3 * NP + 1)
-    m = tmask[:, None]
-    tl.store(row + cols[None, :], a_pre, mask=m)
-    tl.store(row + NP + cols[None, :], a_post, mask=m)
-    tl.store(row + 2 * NP + cols[None, :], a_comb, mask=m)
-    tl.store(row + 3 * NP + cols[None, :] * 0, sq[:, None], mask=m & (cols == 0)[None, :])
-
-
-@triton.jit
-def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, D_CHUNK, iters, hc_eps,
-                rms_eps, HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                HEAD: tl.constexpr):
-    """From the mixes (`_mix_kernel`'s SPLIT partial sums, added here in split order: deterministic):
-    pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ over the D columns
-    [pid1 · D_CHUNK, (pid1 + 1) · D_CHUNK); every D chunk's program derives pre, the first also
-    stores post and comb."""
-    d_first = tl.program_id(1) * D_CHUNK
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = tok < T
-    K = HC * D
-    cols = tl.arange(0, NP)
-    a_pre = tl.zeros((BT, NP), tl.float32)
-    a_post = tl.zeros((BT, NP), tl.float32)
-    a_comb = tl.zeros((BT, NP), tl.float32)
-    sq = tl.zeros((BT,), tl.float32)
-    for part in tl.static_range(SPLIT):
-        row = mix_ptr + (part * T + tok[:, None]).to(tl.int64) * (3 * NP + 1)
-        a_pre += tl.load(row + cols[None, :], mask=tmask[:, None], other=0.0)
-        a_post += tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
-        a_comb += tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
-        sq += tl.load(mix_ptr + (part * T + tok).to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
-    r = tl.rsqrt(sq / K + rms_eps)[:, None]
-    pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
-    pre = tl.where((cols < HC)[None, :], pre, 0.0)
-    if not HEAD and d_first == 0:
-        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
-                                                                              other=0.0))
-        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
-        # comb: softmax over each row i of the hc×hc matrix, then Sinkhorn-Knopp
-        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
-        c = tl.reshape(logit, (BT, HC, NP // HC))  # NP == HC·HC: [t, i, j]
-        c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-        c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
-        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], tl.reshape(c, (BT, NP)), mask=tmask[:, None])
-    # collapsed = Σᵢ preᵢ · xᵢ
-    streams = tl.arange(0, HC)
-    pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
-    for d0 in range(d_first, tl.minimum(d_first + D_CHUNK, D), BD):
-        offs_d = d0 + tl.arange(0, BD)
-        ptr = x_ptr + tok[:, None, None].to(tl.int64) * K + streams[None, :, None] * D + offs_d[None, None, :]
-        xs = tl.load(ptr, mask=tmask[:, None, None] & (offs_d < D)[None, None, :], other=0.0).to(tl.float32)
-        tl.store(col_ptr + tok[:, None].to(tl.int64) * D + offs_d[None, :],
-                 tl.sum(pre_s[:, :, None] * xs, axis=1).to(col_ptr.dtype.element_ty),
-                 mask=tmask[:, None] & (offs_d < D)[None, :])
-
-
-@triton.jit
-def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
-                 ROUND_BF16: tl.constexpr):
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask = offs < D
-    s = tl.arange(0, HC)
-    o = tl.load(out_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :], mask=mask[None, :],
-                other=0.0).to(tl.float32)  # [HC(j), BD]
-    post = tl.load(post_ptr + t * HC + s)
-    comb = tl.load(comb_ptr + t * HC * HC + s[:, None] * HC + s[None, :])  # [j, i]
-    if ROUND_BF16:  # the reference mixes in the activations' dtype
-        post = post.to(tl.bfloat16).to(tl.float32)
-        comb = comb.to(tl.bfloat16).to(tl.float32)
-    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [i, BD] = Σ_j comb[j, i] x_j
-    scaled = post[:, None] * o[None, :]
-    if ROUND_BF16:
-        mixed = mixed.to(tl.bfloat16).to(tl.float32)
-        scaled = scaled.to(tl.bfloat16).to(tl.float32)
-    tl.store(new_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :],
-             (scaled + mixed).to(new_ptr.dtype.element_ty), mask=mask[None, :])
+def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, norm_weight=None,
+           norm_eps: float = 0.0, arrivals: torch.Tensor | None = None, tiles: "MixTiles | SmallTiles | None" = None):
+    """The kernels' sub-block entry → (streams x, collapsed [T, D] (RMSNormed with `norm_weight`
+    when given), post, comb): one launch up to `SMALL_TOKENS` tokens, else hc_post (when pending),
+    the mixes, Sinkhorn with the collapse, and the norm (when given)."""
+    T, _, D = res.x.shape
+    if hc * hc != 16:
+        raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
+    dev = res.x.device
+    pending = res.out is not None
+    xp = res.x.contiguous()
+    x = torch.empty_like(xp) if pending else xp
+    post = torch.empty(T, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
+    out = torch.empty(T, D, dtype=xp.dtype, device=dev)
+    if not T:
+        return x, out, post, comb
+    if arrivals is None:
+        arrivals = arrival_counters(dev)
+    pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
+    o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
+                       else (xp, post, comb))  # unread without a pending output
+    fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
+    w = pre if norm_weight is None else norm_weight  # unread without a norm
+    if isinstance(tiles, SmallTiles) or (T <= SMALL_TOKENS and tiles is None):
+        small = tiles or SMALL_TILES
+        bt = max(2, triton.next_power_of_2(T))
+        cd = small.columns
+        split = triton.cdiv(D, cd)
+        partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
+        _entry_small_kernel[(split,)](
+            x, xp, o, postp, combp, fn, partial, arrivals, base, scale, w, out, pre, post, comb, T, D, iters,
+            hc_eps, rms_eps, norm_eps, HC=hc, BT=bt, CD=cd, NR=32, NP=16, BD=min(1024, triton.next_power_of_2(D)),
+            SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
+            HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16)
+        return x, out, post, comb
+    if pending:
+        x = hc_post(res.out, xp, res.post, res.comb, "triton")
+    tiles = tiles or MIX_TILES
+    blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
+    split = tiles.split or 1
+    while tiles.split is None and blocks * split * 2 <= 264 and k_steps // (split * 2) >= 4:
+        split *= 2  # decode: spread K over programs until ~2 waves of the GPU
+    partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=dev)  # mixes | Σx²
+    _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
+                                 HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
+    bt = 16 if T <= 2048 else 32
+    # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
+    # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
+    d_split = tiles.collapse_split or max(1, min(264 // triton.cdiv(T, bt), triton.cdiv(D, 256)))
+    chunk = triton.cdiv(D, d_split)
+    bd = min(256, triton.next_power_of_2(chunk))
+    _pre_kernel[(triton.cdiv(T, bt), d_split)](
+        x, partial, base, scale, out, post, comb, T, D, triton.cdiv(chunk, bd) * bd, iters, hc_eps, rms_eps,
+        HC=hc, BT=bt, NP=16, BD=bd, SPLIT=split, HEAD=head, num_warps=4)
+    if norm_weight is not None:
+        out = rmsnorm.rms_norm(out, norm_weight, norm_eps, "triton")
+    return x, out, post, comb

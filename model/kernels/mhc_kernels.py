@@ -1,0 +1,328 @@
+"""The Triton kernels of mHC (launched and documented by kernels/mhc.py).
+
+`_entry_small_kernel` is a whole sub-block entry of a few tokens in one launch: the previous
+sub-block's pending `hc_post`, the mixes, pre / post / Sinkhorn comb, the collapse and its RMSNorm.
+From more tokens the entry is `_post_kernel` (hc_post), `_mix_kernel` (the mixes on the tensor
+cores, K split over programs when there are few token blocks) and `_pre_kernel` (pre / post /
+Sinkhorn comb and the collapse), then the RMSNorm (kernels/rmsnorm.py).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split(v):
+    """fp32 → bf16 hi + lo with hi + lo ≈ v to ~16 mantissa bits."""
+    hi = v.to(tl.bfloat16)
+    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, X_FP32: tl.constexpr):
+    """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero).
+
+    fn is fp32; it is split into bf16 hi + lo parts and both go through the tensor cores: with x
+    exact in bf16 (the GPU's streams) the sum carries ~16 mantissa bits of fn, where one bf16
+    product would carry 8. fp32 streams are split the same way (three products)."""
+    r = tl.arange(0, NP)
+    w = tl.load(fn_ptr + (row0 + r)[:, None] * K + offs_k[None, :], mask=(r < n_rows)[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    hi, lo = _split(w)
+    acc += tl.dot(x_hi, tl.trans(hi)) + tl.dot(x_hi, tl.trans(lo))
+    if X_FP32:
+        acc += tl.dot(x_lo, tl.trans(hi))
+    return acc
+
+
+@triton.jit
+def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                NP: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr, X_FP32: tl.constexpr):
+    """Partial mixes x · fnᵀ (three row groups of fn, each padded to NP) and Σ x² over this
+    program's share of K (steps split, split + SPLIT, ...) → out[split, t] = [pre | post | comb | Σx²]."""
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    split = tl.program_id(1)
+    tmask = tok < T
+    K = HC * D
+    a_pre = tl.zeros((BT, NP), tl.float32)
+    a_post = tl.zeros((BT, NP), tl.float32)
+    a_comb = tl.zeros((BT, NP), tl.float32)
+    sq = tl.zeros((BT,), tl.float32)
+    for k0 in range(split * BK, K, SPLIT * BK):
+        offs_k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=tmask[:, None] & (offs_k < K)[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        x_hi, x_lo = _split(xf)
+        a_pre = _fn_dot(a_pre, x_hi, x_lo, fn_ptr, 0, HC, offs_k, K, NP, X_FP32)
+        if not HEAD:
+            a_post = _fn_dot(a_post, x_hi, x_lo, fn_ptr, HC, HC, offs_k, K, NP, X_FP32)
+            a_comb = _fn_dot(a_comb, x_hi, x_lo, fn_ptr, 2 * HC, HC * HC, offs_k, K, NP, X_FP32)
+    cols = tl.arange(0, NP)
+    row = out_ptr + (split * T + tok)[:, None].to(tl.int64) * (3 * NP + 1)
+    m = tmask[:, None]
+    tl.store(row + cols[None, :], a_pre, mask=m)
+    tl.store(row + NP + cols[None, :], a_post, mask=m)
+    tl.store(row + 2 * NP + cols[None, :], a_comb, mask=m)
+    tl.store(row + 3 * NP + cols[None, :] * 0, sq[:, None], mask=m & (cols == 0)[None, :])
+
+
+@triton.jit
+def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
+                        w_ptr, out_ptr, pre_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps, norm_eps,
+                        HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
+                        BD: tl.constexpr, SPLIT_PAD: tl.constexpr, HEAD: tl.constexpr, POST: tl.constexpr,
+                        ROUND_BF16: tl.constexpr, NORM: tl.constexpr):
+    """A whole sub-block entry of a few tokens (all T in one block) in one launch.
+
+    Program p owns D columns [p·CD, (p+1)·CD) of every stream: it settles them (POST) and writes
+    them to x, and takes their share of the mixes on the CUDA cores in fp32 (fn rows padded to
+    NR, Σx² in column NR - 1) into `part` row p: a few tokens make the tensor cores' 16-row tiles
+    mostly padding, and one wide load of the program's fn columns replaces a chain of K steps.
+    The last program to arrive (the counter, zeroed again by it) adds the partials (a fixed tree:
+    deterministic), derives pre / post / Sinkhorn comb, and writes the collapse Σᵢ preᵢ·xᵢ,
+    rounded to x's dtype and RMSNormed with w (NORM) into out [T, D]."""
+    p = tl.program_id(0)
+    SPLIT = tl.num_programs(0)
+    t = tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    K = HC * D
+    s = tl.arange(0, HC)
+    d = p * CD + tl.arange(0, CD)
+    m3 = tmask[:, None, None] & (d < D)[None, None, :]
+    ptrs = x_ptr + t64[:, None, None] * K + s[None, :, None] * D + d[None, None, :]  # [BT, HC, CD]
+    if POST:
+        o = tl.load(o_ptr + t64[:, None] * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        pst = tl.load(postp_ptr + t[:, None] * HC + s[None, :], mask=tmask[:, None], other=0.0)
+        if ROUND_BF16:
+            pst = pst.to(tl.bfloat16).to(tl.float32)
+        mixed = tl.zeros((BT, HC, CD), tl.float32)
+        for j in tl.static_range(HC):  # Σⱼ comb[j, i]·xⱼ
+            xj = tl.load(xp_ptr + t64[:, None] * K + j * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :],
+                         other=0.0).to(tl.float32)
+            cj = tl.load(combp_ptr + t[:, None] * (HC * HC) + j * HC + s[None, :], mask=tmask[:, None], other=0.0)
+            if ROUND_BF16:
+                cj = cj.to(tl.bfloat16).to(tl.float32)
+            mixed += cj[:, :, None] * xj[:, None, :]
+        scaled = pst[:, :, None] * o[:, None, :]
+        if ROUND_BF16:
+            mixed = mixed.to(tl.bfloat16).to(tl.float32)
+            scaled = scaled.to(tl.bfloat16).to(tl.float32)
+        xs = (scaled + mixed).to(x_ptr.dtype.element_ty)
+        tl.store(ptrs, xs, mask=m3)
+    else:
+        xs = tl.load(ptrs, mask=m3, other=0.0)
+    xf = tl.reshape(xs.to(tl.float32), (BT, HC * CD))
+    c = tl.arange(0, HC * CD)
+    r = tl.arange(0, NR)
+    n_rows = HC if HEAD else (2 + HC) * HC
+    f = tl.load(fn_ptr + r[:, None] * K + (c // CD * D + p * CD + c % CD)[None, :],
+                mask=(r < n_rows)[:, None] & ((p * CD + c % CD) < D)[None, :], other=0.0)  # [NR, HC·CD]
+    mixes = tl.sum(xf[:, None, :] * f[None, :, :], axis=2)  # [BT, NR]
+    mixes = tl.where(r[None, :] == NR - 1, tl.sum(xf * xf, axis=1)[:, None], mixes)
+    tl.store(part_ptr + p * BT * NR + t64[:, None] * NR + r[None, :], mixes, cache_modifier=".cg")  # [SPLIT, BT, NR]
+    tl.debug_barrier()  # every thread's stores (x and part) before the release below
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if old != SPLIT - 1:
+        return
+    tl.debug_barrier()
+    tl.store(cnt_ptr, 0)
+    # every partial in one load (a fixed-shape sum: deterministic)
+    j = tl.arange(0, SPLIT_PAD)
+    rows = part_ptr + (j * BT * NR)[:, None, None] + (t64[:, None] * NR + r[None, :])[None, :, :]
+    total = tl.sum(tl.load(rows, mask=(j < SPLIT)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
+    cols = tl.arange(0, NP)
+    a_pre = _group(total, r, cols, 0, HC)
+    a_post = _group(total, r, cols, HC, HC)
+    a_comb = _group(total, r, cols, 2 * HC, HC * HC)
+    sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
+    pre = _finish(a_pre, a_post, a_comb, sq, t, tmask, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters,
+                  hc_eps, rms_eps, HC, NP, HEAD)
+    # the collapse of the settled streams (every program's x, published before its release)
+    pre_s = tl.sum(tl.where(cols[None, None, :] == s[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
+    ss = tl.zeros((BT,), tl.float32)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        dm = tmask[:, None] & (dd < D)[None, :]
+        xc = tl.load(x_ptr + t64[:, None, None] * K + s[None, :, None] * D + dd[None, None, :], mask=dm[:, None, :],
+                     other=0.0, cache_modifier=".cg").to(tl.float32)
+        col = tl.sum(pre_s[:, :, None] * xc, axis=1).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
+        cf = col.to(tl.float32)
+        ss += tl.sum(cf * cf, axis=1)
+    if NORM:
+        tl.debug_barrier()  # the collapse rows above, stored by other threads, before they are read back
+        scale = tl.rsqrt(ss / D + norm_eps)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            dm = tmask[:, None] & (dd < D)[None, :]
+            cf = tl.load(out_ptr + t64[:, None] * D + dd[None, :], mask=dm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64[:, None] * D + dd[None, :],
+                     (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _group(total, r, cols, first, n):
+    """Columns first .. first + n of total [BT, NR] as the leading columns of a [BT, NP] tensor
+    (zero past n): a register shuffle, where a store and a reload would cost an L2 round trip."""
+    pick = (r[None, None, :] == (cols + first)[None, :, None]) & (cols < n)[None, :, None]
+    return tl.sum(tl.where(pick, total[:, None, :], 0.0), axis=2)
+
+
+@triton.jit
+def _finish(a_pre, a_post, a_comb, sq, tok, tmask, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters,
+            hc_eps, rms_eps, HC: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr):
+    """From the full mixes [BT, NP] per group and Σx² [BT]: store pre [T, HC], post [T, HC] and the
+    Sinkhorn comb [T, HC, HC]; return pre [BT, NP] (columns past HC are zero)."""
+    cols = tl.arange(0, NP)
+    r = tl.rsqrt(sq / K + rms_eps)[:, None]
+    hc_cols = (cols < HC)[None, :]
+    pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
+    pre = tl.where(hc_cols, pre, 0.0)
+    tl.store(pre_ptr + tok[:, None] * HC + cols[None, :], pre, mask=tmask[:, None] & hc_cols)
+    if not HEAD:
+        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
+                                                                              other=0.0))
+        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & hc_cols)
+        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
+        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
+                 mask=tmask[:, None])
+    return pre
+
+
+@triton.jit
+def _entry(m, cols, k: tl.constexpr):
+    """Column k of m [BT, 16] as a [BT] vector."""
+    return tl.sum(tl.where(cols[None, :] == k, m, 0.0), axis=1)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - top), tl.exp(b - top), tl.exp(c - top), tl.exp(d - top)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _normalize4(a, b, c, d, eps):
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn(logit, cols, iters, eps):
+    """logit [BT, 16] (4×4 row-major per token) → softmax over each row, + eps, then Sinkhorn-Knopp
+    (columns first, then rows / columns alternately, `iters` column normalisations in all).
+
+    The 16 entries are held as 16 [BT] vectors, so every step is elementwise in registers: on a
+    [BT, 4, 4] tensor each of the 40 sums of the chain would be a shuffle between threads, and
+    the chain is the longest serial stretch of a decode step's mHC entry."""
+    c00, c01, c02, c03 = _softmax4(_entry(logit, cols, 0), _entry(logit, cols, 1), _entry(logit, cols, 2),
+                                   _entry(logit, cols, 3), eps)
+    c10, c11, c12, c13 = _softmax4(_entry(logit, cols, 4), _entry(logit, cols, 5), _entry(logit, cols, 6),
+                                   _entry(logit, cols, 7), eps)
+    c20, c21, c22, c23 = _softmax4(_entry(logit, cols, 8), _entry(logit, cols, 9), _entry(logit, cols, 10),
+                                   _entry(logit, cols, 11), eps)
+    c30, c31, c32, c33 = _softmax4(_entry(logit, cols, 12), _entry(logit, cols, 13), _entry(logit, cols, 14),
+                                   _entry(logit, cols, 15), eps)
+    c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
+    for _ in range(iters - 1):
+        c00, c01, c02, c03 = _normalize4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _normalize4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _normalize4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _normalize4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
+    out = _place4(logit * 0.0, cols, 0, c00, c01, c02, c03)
+    out = _place4(out, cols, 4, c10, c11, c12, c13)
+    out = _place4(out, cols, 8, c20, c21, c22, c23)
+    return _place4(out, cols, 12, c30, c31, c32, c33)
+
+
+@triton.jit
+def _place4(m, cols, k0: tl.constexpr, a, b, c, d):
+    """m [BT, 16] with columns k0 .. k0+3 set to the [BT] vectors a, b, c, d."""
+    m = tl.where(cols[None, :] == k0, a[:, None], m)
+    m = tl.where(cols[None, :] == k0 + 1, b[:, None], m)
+    m = tl.where(cols[None, :] == k0 + 2, c[:, None], m)
+    return tl.where(cols[None, :] == k0 + 3, d[:, None], m)
+
+
+@triton.jit
+def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, D_CHUNK, iters, hc_eps,
+                rms_eps, HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                HEAD: tl.constexpr):
+    """From the mixes (`_mix_kernel`'s SPLIT partial sums, added here in split order: deterministic):
+    pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ over the D columns
+    [pid1 · D_CHUNK, (pid1 + 1) · D_CHUNK); every D chunk's program derives pre, the first also
+    stores post and comb."""
+    d_first = tl.program_id(1) * D_CHUNK
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = tok < T
+    K = HC * D
+    cols = tl.arange(0, NP)
+    a_pre = tl.zeros((BT, NP), tl.float32)
+    a_post = tl.zeros((BT, NP), tl.float32)
+    a_comb = tl.zeros((BT, NP), tl.float32)
+    sq = tl.zeros((BT,), tl.float32)
+    for part in tl.static_range(SPLIT):
+        row = mix_ptr + (part * T + tok[:, None]).to(tl.int64) * (3 * NP + 1)
+        a_pre += tl.load(row + cols[None, :], mask=tmask[:, None], other=0.0)
+        a_post += tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
+        a_comb += tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
+        sq += tl.load(mix_ptr + (part * T + tok).to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
+    r = tl.rsqrt(sq / K + rms_eps)[:, None]
+    pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
+    pre = tl.where((cols < HC)[None, :], pre, 0.0)
+    if not HEAD and d_first == 0:
+        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
+                                                                              other=0.0))
+        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
+        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
+        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
+                 mask=tmask[:, None])
+    # collapsed = Σᵢ preᵢ · xᵢ
+    streams = tl.arange(0, HC)
+    pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
+    for d0 in range(d_first, tl.minimum(d_first + D_CHUNK, D), BD):
+        offs_d = d0 + tl.arange(0, BD)
+        ptr = x_ptr + tok[:, None, None].to(tl.int64) * K + streams[None, :, None] * D + offs_d[None, None, :]
+        xs = tl.load(ptr, mask=tmask[:, None, None] & (offs_d < D)[None, None, :], other=0.0).to(tl.float32)
+        tl.store(col_ptr + tok[:, None].to(tl.int64) * D + offs_d[None, :],
+                 tl.sum(pre_s[:, :, None] * xs, axis=1).to(col_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = offs < D
+    s = tl.arange(0, HC)
+    o = tl.load(out_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :], mask=mask[None, :],
+                other=0.0).to(tl.float32)  # [HC(j), BD]
+    post = tl.load(post_ptr + t * HC + s)
+    comb = tl.load(comb_ptr + t * HC * HC + s[:, None] * HC + s[None, :])  # [j, i]
+    if ROUND_BF16:  # the reference mixes in the activations' dtype
+        post = post.to(tl.bfloat16).to(tl.float32)
+        comb = comb.to(tl.bfloat16).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [i, BD] = Σ_j comb[j, i] x_j
+    scaled = post[:, None] * o[None, :]
+    if ROUND_BF16:
+        mixed = mixed.to(tl.bfloat16).to(tl.float32)
+        scaled = scaled.to(tl.bfloat16).to(tl.float32)
+    tl.store(new_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :],
+             (scaled + mixed).to(new_ptr.dtype.element_ty), mask=mask[None, :])
