@@ -119,7 +119,8 @@ class SmallTiles:
 
 # Up to this many tokens a sub-block entry is one launch (`_entry_small_kernel`). H200, graph
 # replays of the entry with a pending hc_post (benchmarks/mhc_sweep.py against the four launches
-# it replaces): 15.4 / 16.2 µs at 1 / 2 tokens against 17.4 / 19.9; at 4 tokens 26.9 against 20.0
+# it replaces): 13.4 / 15.0 µs at 1 / 2 tokens against 17.4 / 19.9; at 4 tokens (an earlier build,
+# the collapse in chunks) 26.9 against 20.0
 SMALL_TOKENS = 2
 SMALL_TILES = SmallTiles()
 
@@ -222,7 +223,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
         partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
         _entry_small_kernel[(split,)](
             x, xp, o, postp, combp, fn, partial, arrivals, base, scale, w, out, pre, post, comb, T, D, iters,
-            hc_eps, rms_eps, norm_eps, HC=hc, BT=bt, CD=cd, NR=32, NP=16, BD=min(1024, triton.next_power_of_2(D)),
+            hc_eps, rms_eps, norm_eps, HC=hc, BT=bt, CD=cd, NR=32, NP=16, BD=triton.next_power_of_2(D),
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
             HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16)
         return x, out, post, comb

@@ -84,7 +84,7 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     mostly padding, and one wide load of the program's fn columns replaces a chain of K steps.
     The last program to arrive (the counter, zeroed again by it) adds the partials (a fixed tree:
     deterministic), derives pre / post / Sinkhorn comb, and writes the collapse Σᵢ preᵢ·xᵢ,
-    rounded to x's dtype and RMSNormed with w (NORM) into out [T, D]."""
+    rounded to x's dtype and RMSNormed with w (NORM) into out [T, D]: BD >= D, whole rows."""
     p = tl.program_id(0)
     SPLIT = tl.num_programs(0)
     t = tl.arange(0, BT)
@@ -142,28 +142,21 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
     pre = _finish(a_pre, a_post, a_comb, sq, t, tmask, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters,
                   hc_eps, rms_eps, HC, NP, HEAD)
-    # the collapse of the settled streams (every program's x, published before its release)
-    pre_s = tl.sum(tl.where(cols[None, None, :] == s[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
-    ss = tl.zeros((BT,), tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        dm = tmask[:, None] & (dd < D)[None, :]
-        xc = tl.load(x_ptr + t64[:, None, None] * K + s[None, :, None] * D + dd[None, None, :], mask=dm[:, None, :],
-                     other=0.0, cache_modifier=".cg").to(tl.float32)
-        col = tl.sum(pre_s[:, :, None] * xc, axis=1).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
-        cf = col.to(tl.float32)
-        ss += tl.sum(cf * cf, axis=1)
+    # the collapse of the settled streams (every program's x, published before its release): the
+    # whole rows at once, four independent stream loads in flight, the norm from registers
+    dd = tl.arange(0, BD)
+    dm = tmask[:, None] & (dd < D)[None, :]
+    acc = tl.zeros((BT, BD), tl.float32)
+    for i in tl.static_range(HC):
+        xi = tl.load(x_ptr + t64[:, None] * K + i * D + dd[None, :], mask=dm, other=0.0, cache_modifier=".cg")
+        acc += _entry(pre, cols, i)[:, None] * xi.to(tl.float32)
+    col = acc.to(out_ptr.dtype.element_ty)
     if NORM:
-        tl.debug_barrier()  # the collapse rows above, stored by other threads, before they are read back
-        scale = tl.rsqrt(ss / D + norm_eps)
-        for d0 in range(0, D, BD):
-            dd = d0 + tl.arange(0, BD)
-            dm = tmask[:, None] & (dd < D)[None, :]
-            cf = tl.load(out_ptr + t64[:, None] * D + dd[None, :], mask=dm, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t64[:, None] * D + dd[None, :],
-                     (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty), mask=dm)
+        cf = col.to(tl.float32)
+        w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        scale = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + norm_eps)
+        col = (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
 
 
 @triton.jit
