@@ -95,6 +95,12 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     d = p * CD + tl.arange(0, CD)
     m3 = tmask[:, None, None] & (d < D)[None, None, :]
     ptrs = x_ptr + t64[:, None, None] * K + s[None, :, None] * D + d[None, None, :]  # [BT, HC, CD]
+    # this program's fn columns first: the largest load, independent of the streams
+    c = tl.arange(0, HC * CD)
+    r = tl.arange(0, NR)
+    n_rows = HC if HEAD else (2 + HC) * HC
+    f = tl.load(fn_ptr + r[:, None] * K + (c // CD * D + p * CD + c % CD)[None, :],
+                mask=(r < n_rows)[:, None] & ((p * CD + c % CD) < D)[None, :], other=0.0)  # [NR, HC·CD]
     if POST:
         o = tl.load(o_ptr + t64[:, None] * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
         pst = tl.load(postp_ptr + t[:, None] * HC + s[None, :], mask=tmask[:, None], other=0.0)
@@ -117,11 +123,6 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     else:
         xs = tl.load(ptrs, mask=m3, other=0.0)
     xf = tl.reshape(xs.to(tl.float32), (BT, HC * CD))
-    c = tl.arange(0, HC * CD)
-    r = tl.arange(0, NR)
-    n_rows = HC if HEAD else (2 + HC) * HC
-    f = tl.load(fn_ptr + r[:, None] * K + (c // CD * D + p * CD + c % CD)[None, :],
-                mask=(r < n_rows)[:, None] & ((p * CD + c % CD) < D)[None, :], other=0.0)  # [NR, HC·CD]
     mixes = tl.sum(xf[:, None, :] * f[None, :, :], axis=2)  # [BT, NR]
     mixes = tl.where(r[None, :] == NR - 1, tl.sum(xf * xf, axis=1)[:, None], mixes)
     tl.store(part_ptr + p * BT * NR + t64[:, None] * NR + r[None, :], mixes, cache_modifier=".cg")  # [SPLIT, BT, NR]
