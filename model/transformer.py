@@ -38,7 +38,7 @@ class Block(nn.Module):
         self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size))
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
-        # the mixes kernel's arrival counters, zero between calls (the calls run in stream order)
+        # the one-launch mHC entry's arrival counter, zero between calls (the calls run in stream order)
         self.register_buffer("hc_arrivals", mhc.arrival_counters(), persistent=False)
 
     def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
