@@ -202,33 +202,27 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
     dev = res.x.device
     pending = res.out is not None
     xp = res.x.contiguous()
-    x = torch.empty_like(xp) if pending else xp
     post = torch.empty(T, hc, dtype=torch.float32, device=dev)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
     out = torch.empty(T, D, dtype=xp.dtype, device=dev)
     if not T:
-        return x, out, post, comb
-    if arrivals is None:
-        arrivals = arrival_counters(dev)
-    pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
-    o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
-                       else (xp, post, comb))  # unread without a pending output
+        return xp, out, post, comb
     fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
-    w = pre if norm_weight is None else norm_weight  # unread without a norm
     if isinstance(tiles, SmallTiles) or (T <= SMALL_TOKENS and tiles is None):
         small = tiles or SMALL_TILES
-        bt = max(2, triton.next_power_of_2(T))
-        cd = small.columns
-        split = triton.cdiv(D, cd)
+        x = torch.empty_like(xp) if pending else xp
+        o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
+                           else (xp, post, comb))  # unread without a pending output
+        bt, split = max(2, triton.next_power_of_2(T)), triton.cdiv(D, small.columns)
         partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
         _entry_small_kernel[(split,)](
-            x, xp, o, postp, combp, fn, partial, arrivals, base, scale, w, out, pre, post, comb, T, D, iters,
-            hc_eps, rms_eps, norm_eps, HC=hc, BT=bt, CD=cd, NR=32, NP=16, BD=triton.next_power_of_2(D),
+            x, xp, o, postp, combp, fn, partial, arrival_counters(dev) if arrivals is None else arrivals, base, scale,
+            fn if norm_weight is None else norm_weight, out, post, comb, T, D, iters, hc_eps, rms_eps, norm_eps,
+            HC=hc, BT=bt, CD=small.columns, NR=32, NP=16, BD=triton.next_power_of_2(D),
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
             HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16)
         return x, out, post, comb
-    if pending:
-        x = hc_post(res.out, xp, res.post, res.comb, "triton")
+    x = hc_post(res.out, xp, res.post, res.comb, "triton") if pending else xp
     tiles = tiles or MIX_TILES
     blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
     split = tiles.split or 1

@@ -21,6 +21,14 @@ def _split(v):
 
 
 @triton.jit
+def _rounded(v, ROUND_BF16: tl.constexpr):
+    """v (fp32) rounded through bf16 where the reference (hc_post in the activations' dtype) rounds."""
+    if ROUND_BF16:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, X_FP32: tl.constexpr):
     """acc [BT, NP] += x [BT, BK] · fn[row0 : row0+n_rows, offs_k]ᵀ (rows past n_rows are zero).
 
@@ -72,7 +80,7 @@ def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr
 
 @triton.jit
 def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
-                        w_ptr, out_ptr, pre_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps, norm_eps,
+                        w_ptr, out_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps, norm_eps,
                         HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
                         BD: tl.constexpr, SPLIT_PAD: tl.constexpr, HEAD: tl.constexpr, POST: tl.constexpr,
                         ROUND_BF16: tl.constexpr, NORM: tl.constexpr):
@@ -104,21 +112,15 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     if POST:
         o = tl.load(o_ptr + t64[:, None] * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
         pst = tl.load(postp_ptr + t[:, None] * HC + s[None, :], mask=tmask[:, None], other=0.0)
-        if ROUND_BF16:
-            pst = pst.to(tl.bfloat16).to(tl.float32)
+        pst = _rounded(pst, ROUND_BF16)
         mixed = tl.zeros((BT, HC, CD), tl.float32)
         for j in tl.static_range(HC):  # Σⱼ comb[j, i]·xⱼ
             xj = tl.load(xp_ptr + t64[:, None] * K + j * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :],
                          other=0.0).to(tl.float32)
             cj = tl.load(combp_ptr + t[:, None] * (HC * HC) + j * HC + s[None, :], mask=tmask[:, None], other=0.0)
-            if ROUND_BF16:
-                cj = cj.to(tl.bfloat16).to(tl.float32)
-            mixed += cj[:, :, None] * xj[:, None, :]
+            mixed += _rounded(cj, ROUND_BF16)[:, :, None] * xj[:, None, :]
         scaled = pst[:, :, None] * o[:, None, :]
-        if ROUND_BF16:
-            mixed = mixed.to(tl.bfloat16).to(tl.float32)
-            scaled = scaled.to(tl.bfloat16).to(tl.float32)
-        xs = (scaled + mixed).to(x_ptr.dtype.element_ty)
+        xs = (_rounded(scaled, ROUND_BF16) + _rounded(mixed, ROUND_BF16)).to(x_ptr.dtype.element_ty)
         tl.store(ptrs, xs, mask=m3)
     else:
         xs = tl.load(ptrs, mask=m3, other=0.0)
@@ -141,8 +143,9 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     a_post = _group(total, r, cols, HC, HC)
     a_comb = _group(total, r, cols, 2 * HC, HC * HC)
     sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
-    pre = _finish(a_pre, a_post, a_comb, sq, t, tmask, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters,
-                  hc_eps, rms_eps, HC, NP, HEAD)
+    pre, r = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
+    if not HEAD:
+        _store_post_comb(a_post, a_comb, r, t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
     # the collapse of the settled streams (every program's x, published before its release): the
     # whole rows at once, four independent stream loads in flight, the norm from registers
     dd = tl.arange(0, BD)
@@ -169,24 +172,26 @@ def _group(total, r, cols, first, n):
 
 
 @triton.jit
-def _finish(a_pre, a_post, a_comb, sq, tok, tmask, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters,
-            hc_eps, rms_eps, HC: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr):
-    """From the full mixes [BT, NP] per group and Σx² [BT]: store pre [T, HC], post [T, HC] and the
-    Sinkhorn comb [T, HC, HC]; return pre [BT, NP] (columns past HC are zero)."""
+def _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC: tl.constexpr, NP: tl.constexpr):
+    """From the full mixes of pre [BT, NP] and Σx² [BT]: (pre = σ(·) + eps [BT, NP], zero past HC
+    columns; the RMS factor r [BT, 1])."""
     cols = tl.arange(0, NP)
     r = tl.rsqrt(sq / K + rms_eps)[:, None]
-    hc_cols = (cols < HC)[None, :]
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
-    pre = tl.where(hc_cols, pre, 0.0)
-    tl.store(pre_ptr + tok[:, None] * HC + cols[None, :], pre, mask=tmask[:, None] & hc_cols)
-    if not HEAD:
-        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
-                                                                              other=0.0))
-        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & hc_cols)
-        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
-        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
-                 mask=tmask[:, None])
-    return pre
+    return tl.where((cols < HC)[None, :], pre, 0.0), r
+
+
+@triton.jit
+def _store_post_comb(a_post, a_comb, r, tok, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps,
+                     HC: tl.constexpr, NP: tl.constexpr):
+    """post = 2σ(·) [T, HC] and the Sinkhorn comb [T, HC, HC] from their full mixes [BT, NP]."""
+    cols = tl.arange(0, NP)
+    post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
+                                                                          other=0.0))
+    tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
+    logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
+    tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
+             mask=tmask[:, None])
 
 
 @triton.jit
@@ -276,16 +281,9 @@ def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr
         a_post += tl.load(row + NP + cols[None, :], mask=tmask[:, None], other=0.0)
         a_comb += tl.load(row + 2 * NP + cols[None, :], mask=tmask[:, None], other=0.0)
         sq += tl.load(mix_ptr + (part * T + tok).to(tl.int64) * (3 * NP + 1) + 3 * NP, mask=tmask, other=0.0)
-    r = tl.rsqrt(sq / K + rms_eps)[:, None]
-    pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
-    pre = tl.where((cols < HC)[None, :], pre, 0.0)
+    pre, r = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
     if not HEAD and d_first == 0:
-        post = 2 * tl.sigmoid(a_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + cols, mask=cols < HC,
-                                                                              other=0.0))
-        tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
-        logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
-        tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
-                 mask=tmask[:, None])
+        _store_post_comb(a_post, a_comb, r, tok, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
     # collapsed = Σᵢ preᵢ · xᵢ
     streams = tl.arange(0, HC)
     pre_s = tl.sum(tl.where(cols[None, None, :] == streams[None, :, None], pre[:, None, :], 0.0), axis=2)  # [BT, HC]
@@ -310,13 +308,9 @@ def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, HC: tl.constexp
                 other=0.0).to(tl.float32)  # [HC(j), BD]
     post = tl.load(post_ptr + t * HC + s)
     comb = tl.load(comb_ptr + t * HC * HC + s[:, None] * HC + s[None, :])  # [j, i]
-    if ROUND_BF16:  # the reference mixes in the activations' dtype
-        post = post.to(tl.bfloat16).to(tl.float32)
-        comb = comb.to(tl.bfloat16).to(tl.float32)
+    post, comb = _rounded(post, ROUND_BF16), _rounded(comb, ROUND_BF16)
     mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [i, BD] = Σ_j comb[j, i] x_j
     scaled = post[:, None] * o[None, :]
-    if ROUND_BF16:
-        mixed = mixed.to(tl.bfloat16).to(tl.float32)
-        scaled = scaled.to(tl.bfloat16).to(tl.float32)
     tl.store(new_ptr + t.to(tl.int64) * HC * D + s[:, None] * D + offs[None, :],
-             (scaled + mixed).to(new_ptr.dtype.element_ty), mask=mask[None, :])
+             (_rounded(scaled, ROUND_BF16) + _rounded(mixed, ROUND_BF16)).to(new_ptr.dtype.element_ty),
+             mask=mask[None, :])
