@@ -42,14 +42,16 @@ def shapes() -> dict[str, tuple[int, int, int]]:
 
 
 def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
-    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; a8 (W8A8:
-    the input quantised, then `_fp8_a8_kernel`); a8_kernel (that kernel alone); dense (the
+    """Tile config of a named variant (None: `decode_config`'s choice). Names: default; a8 (W8A8
+    as `fp8_linear` runs it: up to `INLINE_QUANT_MAX_M` rows `_fp8_a8_kernel` quantises its
+    input itself, above the input is quantised first); a8_separate (always quantised first, in a
+    launch of its own); a8_kernel (the W8A8 kernel alone, on codes quantised once); dense (the
     weight dequantised, then cuBLAS: the path above `KERNEL_MAX_M` rows); tokens_m (the
     tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M kernel:
     16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight tiles and 8
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
     multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default."""
-    if name in ("default", "dense", "a8", "a8_kernel"):
+    if name in ("default", "dense", "a8", "a8_separate", "a8_kernel"):
         return None
     a8 = name.startswith("a8_kernel+")
     if a8:
@@ -88,9 +90,13 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         if name == "dense":  # dequantised weights and cuBLAS, the prefill-size path
             def product(q, s):
                 return fp8_gemm.dense_product(x if G > 1 else x[:, 0], q, s, G).reshape(M, G, N)
-        elif name == "a8":  # W8A8: the input quantised (act_quant), then the FP8 × FP8 kernel
+        elif name == "a8":  # W8A8 as the model runs it (up to INLINE_QUANT_MAX_M rows, one launch)
             def product(q, s):
                 return fp8_gemm.fp8_linear(x, q, s, "triton", G, arrivals, act_fp8=True)
+        elif name == "a8_separate":  # W8A8 in two launches at every size: act_quant, then the kernel
+            def product(q, s):
+                codes, x_scale = act_quant.quantize(x, "triton")
+                return fp8_gemm.decode_product(codes, q, s, arrivals, out_dtype=x.dtype, x_scale=x_scale)
         elif name.startswith("a8_kernel"):  # the W8A8 kernel alone, on codes quantised once
             codes, x_scale = act_quant.quantize(x, "triton")
 

@@ -73,6 +73,20 @@ def _launch(x: torch.Tensor, fake: bool) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 @triton.jit
+def quantize_blocks(blocks):
+    """blocks [R, BLOCK] float32 (zeros past K) → (e4m3 codes [R, BLOCK], fp32 scales [R]): one
+    block's quantisation, shared by `_quantize_kernel` and the W8A8 decode kernel that quantises
+    its own input tiles (`fp8_gemm._fp8_a8_kernel`), so both give the same codes bit for bit."""
+    amax = tl.maximum(tl.max(tl.abs(blocks), axis=1), 1e-4)  # quant.AMAX_FLOOR
+    # quant.ue8m0_scale from the quotient's bits (IEEE division: the GPU's default is approximate)
+    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
+    return tl.clamp(blocks * inverse[:, None], -448.0, 448.0).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.constexpr, BLOCK: tl.constexpr,
                      FAKE: tl.constexpr):
     """Codes to q_ptr and scales to s_ptr, or (FAKE) code × scale in x's dtype to q_ptr."""
@@ -80,14 +94,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.conste
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    blocks = tl.reshape(x, (COLS // BLOCK, BLOCK))
-    amax = tl.maximum(tl.max(tl.abs(blocks), axis=1), 1e-4)  # quant.AMAX_FLOOR
-    # quant.ue8m0_scale from the quotient's bits (IEEE division: the GPU's default is approximate)
-    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale = (exponent << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
-    codes = tl.clamp(blocks * inverse[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    codes, scale = quantize_blocks(tl.reshape(x, (COLS // BLOCK, BLOCK)))
     if FAKE:
         values = (codes.to(tl.float32) * scale[:, None]).to(q_ptr.dtype.element_ty)  # exact in bf16
         tl.store(q_ptr + row * K + cols, tl.reshape(values, (COLS,)), mask=mask)

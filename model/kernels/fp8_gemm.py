@@ -5,8 +5,9 @@ This is how the official checkpoint stores the dense projections (`wq_a`, `wq_b`
 dequantised in registers (an e4m3 value times a power of two is exact in bf16) and multiplied on
 the tensor cores with fp32 accumulation, so the kernel computes exactly the reference's product up
 to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic activation scheme)
-the input is quantised first (`act_quant`) and `_fp8_a8_kernel` multiplies the codes on the FP8
-tensor cores at every decode size; prefill-size M multiplies the quantised-dequantised input.
+the input is quantised (`act_quant`; up to `INLINE_QUANT_MAX_M` rows inside the product kernel)
+and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at every decode size;
+prefill-size M multiplies the quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import act_quant, check_impl
+from model.kernels.act_quant import quantize_blocks
 from model.kernels.fp4 import fp8_to_bf16
 
 BLOCK = 128  # scale block along N and K
@@ -59,6 +61,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups
 # this kernel (H100, M=8192, N=32768, K=1024: 1.2 ms against 2.4 ms), with the same arithmetic.
 KERNEL_MAX_M = 256
 TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the MMA's M side
+# W8A8 products up to this many rows (one token tile) quantise their bf16 input inside the
+# kernel: every program quantises the same few rows again, which costs less than the separate
+# `act_quant` launch it replaces at batch 1 (four a layer); larger inputs are quantised once
+INLINE_QUANT_MAX_M = 16
 
 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -90,7 +96,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         x3 = x
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    if act_fp8:
+    if act_fp8 and x3.shape[0] <= INLINE_QUANT_MAX_M:
+        out = decode_product(x3, weight, scale, arrivals, out_dtype=x.dtype, quantize_x=True)
+    elif act_fp8:
         codes, x_scale = act_quant.quantize(x3, impl)
         out = decode_product(codes, weight, scale, arrivals, out_dtype=x.dtype, x_scale=x_scale)
     else:
@@ -111,14 +119,17 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gr
 
 def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, arrivals: torch.Tensor | None,
                    cfg: dict | None = None, out_dtype: torch.dtype | None = None,
-                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   x_scale: torch.Tensor | None = None, quantize_x: bool = False) -> torch.Tensor:
     """x3 [M, G, K] (unit stride along K) · weight [G·N, K] → [M, G, N] in `out_dtype` (default
     x3's) with a decode kernel; `scale` float or UE8M0 bytes (uint8, as `PackedExperts` stores
-    them); `cfg` (a `decode_config`) overrides the choice (benchmarks). W8A8 when x3 is e4m3 with
-    `x_scale` fp32 [M, G, ⌈K/128⌉] (`act_quant.quantize`): `_fp8_a8_kernel`."""
+    them); `cfg` (a `decode_config`) overrides the choice (benchmarks). W8A8 (`_fp8_a8_kernel`)
+    when x3 is e4m3 with `x_scale` fp32 [M, G, ⌈K/128⌉] (`act_quant.quantize`), or with
+    `quantize_x` when x3 is bf16: the kernel quantises its tiles itself, to the same codes."""
     M, groups, K = x3.shape
     N = weight.shape[0] // groups
-    a8 = x_scale is not None
+    a8 = x_scale is not None or quantize_x
+    if quantize_x:
+        x_scale = x3[:, :, :1]  # unread: the kernel computes the scales (strides only)
     cfg = dict(cfg or decode_config(M, N, K, groups, a8=a8))
     kernel = _fp8_a8_kernel if a8 else _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
@@ -140,7 +151,7 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         kernel[(tiles, groups, split)](
             x3, x_scale, weight, scale, out, part, arrivals, M, N, K,
             x3.stride(0), x3.stride(1), x_scale.stride(0), x_scale.stride(1), weight.stride(0), scale.stride(0),
-            out.stride(0), out.stride(1), M * groups * N, BLOCK_K=BLOCK, **cfg)
+            out.stride(0), out.stride(1), M * groups * N, BLOCK_K=BLOCK, QUANT_X=quantize_x, **cfg)
     elif M:
         kernel[(tiles, groups, split)](
             x3, weight, scale, out, part, arrivals,
@@ -342,12 +353,13 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
 def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                    stride_xm, stride_xg, stride_xsm, stride_xsg, stride_w, stride_s, stride_ym, stride_yg,
                    stride_part, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr):
     """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
     out), each 128-wide K step's product scaled by its weight block's scale times each token's
     scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
     V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
-    docs/benchmarks.md round v24)."""
+    docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
+    (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block)."""
     pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
@@ -358,7 +370,10 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
         x = tl.load(x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         sw = _scale_values(s_ptr, rows, kb, stride_s, mask_n)
-        sx = tl.load(xs_ptr + offs_t * stride_xsm + g * stride_xsg + kb, mask=mask_t, other=0.0)
+        if QUANT_X:
+            x, sx = quantize_blocks(x.to(tl.float32))
+        else:
+            sx = tl.load(xs_ptr + offs_t * stride_xsm + g * stride_xsg + kb, mask=mask_t, other=0.0)
         acc += tl.dot(w, tl.trans(x)) * (sw[:, None] * sx[None, :])
     tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
     _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,

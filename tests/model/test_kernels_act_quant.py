@@ -102,6 +102,26 @@ def test_w8a8_linear_matches_reference(M, G, N, K):
     assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", G, act_fp8=True), out)  # split order fixed
 
 
+@pytest.mark.parametrize("M,G,N,K", [(1, 1, 96, 200), (3, 1, 256, 1024), (16, 2, 64, 300), (5, 4, 64, 128)])
+def test_w8a8_product_quantising_its_own_input_equals_two_launches(M, G, N, K):
+    """Up to `INLINE_QUANT_MAX_M` rows `fp8_linear` hands the W8A8 kernel bf16 rows and the
+    kernel quantises each K tile itself: bit for bit the product of `act_quant`'s codes and
+    scales (short last K block included; 1024 splits K)."""
+    assert M <= fp8_gemm.INLINE_QUANT_MAX_M
+    g = torch.Generator().manual_seed(M * 100 + K)
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = spread_rows((M, G, K), g)
+    codes, x_scale = act_quant.quantize(x, "triton")
+    two = fp8_gemm.decode_product(codes, q, s, None, out_dtype=torch.bfloat16, x_scale=x_scale)
+    one = fp8_gemm.decode_product(x, q, s, None, out_dtype=torch.bfloat16, quantize_x=True)
+    assert torch.equal(one, two)
+    out = fp8_gemm.fp8_linear(x if G > 1 else x[:, 0], q, s, "triton", G, act_fp8=True)
+    assert torch.equal(out.reshape(one.shape), one)
+    ref = fp8_gemm.fp8_linear(x.float() if G > 1 else x[:, 0].float(), q, s, "torch", G, act_fp8=True)
+    assert rel_err(out, ref) < 6e-3
+
+
 def test_w8a8_decode_product_reads_ue8m0_bytes():
     """Weight scales as UE8M0 bytes give the float scales' product bit for bit."""
     g = torch.Generator().manual_seed(5)
