@@ -32,6 +32,10 @@ from model.rope import Rope  # noqa: E402
 ATTENTION = [(None, None, None, None, None), (32, 32, None, 4, 2), (64, 32, None, 8, 2),
              (64, 64, 1, 8, 2), (64, 64, 4, 8, 2), (64, 64, 8, 8, 2), (64, 64, None, 8, 3), (64, 64, None, 4, 2),
              (32, 64, None, 4, 2), (64, 128, None, 8, 2)]
+# small batches (up to 4 tokens) add programs of fewer heads and more entry splits, empty splits
+# included: one 64-head program a token leaves most SMs idle there
+SMALL = [(16, 64, 8, 4, 2), (16, 64, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 32, 4, 2), (32, 64, 8, 4, 2),
+         (32, 64, 16, 4, 2), (32, 32, 16, 4, 2), (32, 32, 32, 4, 2), (64, 32, 16, 8, 2), (16, 16, 32, 4, 2), (64, 64, 16, 8, 2)]
 # (block_n, blocks, num_warps); None = the heuristic's
 LOGITS = [(64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (256, 1, 8)]
 
@@ -55,7 +59,7 @@ def main() -> None:
         rope = Rope.for_layer(CFG, True)
         for ratio, layer, pk in () if args.skip_attention else ((4, 2, picks), (128, 3, None)):
             ref = None
-            for bh, bn, sp, nw, ns in ATTENTION:
+            for bh, bn, sp, nw, ns in ATTENTION + (SMALL if B <= 4 else []):
                 fn = lambda: sparse_attention.attend(q, batch, pools, layer, ratio, pk, sink, 128, rope,  # noqa: E731
                                                      "triton", block_h=bh, block_n=bn, splits=sp, num_warps=nw,
                                                      num_stages=ns)

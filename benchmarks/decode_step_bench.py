@@ -145,7 +145,7 @@ def main() -> None:
             replay = bench(graph.graph.replay, warmup=WARMUP, reps=REPS)  # the GPU's part alone: no input copy
             load = host_ms(lambda: graph._load(graph.staging.rows(fb.segments), list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
-                profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent)
+                profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent, rows=40)
             # bytes of the first (shortest) of the steps: the roofline errs low
             need = [roofline_bytes(cfg, i, b, batch, context - STEPS, h) for i, b, h in zip(layers, model.blocks, hit)]
             total = sum(sum(d.values()) for d in need)
