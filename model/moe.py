@@ -47,13 +47,17 @@ class Gate(nn.Module):
                                         requires_grad=False)
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+        # `router.gate_route`'s arrival counter, zero between calls (the calls run in stream order)
+        self.register_buffer("arrivals", router.arrival_counter(), persistent=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], input_ids [T] → (weights [T, k] float32, expert ids [T, k] int64); kernels/router.py."""
         c = self.cfg
-        return router.route(linear_fp32_out(x, self.weight), None if self.hashed else self.bias,
-                            self.tid2eid if self.hashed else None, input_ids, c.num_experts_per_tok, c.scoring_func,
-                            c.norm_topk_prob, c.routed_scaling_factor, self.impl)
+        args = (None if self.hashed else self.bias, self.tid2eid if self.hashed else None, input_ids,
+                c.num_experts_per_tok, c.scoring_func, c.norm_topk_prob, c.routed_scaling_factor)
+        if check_impl(self.impl) == "triton" and x.shape[0] <= router.TOKENS_PER_PROGRAM:
+            return router.gate_route(x, self.weight, *args, self.arrivals)
+        return router.route(linear_fp32_out(x, self.weight), *args, self.impl)
 
 
 class Expert(nn.Module):
@@ -268,6 +272,7 @@ class MoE(nn.Module):
         with torch.device("meta"):  # a config without experts: nothing float to build, even on meta
             moe = cls(dataclasses.replace(cfg, n_routed_experts=0, n_shared_experts=0), layer, impl)
         moe.cfg = moe.gate.cfg = cfg
+        moe.gate.arrivals = router.arrival_counter(device)  # a buffer, built on the meta device above
         # (the meta device, for shapes only, has no generator)
         g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts

@@ -138,9 +138,12 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
 def combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope, out: torch.Tensor) -> None:
     """`combine_reference` into out [T, H, d] (any float dtype, rounded once), one launch."""
     S, T, H, d = partial.shape
-    _combine_kernel[(T, triton.cdiv(H, COMBINE_HEADS))](
+    # a program a head while the heads of all tokens fill fewer than four programs an SM: a step
+    # of a few tokens has many splits to read (16 at batch 1) and few heads to spread them over
+    bh = COMBINE_HEADS if T * H >= COMBINE_HEADS * num_sms(partial.device) else 1
+    _combine_kernel[(T, triton.cdiv(H, bh))](
         partial, ml, out, out.stride(0), out.stride(1), positions, rope.inv_freq_on(partial.device), H, d,
-        SPLITS=S, BH=COMBINE_HEADS, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4)
+        SPLITS=S, BH=bh, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4)
 
 
 def combine_reference(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -292,11 +295,12 @@ def _combine_kernel(partial_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, pos_ptr,
     cols = tl.arange(0, D)
     mask = hmask[:, None] & (cols < d)[None, :]
     mx = tl.full((BH,), -1e30, tl.float32)
-    for s in range(SPLITS):
+    # both loops unrolled: every split's loads in flight at once, not one L2 round trip a split
+    for s in tl.static_range(SPLITS):
         mx = tl.maximum(mx, tl.load(ml_ptr + ((s * T + t) * H + heads) * 2, mask=hmask, other=-1e30))
     acc = tl.zeros((BH, D), tl.float32)
     den = tl.zeros((BH,), tl.float32)
-    for s in range(SPLITS):
+    for s in tl.static_range(SPLITS):
         row = (s * T + t) * H + heads
         w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hmask, other=-1e30) - mx)
         den += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)

@@ -69,3 +69,31 @@ def test_bad_routing_arguments_are_rejected():
         router.route(logits, None, None, ids, 2, "sigmoid", True, 1.0, impl="triton")
     with pytest.raises(ValueError, match="cannot route to 9 of 8"):
         router.route(logits, torch.zeros(8, device=DEVICE), None, ids, 9, "sigmoid", True, 1.0, impl="triton")
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+@pytest.mark.parametrize("T,E,D,k,scoring", [(1, 256, 512, 6, "sqrtsoftplus"), (4, 48, 300, 4, "sigmoid"),
+                                             (3, 64, 128, 6, "softmax")])
+def test_gate_route_matches_the_product_then_route(hashed, T, E, D, k, scoring):
+    """The gate product inside the routing launch: the same experts as routing the fp32 product
+    (D not a multiple of the kernel's step, E not of its programs), weights to fp32 summation
+    order; the arrival counter is left at zero, so a second call on it gives the same result."""
+    g = torch.Generator().manual_seed(T * E + D)
+    x = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
+    gate = (torch.randn(E, D, generator=g) * 3 / D ** 0.5).to(DEVICE, torch.bfloat16)
+    tokens = torch.randint(0, 50, (T,), generator=g).to(DEVICE)
+    table = torch.randint(0, E, (50, k), generator=g, dtype=torch.int32).to(DEVICE) if hashed else None
+    bias = None if hashed else (0.5 * torch.randn(E, generator=g)).to(DEVICE)
+    args = (bias, table, tokens, k, scoring, True, 2.5)
+    w_ref, id_ref = router.route(x.float() @ gate.float().t(), *args, impl="torch")
+    arrivals = router.arrival_counter(DEVICE)
+    w, ids = router.gate_route(x, gate, *args, arrivals)
+    assert arrivals.item() == 0
+    if not hashed:
+        (w, ids), (w_ref, id_ref) = _sorted(w, ids), _sorted(w_ref, id_ref)
+    assert torch.equal(ids, id_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    again = router.gate_route(x, gate, *args, arrivals)
+    assert torch.equal(again[0], router.gate_route(x, gate, *args, arrivals)[0])
+    with pytest.raises(ValueError, match="up to 4 tokens"):
+        router.gate_route(torch.cat([x] * 5), gate, *args)
