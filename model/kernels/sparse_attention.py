@@ -102,11 +102,11 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     if splits is None:
         # split the entries while the split programs still fit one wave, down to a block each:
         # the power of two from `blocks` on, some splits then empty (H100,
-        # benchmarks/decode_attention_sweep.py, 64-entry steps: batch 1 at 32K, 10-block CSA
-        # layer, 24.9 µs with 8 splits against 29.6 with 4 and 29.7 with 2; HCA layer at 8K, 3
-        # blocks, 15.7 µs with 4 against 21.2 with 2, at 32K, 6 blocks, 18.4 with 8 against 21.5
-        # with 4; batch 64, HCA layer, 42.9 µs with 2 against 49.5 with 1 and 56.7 with 4; batch
-        # 256: unsplit). Powers of two keep the compiled variants few.
+        # benchmarks/decode_attention_sweep.py, 64-entry steps: batch 1, 10-block CSA layer,
+        # 21.9 µs with 16 splits against 24.7 with 8 at 8K, 29.6 with 4 and 29.7 with 2 at 32K;
+        # HCA layer at 8K, 3 blocks, 15.5 µs with 4 against 21.2 with 2, at 32K, 6 blocks, 18.4
+        # with 8 against 21.5 with 4; batch 64, HCA layer, 42.9 µs with 2 against 49.5 with 1 and
+        # 56.7 with 4; batch 256: unsplit). Powers of two keep the compiled variants few.
         splits = 1
         while programs * splits * 2 <= num_sms(q.device) and blocks > splits:
             splits *= 2
