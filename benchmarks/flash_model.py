@@ -17,7 +17,7 @@ from torch import nn
 
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import mhc
+from model.kernels import arrival_counter, mhc
 from model.kv_pool import KVPools, SeqKV, STATE_KINDS
 from model.moe import MoE
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
@@ -60,7 +60,7 @@ def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
         t = values[name].to(device, dtype) if name in values else torch.empty(shape, dtype=dtype, device="meta")
         setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
     if torch.device(device).type != "meta":
-        block.hc_arrivals = mhc.arrival_counters(device)  # a buffer, built on the meta device above
+        block.hc_arrivals = arrival_counter(device)  # a buffer, built on the meta device above
         if fuse:
             block.attn.fuse_products()
     return block

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench, bench_graph  # noqa: E402
-from model.kernels import mhc  # noqa: E402
+from model.kernels import arrival_counter, mhc  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
 
@@ -49,7 +49,7 @@ def main() -> None:
                            2 * torch.rand(T, HC, device="cuda", generator=g),
                            torch.softmax(torch.randn(T, HC, HC, device="cuda", generator=g), -1))
         w = 1 + 0.1 * torch.randn(D, device="cuda", generator=g)
-        arrivals = mhc.arrival_counters("cuda")
+        arrivals = arrival_counter("cuda")
 
         def entry(impl, tiles=None):
             return mhc.sublayer_input(res, fn, base, scale, w, 1e-6, HC, 20, 1e-6, 1e-6, impl, arrivals, tiles)

@@ -26,7 +26,7 @@ from torch import nn
 
 from model import quant
 from model.config import ModelConfig
-from model.kernels import check_impl
+from model.kernels import arrival_counter, check_impl
 from model.kernels import fp8_gemm, moe_fused, moe_grouped, moe_prefill, router
 from model.kernels.fp4 import FP4_GROUP, FP8_BLOCK, fp4_k_block, shuffle_fp4_words
 from model.quantized import linear_fp32_out
@@ -48,7 +48,7 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
         # `router.gate_route`'s arrival counter, zero between calls (the calls run in stream order)
-        self.register_buffer("arrivals", router.arrival_counter(), persistent=False)
+        self.register_buffer("arrivals", arrival_counter(), persistent=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], input_ids [T] → (weights [T, k] float32, expert ids [T, k] int64); kernels/router.py."""
@@ -272,7 +272,7 @@ class MoE(nn.Module):
         with torch.device("meta"):  # a config without experts: nothing float to build, even on meta
             moe = cls(dataclasses.replace(cfg, n_routed_experts=0, n_shared_experts=0), layer, impl)
         moe.cfg = moe.gate.cfg = cfg
-        moe.gate.arrivals = router.arrival_counter(device)  # a buffer, built on the meta device above
+        moe.gate.arrivals = arrival_counter(device)  # a buffer, built on the meta device above
         # (the meta device, for shapes only, has no generator)
         g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts

@@ -18,7 +18,7 @@ from torch import nn
 from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import mhc, set_impl
+from model.kernels import arrival_counter, mhc, set_impl
 from model.kv_pool import KVPools
 from model.moe import MoE
 
@@ -39,7 +39,7 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
         # the one-launch mHC entry's arrival counter, zero between calls (the calls run in stream order)
-        self.register_buffer("hc_arrivals", mhc.arrival_counters(), persistent=False)
+        self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
 
     def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
         """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
@@ -94,7 +94,7 @@ class Transformer(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self.register_buffer("hc_arrivals", mhc.arrival_counters(), persistent=False)
+        self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
 

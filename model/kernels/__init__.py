@@ -23,6 +23,13 @@ def check_impl(impl: str) -> str:
     return impl
 
 
+def arrival_counter(device: torch.device | str | None = None) -> torch.Tensor:
+    """A zeroed arrival counter of a one-launch kernel whose last program to arrive finishes the
+    work (the mHC entry, `router.gate_route`). That program sets it back to zero, so a buffer is
+    filled once; calls on one counter must run in stream order."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def num_sms(device) -> int:
     """Streaming multiprocessors of a CUDA device (launch heuristics); 4 for the CPU interpreter."""
     device = torch.device(device)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from model.kernels import check_impl, rmsnorm
+from model.kernels import arrival_counter, check_impl, rmsnorm
 from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_kernel, _pre_kernel
 
 
@@ -125,13 +125,6 @@ SMALL_TOKENS = 2
 SMALL_TILES = SmallTiles()
 
 
-def arrival_counters(device: torch.device | str | None = None) -> torch.Tensor:
-    """A zeroed arrival counter of `_entry_small_kernel` (on `device`, else the default device).
-    The last program to arrive sets it back to zero, so it is filled once; calls on one counter
-    must run in stream order."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def settle(res: Residual, impl: str) -> torch.Tensor:
     """The streams [T, hc, D] of `res`, its pending hc_post applied."""
     return res.x if res.out is None else hc_post(res.out, res.x, res.post, res.comb, impl)
@@ -141,7 +134,7 @@ def sublayer_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float,
                    hc_eps: float, rms_eps: float, impl: str, arrivals: torch.Tensor | None = None,
                    tiles: "MixTiles | SmallTiles | None" = None):
     """Enter a sub-block: → (streams x [T, hc, D] settled, its input rms_norm(collapsed) [T, D],
-    post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: an `arrival_counters` buffer (else
+    post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: a `kernels.arrival_counter` buffer (else
     one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning)."""
     if check_impl(impl) == "torch":
         x = settle(res, impl)
@@ -216,7 +209,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
         bt, split = max(2, triton.next_power_of_2(T)), triton.cdiv(D, small.columns)
         partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
         _entry_small_kernel[(split,)](
-            x, xp, o, postp, combp, fn, partial, arrival_counters(dev) if arrivals is None else arrivals, base, scale,
+            x, xp, o, postp, combp, fn, partial, arrival_counter(dev) if arrivals is None else arrivals, base, scale,
             fn if norm_weight is None else norm_weight, out, post, comb, T, D, iters, hc_eps, rms_eps, norm_eps,
             HC=hc, BT=bt, CD=small.columns, NR=32, NP=16, BD=triton.next_power_of_2(D),
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from model.config import SCORING_FUNCS as SCORING
-from model.kernels import check_impl
+from model.kernels import arrival_counter, check_impl
 
 TOKENS_PER_PROGRAM = 4  # [4, 256] fp32 logits: 8 registers a thread at 4 warps
 # `gate_route`: up to TOKENS_PER_PROGRAM tokens the gate product runs inside the routing launch,
@@ -89,18 +89,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor
     return weights, ids
 
 
-def arrival_counter(device: torch.device | str | None = None) -> torch.Tensor:
-    """A zeroed arrival counter of `gate_route` (its last program sets it back to zero)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def gate_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
                input_ids: torch.Tensor, k: int, scoring: str, norm: bool, scale: float,
                arrivals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the gate's logits x [T, D] · gate [E, D]ᵀ (fp32 sums) for up to
     `TOKENS_PER_PROGRAM` tokens, in one launch (the kernels' path of a decode step of a few
     tokens: the gate product alone was a split-K cuBLAS GEMV and its reduction, two launches
-    before the routing). `arrivals`: an `arrival_counter` buffer, used by one call at a time
+    before the routing). `arrivals`: a `kernels.arrival_counter` buffer, used by one call at a time
     (calls in stream order), else a zeroed one per call."""
     T, D = x.shape
     E = gate.shape[0]

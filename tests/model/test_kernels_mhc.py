@@ -4,7 +4,7 @@ pending hc_post) against the torch reference."""
 import pytest
 import torch
 
-from model.kernels import mhc
+from model.kernels import arrival_counter, mhc
 from tests.model.kernel_cases import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,7 +102,7 @@ def test_sublayer_input_matches_reference(dtype, T, pending):
         res = mhc.Residual(res.x)
     fn, base, scale = _params(hc, D, (2 + hc) * hc, g)
     w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE)
-    arrivals = mhc.arrival_counters(DEVICE)
+    arrivals = arrival_counter(DEVICE)
     ref = mhc.sublayer_input(res, fn, base, scale, w, 1e-6, hc, 20, 1e-6, 1e-6, impl="torch")
     out = mhc.sublayer_input(res, fn, base, scale, w, 1e-6, hc, 20, 1e-6, 1e-6, impl="triton", arrivals=arrivals)
     for a, b in zip(out, ref):

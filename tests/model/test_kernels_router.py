@@ -4,7 +4,7 @@ weights for score layers (every scoring function, with and without normalisation
 import pytest
 import torch
 
-from model.kernels import router
+from model.kernels import arrival_counter, router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,7 +86,7 @@ def test_gate_route_matches_the_product_then_route(hashed, T, E, D, k, scoring):
     bias = None if hashed else (0.5 * torch.randn(E, generator=g)).to(DEVICE)
     args = (bias, table, tokens, k, scoring, True, 2.5)
     w_ref, id_ref = router.route(x.float() @ gate.float().t(), *args, impl="torch")
-    arrivals = router.arrival_counter(DEVICE)
+    arrivals = arrival_counter(DEVICE)
     w, ids = router.gate_route(x, gate, *args, arrivals)
     assert arrivals.item() == 0
     if not hashed:
