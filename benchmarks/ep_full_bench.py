@@ -4,7 +4,7 @@
     python benchmarks/ep_full_bench.py --out $OUT/ep_full.json      # a host with 2 GPUs
 
 Two processes, one GPU each, one NCCL group. Each builds every layer with random weights in the
-device format (FP8 projections, FP4 routed experts, FP8 shared expert; `flash_model.build_block`)
+device format (FP8 projections, FP4 routed experts, FP8 shared expert; `model.dummy_weights.dummy_block`)
 and keeps its half of each layer's routed experts (`model.ep.ExpertParallelMoE`: 128 of 256,
 ~1.6 GB a layer) and a full copy of everything else: attention is data-parallel, so each rank
 runs its own requests and the two meet in every MoE layer's all-to-all dispatch and combine.
@@ -40,8 +40,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.flash_model import LayerStack, build_block, decode_pools  # noqa: E402
+from benchmarks.flash_model import LayerStack, decode_pools  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
+from model.dummy_weights import dummy_block  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.ep import ExpertParallelMoE  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
@@ -55,7 +56,7 @@ def build(rank: int, dev: str, layers: int) -> LayerStack:
     cfg = flash_config(LAYERS)
     blocks = []
     for i in range(layers):
-        block = build_block(cfg, i, "triton", dev, seed=i)
+        block = dummy_block(cfg, i, "triton", dev, seed=i)
         ep = ExpertParallelMoE(block.ffn, None)
         for name, buf in list(ep.experts.named_buffers()):  # own the slice: the full layer goes
             setattr(ep.experts, name, buf.clone())

@@ -2,8 +2,8 @@
 decode requests at a given context, for the GPU benchmarks (decode_step_bench, kernel_bench,
 pd_gpu_slice). Importable; not a benchmark itself.
 
-Weights are made directly on the GPU in the device format (FP8 projections, FP4 routed experts,
-FP8 shared expert; `model.quantized`), never as floats: a layer is ~3.5 GB that way. Pools are
+Weights are made directly on the GPU in the device format (`model.dummy_weights.dummy_block`: FP8
+projections, FP4 routed experts, FP8 shared expert), never as floats: a layer is ~3.5 GB that way. Pools are
 filled with one page of valid random entries tiled over every page (the kernels' memory traffic
 does not depend on the values, and it avoids encoding tens of GB).
 """
@@ -17,58 +17,17 @@ from torch import nn
 
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import arrival_counter, mhc
+from model.dummy_weights import dummy_block
+from model.kernels import mhc
 from model.kv_pool import KVPools, SeqKV, STATE_KINDS
-from model.moe import MoE
-from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
-from model.tiny import flash_config, random_weights
+from model.tiny import flash_config
 from model.transformer import Block
 
 
 def layer_bytes(cfg: ModelConfig, layer: int) -> int:
     """Device-format bytes of one block (weights + scales), by building it on the meta device."""
-    block = build_block(cfg, layer, "triton", "meta")
+    block = dummy_block(cfg, layer, "triton", "meta")
     return sum(t.numel() * t.element_size() for t in list(block.parameters()) + list(block.buffers()))
-
-
-def build_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,
-                act_fp8: bool = False, fuse: bool = True) -> Block:
-    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections;
-    `fuse`: products of one input as one, `Attention.fuse_products`, as `quantize_model` does)."""
-    with torch.device("meta"):
-        block = Block(dataclasses_replace_no_experts(cfg), layer, cfg.compress_ratios[layer], impl)
-    block.cfg = cfg
-    g = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(seed)
-    for name, module in list(block.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
-                if torch.device(device).type == "meta":
-                    with torch.device("meta"):
-                        w = torch.empty(child.out_features, child.in_features, dtype=torch.float8_e4m3fn)
-                        s = torch.empty(-(-child.out_features // 128), -(-child.in_features // 128))
-                    setattr(module, child_name, Fp8Linear(w, s, impl, act_fp8))
-                else:
-                    setattr(module, child_name, Fp8Linear.random(child.out_features, child.in_features, device, impl, g,
-                                                                 act_fp8))
-    block.ffn = MoE.random_packed(cfg, layer, "fp4", impl, device=device, seed=seed)
-    shapes = {n: p.shape for n, p in block.named_parameters() if p.is_meta and not n.startswith("ffn.")}
-    values = random_weights(shapes, cfg, seed) if torch.device(device).type != "meta" else {}
-    for name, shape in shapes.items():
-        owner = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
-        leaf = name.rsplit(".", 1)[-1]
-        dtype = _param_dtype(name, torch.empty(shape, device="meta"), torch.bfloat16)
-        t = values[name].to(device, dtype) if name in values else torch.empty(shape, dtype=dtype, device="meta")
-        setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
-    if torch.device(device).type != "meta":
-        block.hc_arrivals = arrival_counter(device)  # a buffer, built on the meta device above
-        if fuse:
-            block.attn.fuse_products()
-    return block
-
-
-def dataclasses_replace_no_experts(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` without experts, so building a Block on the meta device skips 256 expert modules."""
-    return dataclasses.replace(cfg, n_routed_experts=1, n_shared_experts=0)
 
 
 class LayerStack(nn.Module):
@@ -93,7 +52,7 @@ class LayerStack(nn.Module):
 def stack(num_layers: int, device: str = "cuda", impl: str = "triton", first_layer: int = 0,
           act_fp8: bool = False, fuse: bool = True) -> LayerStack:
     cfg = flash_config(43)
-    blocks = [build_block(cfg, i, impl, device, seed=i, act_fp8=act_fp8, fuse=fuse)
+    blocks = [dummy_block(cfg, i, impl, device, seed=i, act_fp8=act_fp8, fuse=fuse)
               for i in range(first_layer, first_layer + num_layers)]
     return LayerStack(cfg, blocks, device)
 

@@ -1,4 +1,4 @@
-"""`v4serve` command line: make-tiny, generate, up (own the pools and serve them), router (serve
+"""`v4serve` command line: make-tiny, make-config, generate, up (own the pools and serve them), router (serve
 pools owned elsewhere), drain (empty a worker of a running cluster).
 
 Arguments are parsed and validated here, turned into frozen option objects once, and passed
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.options import DEVICES, KERNELS
+from cluster.options import DEVICES, KERNELS, LOAD_FORMATS
 from model.kv_pool import STORAGE_FORMATS
 
 
@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--format", choices=("official", "hf"), default="official")
+
+    conf = sub.add_parser("make-config", help="write a model's config.json alone (for --load-format dummy)")
+    conf.add_argument("--out", required=True, type=Path)
+    conf.add_argument("--preset", choices=("v4-flash",), default="v4-flash",
+                      help="v4-flash: DeepSeek-V4-Flash's shapes (43 layers, hidden 4096, 256 experts top-6)")
+    conf.add_argument("--layers", type=_positive, default=None, help="keep the first N layers (default: all)")
 
     gen = sub.add_parser("generate", help="run one request in this process")
     gen.add_argument("--model", required=True, type=Path, help="checkpoint directory")
@@ -120,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
     up.add_argument("--device", choices=DEVICES, default="cpu",
                     help="cuda: each worker serves from its GPU in the device format (needs --gpus-per-worker)")
+    up.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                    help="dummy: random weights from the model's config.json alone (benchmarks)")
     up.add_argument("--kernels", choices=KERNELS, default=None,
                     help="model ops (default: triton on cuda, torch on cpu)")
     up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
@@ -223,7 +231,7 @@ def _device_options(args: argparse.Namespace) -> dict:
         raise CliError("--kernels triton needs --device cuda")
     if graphs and (args.device != "cuda" or kernels != "triton"):
         raise CliError("--decode-graphs needs --device cuda with the triton kernels")
-    return {"device": args.device, "kernels": kernels, "decode_graphs": graphs}
+    return {"device": args.device, "kernels": kernels, "decode_graphs": graphs, "load_format": args.load_format}
 
 
 def cmd_up(args: argparse.Namespace) -> None:
@@ -346,7 +354,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
                       "finish_reason": out.finish_reason}))
 
 
-COMMANDS = {"make-tiny": cmd_make_tiny, "generate": cmd_generate, "up": cmd_up, "router": cmd_router,
+def cmd_make_config(args: argparse.Namespace) -> None:
+    from model.checkpoint import write_config
+    from model.tiny import flash_config
+
+    layers = args.layers or 43
+    if layers > 43:
+        raise CliError(f"--layers {layers}: V4-Flash has 43 layers")
+    print(write_config(args.out, flash_config(layers)))
+
+
+COMMANDS = {"make-tiny": cmd_make_tiny, "make-config": cmd_make_config, "generate": cmd_generate, "up": cmd_up, "router": cmd_router,
             "drain": cmd_drain}
 
 

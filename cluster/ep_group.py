@@ -56,6 +56,7 @@ import torch.distributed as dist
 from cluster.commands import Commands
 from cluster.messages import StepShape
 from cluster.options import ExpertParallelOptions
+from model.dummy_weights import materialize_experts
 from model.ep import ExpertParallelMoE, shard_experts
 from model.transformer import Transformer
 
@@ -111,6 +112,7 @@ class ExpertParallelGroup:
         self.control = _gloo(dist.PrefixStore("control", store), seat, host, timeout)
         self.moe = self.control if device == "cpu" else _nccl(dist.PrefixStore("moe", store), seat, timeout)
         shard_experts(model, self.moe, options.fp8_dispatch)
+        materialize_experts(model)  # a dummy-weights replica makes its slice of the experts only now
         if device == "cuda":
             torch.cuda.empty_cache()  # the other ranks' experts were just dropped
         self.state = GroupState.ACTIVE
@@ -193,7 +195,8 @@ class ExpertParallelGroup:
         moes = [b.ffn for b in [*self.model.layers, *self.model.mtp] if isinstance(b.ffn, ExpertParallelMoE)]
         return {"state": self.state.value, "rank": self.seat.rank, "world": self.seat.world,
                 "experts": (moes[0].first, moes[0].n_local) if moes else None,
-                "expert_params": sum(p.numel() for m in moes for p in m.experts.parameters()),
+                # float experts are parameters, packed (device-format) ones buffers
+                "expert_params": sum(t.numel() for m in moes for t in [*m.experts.parameters(), *m.experts.buffers()]),
                 "meetings": self.meetings, "steps": self.steps, "idle_steps": self.idle_steps, "failure": self.failure}
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 DEVICES = ("cpu", "cuda")
 KERNELS = ("torch", "triton")
+# "auto": the checkpoint's weights; "dummy": random weights in the device format from config.json
+# alone (model/dummy_weights.py), to serve or benchmark a model whose checkpoint is not at hand
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class WorkerOptions:
     # bf16 activations)
     device: str = "cpu"
     kernels: str = "torch"  # "torch" reference ops, or the "triton" kernels (model/kernels/)
+    load_format: str = "auto"  # LOAD_FORMATS
     # decode batch sizes captured as CUDA graphs (device "cuda" only): a decode-only step of n
     # requests replays the smallest bucket >= n; larger or mixed steps run eagerly
     decode_graphs: tuple[int, ...] = ()
@@ -67,6 +71,8 @@ class WorkerOptions:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device == "cpu" and self.kernels == "triton":
             raise ValueError("kernels 'triton' need device 'cuda' (on CPU the model runs the torch reference ops)")
         if self.decode_graphs:

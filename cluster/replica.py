@@ -8,6 +8,10 @@ kernels its options name, over the KV pools it serves from.
                    projections quantise their inputs too where the checkpoint says so
                    (`activation_scheme` "dynamic", W8A8)
 
+With load format "dummy" the replica is random device-format weights built from config.json
+(`model/dummy_weights.py`), on either device; in an expert-parallel pool its routed experts wait
+as shapes until the group has given this rank its slice (`cluster/ep_group.py`).
+
 Inside a Ray actor "cuda" is cuda:0: Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor asked
 for (`--gpus-per-worker`).
 """
@@ -17,24 +21,33 @@ from __future__ import annotations
 import torch
 
 from cluster.options import WorkerOptions
-from model.checkpoint import fp8_activations, load_checkpoint
+from model.checkpoint import fp8_activations, load_checkpoint, read_config
 from model.config import ModelConfig
 from model.cuda_graph import DecodeGraph
+from model.dummy_weights import dummy_model
 from model.ep import set_capacity
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.transformer import Transformer
 
 
-def load_replica(options: WorkerOptions) -> tuple[ModelConfig, Transformer, KVPools]:
+def load_replica(options: WorkerOptions, expert_parallel: bool = False
+                 ) -> tuple[ModelConfig, Transformer, KVPools]:
     """(config, model, pools) of one worker. The pools hold `max_seqs` requests of `max_tokens`,
-    plus one when decode graphs are captured (their padding rows decode a scratch request)."""
+    plus one when decode graphs are captured (their padding rows decode a scratch request).
+    `expert_parallel`: the worker is a rank of an expert-parallel group (dummy weights then defer
+    the routed experts to the group's sharding)."""
     if options.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
                            "(--gpus-per-worker 1) on a node that has them")
-    cfg, model = load_checkpoint(options.model_dir, device=options.device)
-    if options.device == "cuda":
-        quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
+    if options.load_format == "dummy":
+        cfg = read_config(options.model_dir)
+        model = dummy_model(cfg, options.kernels, options.device, fp8_activations(options.model_dir),
+                            defer_experts=expert_parallel)
+    else:
+        cfg, model = load_checkpoint(options.model_dir, device=options.device)
+        if options.device == "cuda":
+            quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device)
     return cfg, model, pools

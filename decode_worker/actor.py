@@ -62,7 +62,7 @@ class DecodeWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
-        cfg, model, self.pools = load_replica(options)
+        cfg, model, self.pools = load_replica(options, options.decode_ep.size > 1)
         # a rank of an expert-parallel group captures its graphs with its peers, once the group formed
         graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens)
                   if options.decode_graphs and options.decode_ep.size == 1 else None)

@@ -85,16 +85,13 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, tensors: dict
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "official":
-        config = cfg.to_official_dict()
-        config["expert_dtype"] = "fp4"
-        config["torch_dtype"] = "bfloat16"
-        config["quantization_config"] = dict(fmts.QUANTIZATION_CONFIG)
+        write_config(out, cfg)
     else:
         config = {**cfg.to_hf_dict(), **_HF_CONFIG_CONSTANTS, "qk_rope_head_dim": cfg.qk_rope_head_dim,
                   "dtype": str(hf_dtype).removeprefix("torch.")}
         generation = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
         (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+        (out / CONFIG_FILE).write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
 
     def stored() -> Iterator[tuple[str, torch.Tensor]]:
         for name in sorted(tensors):
@@ -153,6 +150,20 @@ def _write_shards(out: Path, items: Iterator[tuple[str, torch.Tensor]], shard_by
         weight_map.update({key: fname for key in shard})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(out_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
+    """The official `config.json` of `cfg` (FP4 experts, FP8 projections with dynamic activation
+    scaling, as the hub's V4 checkpoints declare) in `out_dir`: all the `dummy` load format reads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = cfg.to_official_dict()
+    config["expert_dtype"] = "fp4"
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = dict(fmts.QUANTIZATION_CONFIG)
+    path = out / CONFIG_FILE
+    path.write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+    return path
 
 
 # ---------------------------------------------------------------------------------------

@@ -266,9 +266,11 @@ class MoE(nn.Module):
 
     @classmethod
     def random_packed(cls, cfg: ModelConfig, layer: int, fmt: str = "fp4", impl: str = "torch",
-                      device: torch.device | str = "cpu", seed: int = 0) -> "MoE":
+                      device: torch.device | str = "cpu", seed: int = 0, defer_routed: bool = False) -> "MoE":
         """A packed MoE with random weights made on `device` (float experts are never allocated:
-        the module is built on the meta device first), e.g. a full-width layer for benchmarks."""
+        the module is built on the meta device first), e.g. a full-width layer for benchmarks.
+        `defer_routed`: the routed experts as shapes only (meta), made later for one rank's slice
+        (`dummy_weights.materialize_experts`)."""
         with torch.device("meta"):  # a config without experts: nothing float to build, even on meta
             moe = cls(dataclasses.replace(cfg, n_routed_experts=0, n_shared_experts=0), layer, impl)
         moe.cfg = moe.gate.cfg = cfg
@@ -284,7 +286,8 @@ class MoE(nn.Module):
                                             requires_grad=False)
         else:
             moe.gate.bias = nn.Parameter(0.1 * torch.randn(E, device=device, generator=g))
-        moe.experts = PackedExperts.random(fmt, E, D, I, device, g)
+        moe.experts = (PackedExperts(fmt, E, D, I, "meta") if defer_routed
+                       else PackedExperts.random(fmt, E, D, I, device, g))
         if cfg.n_shared_experts:
             moe.shared_experts = PackedExperts.random("fp8", 1, D, I, device, g)
         return moe

@@ -62,7 +62,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
-        _, model, self.pools = load_replica(options)
+        _, model, self.pools = load_replica(options, options.prefill_ep.size > 1)
         self.store = PrefixStore(self.pools, worker_id) if options.prefix_cache else None
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
