@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds an expert-parallel decode collective may wait before the group is declared failed")
     up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
+    up.add_argument("--prefill-token-budget", type=_positive, default=1024,
+                    help="prompt tokens a worker prefills per step (the chunk size; a longer prompt takes several)")
     up.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each worker actor requests")
     up.add_argument("--device", choices=DEVICES, default="cpu",
                     help="cuda: each worker serves from its GPU in the device format (needs --gpus-per-worker)")
@@ -254,6 +256,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             raise CliError(f"--autoscale-config: {e}") from None
     worker = WorkerOptions(str(model_dir), "", cluster=args.cluster, kv_dtype=args.kv_dtype,
                            max_tokens=args.max_model_len, max_seqs=args.max_seqs,
+                           prefill_token_budget=args.prefill_token_budget,
                            prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
                                                             args.prefill_ep_timeout),
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),

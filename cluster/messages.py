@@ -84,6 +84,9 @@ class TransferStats:
     seconds: float  # reservation → verified (or → failure)
     failure: str | None = None  # why the KV was recomputed locally instead: "corrupt", "expired", ...
     source: str = "prefill"  # "prefill" | "repull" (held KV of a lost decode worker) | "migration"
+    # the transfer proper: the sender's first write posted (its Begin notice) → verified; `seconds`
+    # also holds the wait for the prefill (0.0 when unknown)
+    wire_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

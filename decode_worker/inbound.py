@@ -132,7 +132,8 @@ class Inbound:
                 continue
             pages = self.receiver.claim(ev.request_id)
             nbytes = sum(len(ids) * self.pools.specs[k].page_bytes for k, ids in pages.items())
-            self.stats[ev.request_id] = TransferStats(nbytes, time.perf_counter() - a.started, None, a.source)
+            self.stats[ev.request_id] = TransferStats(nbytes, time.perf_counter() - a.started, None, a.source,
+                                                        ev.wire_s)
             out += self._admit(a, pages, ev.header)
         return out
 

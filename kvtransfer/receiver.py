@@ -63,12 +63,16 @@ class ReceiverEvent:
     pages: tuple[tuple[str, tuple[int, ...]], ...]
     header: bytes = b""
     detail: str = ""
+    # "ready": the sender's Begin (sent once its first write was posted) → verified, i.e. the
+    # transfer proper, without the reservation's wait for the prefill (0.0 when no Begin came)
+    wire_s: float = 0.0
 
 
 @dataclass
 class _Reservation:
     target: TransferTarget
     started: float                     # perf_counter at reserve()
+    begun: float = 0.0                 # perf_counter when the sender's Begin arrived
     state: str = "waiting"             # waiting | ready | corrupt | fencing
     sender: str | None = None          # NIXL name of the writing agent, once known
     attempt: int = 0                   # highest TransferDone attempt seen
@@ -237,6 +241,7 @@ class Receiver:
             if msg.request_id not in self._finished:
                 self._notifier.send(src, Ack(msg.request_id, msg.target_epoch, ACK_EXPIRED, 0.0))
             return
+        res.begun = res.begun or time.perf_counter()
         if res.sender is None:
             res.sender = src
             if res.state == "fencing":   # aborted before we knew whom to tell
@@ -278,8 +283,10 @@ class Receiver:
             return ReceiverEvent(msg.request_id, "corrupt", pages, detail=bad)
         res.state, res.header = "ready", msg.header
         self._answer(res, ACK_OK)
-        self.metrics.completed(msg.nbytes, time.perf_counter() - res.started)
-        return ReceiverEvent(msg.request_id, "ready", pages, header=msg.header)
+        now = time.perf_counter()
+        self.metrics.completed(msg.nbytes, now - res.started)
+        return ReceiverEvent(msg.request_id, "ready", pages, header=msg.header,
+                             wire_s=now - res.begun if res.begun else 0.0)
 
     def _on_fenced(self, msg: Fenced) -> ReceiverEvent | None:
         res = self._res.get(msg.request_id)

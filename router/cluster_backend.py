@@ -269,7 +269,8 @@ class ClusterBackend:
     def _transfer_metrics(self, chunk: TokenChunk) -> None:
         if chunk.transfer is not None and self.metrics is not None:
             if chunk.transfer.failure is None:
-                self.metrics.kv_transfer_done(chunk.transfer.nbytes, chunk.transfer.seconds)
+                self.metrics.kv_transfer_done(chunk.transfer.nbytes, chunk.transfer.seconds,
+                                              chunk.transfer.wire_seconds)
             else:
                 self.metrics.kv_transfer_failed(chunk.transfer.failure)
 

@@ -48,6 +48,9 @@ class RouterMetrics:
                                          namespace=ns, registry=r)
         self.kv_transfer_seconds = Histogram("kv_transfer_seconds", "Duration of one request's KV transfer.",
                                              namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_transfer_wire_seconds = Histogram(
+            "kv_transfer_wire_seconds", "One request's KV transfer proper: first write posted to verified.",
+            namespace=ns, registry=r, buckets=_LATENCY_BUCKETS)
         self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers by reason.",
                                             ["reason"], namespace=ns, registry=r)
         self.retargets = Counter("retargeted_requests", "Requests that continued on another decode worker, by "
@@ -81,9 +84,13 @@ class RouterMetrics:
         """For backends that learn of hits outside `Usage` (do not report them in both)."""
         self.prefix_cache_hit_tokens.inc(n)
 
-    def kv_transfer_done(self, nbytes: int, seconds: float) -> None:
+    def kv_transfer_done(self, nbytes: int, seconds: float, wire_seconds: float = 0.0) -> None:
+        """`seconds`: reservation → verified (the wait for the prefill included); `wire_seconds`:
+        the transfer proper, when known (> 0)."""
         self.kv_transfer_bytes.inc(nbytes)
         self.kv_transfer_seconds.observe(seconds)
+        if wire_seconds > 0:
+            self.kv_transfer_wire_seconds.observe(wire_seconds)
 
     def kv_transfer_failed(self, reason: str) -> None:
         self.kv_transfer_failures.labels(reason).inc()

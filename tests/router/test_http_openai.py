@@ -169,11 +169,12 @@ def test_models_health_metrics(router, client):
 def test_backend_metrics_api(router):
     m = router.handle.metrics
     m.set_queue_depth("prefill", 7)
-    m.kv_transfer_done(4096, 0.01)
+    m.kv_transfer_done(4096, 0.01, 0.002)
     m.kv_transfer_failed("checksum")
     text = httpx.get(router.http_url + "/metrics").text
     assert 'v4serve_queue_depth{pool="prefill"} 7.0' in text
     assert "v4serve_kv_transfer_bytes_total 4096.0" in text
+    assert "v4serve_kv_transfer_seconds_sum 0.01" in text and "v4serve_kv_transfer_wire_seconds_sum 0.002" in text
     assert 'v4serve_kv_transfer_failures_total{reason="checksum"} 1.0' in text
 
 
