@@ -43,28 +43,37 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def one(session: httpx.AsyncClient, url: str, prompt: list[int], osl: int) -> dict:
+    """One streamed request; a 429 (the router's admission control: every decode worker's queue
+    is full) is retried after its Retry-After, as a client of an OpenAI API does. TTFT and E2E
+    count from the first attempt."""
     body = {"model": "v4serve", "prompt": prompt, "max_tokens": osl, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     sent = time.perf_counter()
-    stamps, tokens = [], 0
-    async with session.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            line = line.strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    stamps, tokens, retries = [], 0, 0
+    while not stamps:
+        async with session.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code == 429:
+                retries += 1
+                await resp.aread()
+                await asyncio.sleep(float(resp.headers.get("retry-after", 1.0)))
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-            if n:
-                stamps.append(time.perf_counter())
-                tokens += n
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if n:
+                    stamps.append(time.perf_counter())
+                    tokens += n
     if tokens != osl:
         raise RuntimeError(f"asked for {osl} tokens (ignore_eos), got {tokens}")
     return {"sent": sent, "ttft": stamps[0] - sent, "e2e": stamps[-1] - sent, "done": stamps[-1],
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens}
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens, "retries": retries}
 
 
 async def transfer_totals(session: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -106,6 +115,7 @@ async def level(session, url: str, c: int, n: int, isl: int, osl: int, vocab: in
             "ttft_ms": {q: 1e3 * pct([r["ttft"] for r in rows], v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
             "itl_ms": {q: 1e3 * pct(itl, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
             "e2e_ms_p50": 1e3 * statistics.median(r["e2e"] for r in rows),
+            "retried_429": sum(r["retries"] for r in rows),
             "kv_transfers": int(after["wire_count"] - before["wire_count"]),
             "kv_transfer_ms_mean": mean_ms(before, after, "wire"),
             "kv_reserved_to_verified_ms_mean": mean_ms(before, after, "reserved")}
