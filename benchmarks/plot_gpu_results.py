@@ -61,7 +61,33 @@ def kv_transfer() -> None:
     fig.savefig(IMG / "kv_transfer_2xh200.png", dpi=110)
 
 
+def serve_flash() -> None:
+    """V4-Flash served on 4× H200, P/D against aggregated: rate per GPU and ITL by concurrency."""
+    r = json.loads((RESULTS / "serve_flash_4xh200.json").read_text())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label, style in (("pd", "P/D: prefill EP2 + decode EP2", "o-"), ("aggregated", "aggregated: 2 × EP2", "s-")):
+        rows = r[key]
+        c = [d["concurrency"] for d in rows]
+        left.plot(c, [d["total_tok_s_per_gpu"] for d in rows], style, label=label)
+        right.plot(c, [d["itl_ms"]["p50"] for d in rows], style, label=f"{label}, p50")
+        right.plot(c, [d["itl_ms"]["p99"] for d in rows], style, alpha=0.45, label=f"{label}, p99")
+    left.plot([1, 64], [607, 2758], "k^", label="SGLang TP4 FP4 H200 (published)")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (one wave: requests = concurrency)")
+    left.set_ylabel("total (prompt + output) tok/s per GPU")
+    right.set_yscale("log")
+    right.set_ylabel("inter-token latency (ms)")
+    left.set_title("V4-Flash, ISL 8192 / OSL 1024, 4× H200")
+    right.set_title("inter-token latency, p50 and p99")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(IMG / "serve_flash_4xh200.png", dpi=110)
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
     decode_step()
     kv_transfer()
+    serve_flash()

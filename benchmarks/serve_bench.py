@@ -125,8 +125,10 @@ async def main_async(args) -> list[dict]:
     timeout = httpx.Timeout(args.read_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as session:
-        for i in range(args.warmup):  # compiles and captures whatever the first requests need
-            await one(session, args.url, [random.Random(-1 - i).randrange(2, args.vocab) for _ in range(args.isl)], 4)
+        # sent at once, so the router spreads them over the workers: each worker process compiles
+        # and allocates what its first prompt needs before the measured levels
+        await asyncio.gather(*(one(session, args.url, [random.Random(-1 - i).randrange(2, args.vocab)
+                                                       for _ in range(args.isl)], 4) for i in range(args.warmup)))
         out = []
         for k, c in enumerate(args.concurrency):
             n = max(c * args.rounds, args.min_requests)
@@ -151,7 +153,7 @@ def main() -> None:
     ap.add_argument("--level-budget-s", type=float, default=600.0, help="stop sending new requests after this")
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of the deployment (per-GPU rates)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests, sent at once (≥ 2 per worker)")
     ap.add_argument("--read-timeout-s", type=float, default=600.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)
