@@ -94,7 +94,7 @@ def materialize_experts(model: Transformer, seed: int = 0) -> int:
     made = 0
     for block in [*model.layers, *model.mtp]:
         ffn = block.ffn
-        if ffn.experts.w13.is_meta:
+        if isinstance(ffn.experts, PackedExperts) and ffn.experts.w13.is_meta:  # (float experts: a checkpoint's)
             _materialize(ffn, ffn.layer, getattr(ffn, "first", 0), seed)
             made += 1
     return made
