@@ -17,7 +17,8 @@ Prompts are random token ids (distinct per request, so no prefix-cache hits), se
 * KV transfer per request: the router's `v4serve_kv_transfer_wire_seconds` histogram (the
   sender's first write posted → verified on the decode worker), its mean over the level from
   /metrics before and after; also reservation → verified (`v4serve_kv_transfer_seconds`, which
-  holds the wait for the prefill).
+  holds the wait for the prefill), and the transfers that failed by reason (the decode worker then
+  prefilled the request itself).
 
 A level stops sending new requests after `--level-budget-s` (the requests in flight finish), so
 a slow level reports fewer requests than asked for rather than running on; the JSON says how many.
@@ -85,6 +86,8 @@ async def transfer_totals(session: httpx.AsyncClient, url: str) -> dict[str, flo
         for suffix in ("sum", "count"):
             m = re.search(rf"^{name}_{suffix} ([0-9.e+-]+)$", text, re.M)
             got[f"{key}_{suffix}"] = float(m.group(1)) if m else 0.0
+    for reason, value in re.findall(r'^v4serve_kv_transfer_failures_total\{reason="([^"]+)"\} ([0-9.e+-]+)$', text, re.M):
+        got[f"failed_{reason}"] = float(value)
     return got
 
 
@@ -117,6 +120,9 @@ async def level(session, url: str, c: int, n: int, isl: int, osl: int, vocab: in
             "e2e_ms_p50": 1e3 * statistics.median(r["e2e"] for r in rows),
             "retried_429": sum(r["retries"] for r in rows),
             "kv_transfers": int(after["wire_count"] - before["wire_count"]),
+            # KV the decode side recomputed instead (by reason: "expired" = its reservation's lease ran out)
+            "kv_transfer_failures": {k.removeprefix("failed_"): int(v - before.get(k, 0.0))
+                                     for k, v in after.items() if k.startswith("failed_") and v > before.get(k, 0.0)},
             "kv_transfer_ms_mean": mean_ms(before, after, "wire"),
             "kv_reserved_to_verified_ms_mean": mean_ms(before, after, "reserved")}
 
