@@ -1,5 +1,5 @@
-"""`v4serve` command line: make-tiny, make-config, generate, up (own the pools and serve them), router (serve
-pools owned elsewhere), drain (empty a worker of a running cluster).
+"""`v4serve` command line: make-tiny, make-config, generate, up (own the pools and serve them),
+router (serve pools owned elsewhere), drain (empty a worker of a running cluster).
 
 Arguments are parsed and validated here, turned into frozen option objects once, and passed
 explicitly; bad input prints one line `error: ...` on stderr and exits with status 2.
@@ -361,14 +361,16 @@ def cmd_make_config(args: argparse.Namespace) -> None:
     from model.checkpoint import write_config
     from model.tiny import flash_config
 
-    layers = args.layers or 43
-    if layers > 43:
-        raise CliError(f"--layers {layers}: V4-Flash has 43 layers")
-    print(write_config(args.out, flash_config(layers)))
+    presets = {"v4-flash": (flash_config, 43)}  # --preset → (config builder, its layers)
+    build, total = presets[args.preset]
+    layers = args.layers or total
+    if layers > total:
+        raise CliError(f"--layers {layers}: {args.preset} has {total} layers")
+    print(write_config(args.out, build(layers)))
 
 
-COMMANDS = {"make-tiny": cmd_make_tiny, "make-config": cmd_make_config, "generate": cmd_generate, "up": cmd_up, "router": cmd_router,
-            "drain": cmd_drain}
+COMMANDS = {"make-tiny": cmd_make_tiny, "make-config": cmd_make_config, "generate": cmd_generate, "up": cmd_up,
+            "router": cmd_router, "drain": cmd_drain}
 
 
 def main(argv: list[str] | None = None) -> int:
