@@ -65,6 +65,6 @@ stop)
     kill -INT "$(cat $RUN/up.pid)" 2>/dev/null
     for _ in $(seq 60); do kill -0 "$(cat $RUN/up.pid)" 2>/dev/null || break; sleep 1; done
     kill -9 "$(cat $RUN/up.pid)" 2>/dev/null
-    pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f valkey-server
+    pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f valkey-server; true
     ;;
 esac
