@@ -12,8 +12,10 @@
 #       agg:   aggregated on the same 4 GPUs: two decode groups of 2 that prefill their own
 #              requests (whole prompt in one step, as an aggregated engine schedules it)
 #       smoke: one prefill and one decode worker sharing one GPU (half each), no expert parallelism
-# .site/ holds what the GPU image lacks (built off-machine: ray and nixl trimmed of what serving
-# does not load, as one tar.xz; the smaller packages as wheels), carried with the working tree.
+# .site/ holds what the GPU image lacks (`bash benchmarks/build_site.sh` on a machine that reaches
+# PyPI: ray and nixl trimmed of what serving does not load, as one tar.xz; the smaller packages as
+# wheels), carried with the working tree; optionally .site/triton-cache.tar.xz, a Triton cache of
+# an earlier run on the same GPU kind, saves the kernels' compile time at start.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache
