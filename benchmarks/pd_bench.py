@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.serve_bench import pct  # noqa: E402
 from cluster.launcher import ClusterOptions, LocalCluster  # noqa: E402
 from cluster.messages import GenerateRequest  # noqa: E402
 from cluster.options import WorkerOptions  # noqa: E402
@@ -42,11 +43,6 @@ def trace(n: int, rate: float, seed: int, prompt: tuple[int, int], max_tokens: i
         out.append((t, GenerateRequest(f"b{i}", tuple(rng.randrange(256) for _ in range(rng.randint(*prompt))),
                                        max_tokens=max_tokens)))
     return out
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 async def drive(backend: ClusterBackend, work) -> list[dict]:

@@ -43,6 +43,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def percentiles_ms(xs: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of seconds, in ms."""
+    return {q: 1e3 * pct(xs, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))}
+
+
 async def one(session: httpx.AsyncClient, url: str, prompt: list[int], osl: int) -> dict:
     """One streamed request; a 429 (the router's admission control: every decode worker's queue
     is full) is retried after its Retry-After, as a client of an OpenAI API does. TTFT and E2E
@@ -115,8 +120,7 @@ async def level(session, url: str, c: int, n: int, isl: int, osl: int, vocab: in
     out_tokens = sum(r["tokens"] for r in rows)
     return {"concurrency": c, "requests": len(rows), "asked": n, "seconds": span,
             "output_tok_s": out_tokens / span, "total_tok_s": (out_tokens + isl * len(rows)) / span,
-            "ttft_ms": {q: 1e3 * pct([r["ttft"] for r in rows], v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
-            "itl_ms": {q: 1e3 * pct(itl, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
+            "ttft_ms": percentiles_ms([r["ttft"] for r in rows]), "itl_ms": percentiles_ms(itl),
             "e2e_ms_p50": 1e3 * statistics.median(r["e2e"] for r in rows),
             "retried_429": sum(r["retries"] for r in rows),
             "kv_transfers": int(after["wire_count"] - before["wire_count"]),

@@ -83,7 +83,7 @@ def dummy_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
         if fuse:
             block.attn.fuse_products()
         if not defer_experts:
-            _materialize(block.ffn, layer, 0, seed)
+            _materialize(block.ffn, 0, seed)
     return block
 
 
@@ -95,15 +95,16 @@ def materialize_experts(model: Transformer, seed: int = 0) -> int:
     for block in [*model.layers, *model.mtp]:
         ffn = block.ffn
         if isinstance(ffn.experts, PackedExperts) and ffn.experts.w13.is_meta:  # (float experts: a checkpoint's)
-            _materialize(ffn, ffn.layer, getattr(ffn, "first", 0), seed)
+            _materialize(ffn, getattr(ffn, "first", 0), seed)
             made += 1
     return made
 
 
-def _materialize(ffn: nn.Module, layer: int, first: int, seed: int) -> None:
+def _materialize(ffn: nn.Module, first: int, seed: int) -> None:
+    """`ffn`'s experts (shapes on the meta device; the first is expert `first`) made on its device."""
     meta = ffn.experts
     device = ffn.gate.weight.device
-    g = torch.Generator(device=device).manual_seed(seed + layer * _EXPERT_SEED + first)
+    g = torch.Generator(device=device).manual_seed(seed + ffn.layer * _EXPERT_SEED + first)
     ffn.experts = PackedExperts.random(meta.fmt, meta.n_experts, meta.dim, meta.inter, device, g)
 
 
