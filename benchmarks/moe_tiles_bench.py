@@ -9,6 +9,8 @@ per kernel (count sort, gate/up, down). Fraction of copy: the hit experts' bytes
 expert's) over the time, against a device-to-device copy measured in the same run. Pre-ordered
 variants make their `preorder` copy of x when planned, outside the graph; the `fused*` variants
 capture `moe_fused.fused_moe` whole, as the decode step runs it (copy and dense shared expert in).
+`META_VARIANTS` add launch options (register caps) to another variant's two kernels. The run
+ends by listing each compiled kernel's registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -52,7 +54,21 @@ VARIANTS = {
     "small_gateup_split2": (replace(SG, split_k=2), SD, False, True),
     "small_gateup_unsplit": (replace(SG, split_k=1, num_stages=4), SD, False, True),
     "small_down_stages2": (SG, replace(SD, num_stages=2), False, True),
+    "small_gateup_split8": (replace(SG, split_k=8), SD, False, True),
+    "small_gateup_bn32": (replace(SG, BN=32), SD, False, True),
+    "small_gateup_bn32_split2": (replace(SG, BN=32, split_k=2), SD, False, True),
+    "small_gateup_w8_bn128": (replace(SG, BN=128, num_warps=8), SD, False, True),
+    "small_down_split4": (SG, replace(SD, split_k=4), False, True),
+    "small_down_split1": (SG, replace(SD, split_k=1), False, True),
+    "small_down_bn32": (SG, replace(SD, BN=32), False, True),
+    "small_down_bn128_w8": (SG, replace(SD, BN=128, num_warps=8), False, True),
+    "small_down_stages3": (SG, replace(SD, num_stages=3), False, True),
+    "small_down_uncapped": (SG, replace(SD, maxnreg=None), False, True),
 }
+# name → launch options added to a VARIANTS entry's gate/up and down launches (register caps)
+META_VARIANTS = {"small_regs96": ("small", {"maxnreg": 96}), "small_regs80": ("small", {"maxnreg": 80}),
+                 "small_regs72": ("small", {"maxnreg": 72}),
+                 "small_stages3_regs96": ("small_gateup_stages3", {"maxnreg": 96})}
 # name → (`fused_moe`'s shared_dense, the priority of a side stream for the dense shared expert or
 # None): the whole call captured as the decode step runs it (the `preorder` copy and, dense, the
 # shared expert's products and SwiGLU included), decode tiles
@@ -128,8 +144,12 @@ def main() -> None:
                 pre = True
                 planned = [plan_fused(m, T, 100 + i, shared, side) for i, m in enumerate(layers)]
             else:
-                gateup, down, shared, pre = VARIANTS[name]
+                base, meta = META_VARIANTS.get(name, (name, {}))
+                gateup, down, shared, pre = VARIANTS[base]
                 planned = [plan(m, T, 100 + i, gateup, down, shared, pre) for i, m in enumerate(layers)]
+                for launches, _ in planned:
+                    for launch in launches[-2:]:  # gate/up and down
+                        launch.meta.update(meta)
             n = len(layers)
             rot_ms, rot_k = graph_ms([launch for launches, _ in planned for launch in launches])
             same_ms, _ = graph_ms([launch for _ in range(n) for launch in planned[0][0]])
@@ -142,7 +162,24 @@ def main() -> None:
             print(f"T={T:4d} {name:22s} {row['ms_per_layer']:.3f} ms/layer (same layer {row['same_layer_ms']:.3f})"
                   f"  {row['frac_copy']:.0%} of copy  " + "  ".join(f"{k} {v:.3f}" for k, v in row["kernels_ms"].items()),
                   flush=True)
-    Path(args.out).write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows,
+                                              compiled=compiled_kernels()), indent=1))
+
+
+def compiled_kernels() -> list[dict]:
+    """Warps, stages, shared memory, registers and spills of every gate/up and down kernel compiled
+    in this run (in compile order: the variants' order)."""
+    from model.kernels import moe_tile_kernels as k
+    out = []
+    for fn in (k._gateup_kernel, k._down_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in cache[0].values():
+                md = compiled.metadata
+                out.append(dict(kernel=fn.__name__, warps=md.num_warps, stages=md.num_stages, shared=md.shared,
+                                regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None)))
+    for row in out:
+        print(row, flush=True)
+    return out
 
 
 if __name__ == "__main__":

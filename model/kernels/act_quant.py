@@ -18,6 +18,7 @@ import triton.language as tl
 
 from model import quant
 from model.kernels import check_impl
+from model.kernels.pdl import launch_options, wait
 
 BLOCK = 128  # activation scale block along K (the weights' block)
 COLS = 2048  # columns per program: 16 blocks, ~4 KB of bf16 read
@@ -68,7 +69,8 @@ def _launch(x: torch.Tensor, fake: bool) -> tuple[torch.Tensor, torch.Tensor | N
     cols = min(COLS, triton.next_power_of_2(blocks * BLOCK))
     if x2.shape[0]:
         _quantize_kernel[(x2.shape[0], triton.cdiv(k, cols))](x2, out, out if fake else scale, k, x2.stride(0),
-                                                              blocks, COLS=cols, BLOCK=BLOCK, FAKE=fake)
+                                                              blocks, COLS=cols, BLOCK=BLOCK, FAKE=fake,
+                                                              **launch_options(x2))
     return out, scale
 
 
@@ -88,8 +90,9 @@ def quantize_blocks(blocks):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.constexpr, BLOCK: tl.constexpr,
-                     FAKE: tl.constexpr):
+                     FAKE: tl.constexpr, PDL: tl.constexpr = False):
     """Codes to q_ptr and scales to s_ptr, or (FAKE) code × scale in x's dtype to q_ptr."""
+    wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     mask = cols < K

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import entry_base, pack_code, store_entry
 from model.rope import Rope
 
@@ -85,12 +86,12 @@ def compress(proj: torch.Tensor, batch, pools, layer: int, ratio: int, kind: str
         ape.float().contiguous(), norm_weight.float().contiguous(), rope.inv_freq_on(proj.device), eps, h,
         RATIO=ratio, OVERLAP=overlap, ROWS=rows, BR=min(rows, 16), RING=rows, EPP=out.entries_per_page,
         NOPE=h - rope.dim, ROPE=rope.dim, D=triton.next_power_of_2(h), PACK=pack_code(pools, kind),
-        ENTRY_BYTES=out.entry_bytes, num_warps=4)
+        ENTRY_BYTES=out.entry_bytes, num_warps=4, **launch_options(proj))
     bc = min(triton.next_power_of_2(width), 1024)
     _ring_kernel[(T, triton.cdiv(width, bc))](
         proj, proj.stride(0), meta.token_seq, meta.positions, meta.seg_end,
         pools.buffers[state_kind], meta.tables[state_kind], meta.tables[state_kind].stride(0), state.page_bytes,
-        state_off, state.entry_bytes, width, RING=rows, BC=bc, num_warps=4)
+        state_off, state.entry_bytes, width, RING=rows, BC=bc, num_warps=4, **launch_options(proj))
 
 
 @triton.jit
@@ -100,7 +101,8 @@ def _emit_kernel(proj_ptr, stride_p, seq_ptr, pos_ptr, seg_start_ptr,
                  ape_ptr, w_ptr, inv_freq_ptr, eps, h,
                  RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
                  RING: tl.constexpr, EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
-                 PACK: tl.constexpr, ENTRY_BYTES: tl.constexpr):
+                 PACK: tl.constexpr, ENTRY_BYTES: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     if (pos + 1) % RATIO != 0:
@@ -155,7 +157,8 @@ def _emit_kernel(proj_ptr, stride_p, seq_ptr, pos_ptr, seg_start_ptr,
 
 @triton.jit
 def _ring_kernel(proj_ptr, stride_p, seq_ptr, pos_ptr, seg_end_ptr, st_buf, st_table, st_tstride, st_page_bytes,
-                 st_layer_off, st_row_bytes, width, RING: tl.constexpr, BC: tl.constexpr):
+                 st_layer_off, st_row_bytes, width, RING: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     seq = tl.load(seq_ptr + t)

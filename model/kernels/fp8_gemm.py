@@ -36,6 +36,7 @@ import triton.language as tl
 from model.kernels import act_quant, check_impl
 from model.kernels.act_quant import quantize_blocks
 from model.kernels.fp4 import fp8_to_bf16
+from model.kernels.pdl import launch_options, wait
 
 BLOCK = 128  # scale block along N and K
 
@@ -130,7 +131,8 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     a8 = x_scale is not None or quantize_x
     if quantize_x:
         x_scale = x3[:, :, :1]  # unread: the kernel computes the scales (strides only)
-    cfg = dict(cfg or decode_config(M, N, K, groups, a8=a8))
+    # launch options first, so that a given `cfg` may override them (benchmarks/pdl_probe.py)
+    cfg = {**launch_options(x3), **(cfg or decode_config(M, N, K, groups, a8=a8))}
     kernel = _fp8_a8_kernel if a8 else _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
     out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype or (torch.bfloat16 if a8 else x3.dtype))
@@ -168,12 +170,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     out = torch.empty(rows, k, dtype=dtype, device=weight.device)
     grid = (triton.cdiv(rows, 64), triton.cdiv(k, BLOCK))
     _dequantize_kernel[grid](weight, scale.float() if scale.dtype != torch.float32 else scale, out, rows, k,
-                             weight.stride(0), scale.stride(0), out.stride(0), BR=64, BK=BLOCK)
+                             weight.stride(0), scale.stride(0), out.stride(0), BR=64, BK=BLOCK,
+                             **launch_options(weight))
     return out
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, stride_w, stride_s, stride_o, BR: tl.constexpr, BK: tl.constexpr):
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, stride_w, stride_s, stride_o, BR: tl.constexpr, BK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     c = kb * BK + tl.arange(0, BK)
@@ -219,14 +224,8 @@ def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                      stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, PDL: tl.constexpr = 0):
-    # PDL (benchmarks/pdl_probe.py only; launched with launch_pdl): programmatic dependent launch,
-    # 1 triggering the next kernel on entry, 2 only waiting for the previous one, 3 triggering
-    # after the K loop. Measured not worth a launch mode of its own yet (docs/benchmarks.md).
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PDL > 0:
-        tl.extra.cuda.gdc_wait()
+                     SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -249,8 +248,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
         s = _scale_values(s_ptr, rows, kb, stride_s, mask_n)
         part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
         acc += part * s[None, :]
-    if PDL == 3:
-        tl.extra.cuda.gdc_launch_dependents()
     tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_n[None, :]
     _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
                 mask_m[:, None] & mask_n[None, :], split, stride_part, SPLIT_K)
@@ -321,10 +318,11 @@ def _weight_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
 def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                      stride_xm, stride_xg, stride_w, stride_s, stride_ym, stride_yg, stride_part,
                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ: the weight tile is the MMA's register operand,
     dequantised in registers with its block scale folded in, so the products chain in one
     accumulator (no per-step scale pass)."""
+    wait(PDL)
     pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     k_blocks = tl.cdiv(K, BLOCK_K)
@@ -353,13 +351,14 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
 def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                    stride_xm, stride_xg, stride_xsm, stride_xsg, stride_w, stride_s, stride_ym, stride_yg,
                    stride_part, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr):
+                   SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False):
     """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
     out), each 128-wide K step's product scaled by its weight block's scale times each token's
     scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
     V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
     docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block)."""
+    wait(PDL)
     pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.pdl import launch_options, wait
 
 MASK32 = 0xFFFFFFFF
 BLOCK = 4096  # tokens per program; a row's programs are reduced in torch
@@ -72,7 +73,8 @@ def gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor, thr_value: torch.Ten
     best = torch.empty(R, chunks, dtype=torch.float64, device=scaled.device)
     best_id = torch.empty(R, chunks, dtype=torch.int64, device=scaled.device)
     _gumbel_argmax_kernel[(R, chunks)](scaled, keys.contiguous(), thr_value.contiguous(), thr_id.contiguous(),
-                                        best, best_id, V, chunks, BLOCK=BLOCK, num_warps=8)
+                                        best, best_id, V, chunks, BLOCK=BLOCK, num_warps=8,
+                                        **launch_options(scaled))
     # first maximum over the chunks: the lowest id among equal scores, as argmax over [V] gives
     return best_id.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
 
@@ -88,7 +90,8 @@ def _hash32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(scaled_ptr, keys_ptr, thr_value_ptr, thr_id_ptr, best_ptr, best_id_ptr, V, chunks,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     ids = chunk * BLOCK + tl.arange(0, BLOCK)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl, num_sms
+from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 
 
@@ -74,7 +75,8 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
-        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps)
+        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
+        **launch_options(qs))
     return out
 
 
@@ -113,12 +115,14 @@ def top_k(scores: torch.Tensor, K: int) -> torch.Tensor:
     scratch = torch.empty(R, KP, dtype=torch.int64, device=scores.device)
     N = triton.next_power_of_2(n)
     _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), scratch, n, K, N=N, KP=KP,
-                         num_warps=8 if N >= 4096 else 4)
+                         num_warps=8 if N >= 4096 else 4, **launch_options(scores))
     return out
 
 
 @triton.jit
-def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.constexpr, KP: tl.constexpr):
+def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.constexpr, KP: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
     bits = tl.load(s_ptr + t * stride_s + j, mask=j < n, other=float("-inf")).to(tl.int32, bitcast=True)
@@ -149,11 +153,12 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
                    buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale,
                    EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
-                   NB: tl.constexpr, ALIGN: tl.constexpr):
+                   NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
     (they weigh more than a block of FP8 keys). Keys are the MMA's M side and heads its N side,
     so the head-weighted sum runs along each thread's accumulator row, not across warps (H100,
     batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`)."""
+    wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     n_vis = (pos + 1) // 4

@@ -34,6 +34,7 @@ import triton
 
 from model.kernels import arrival_counter, check_impl, rmsnorm
 from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_kernel, _pre_kernel
+from model.kernels.pdl import launch_options
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
         bd = min(1024, triton.next_power_of_2(D))
         _post_kernel[(T, triton.cdiv(D, bd))](
             out, x, post.contiguous(), comb.contiguous(), new, D, HC=hc, BD=bd,
-            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=4)
+            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=4, **launch_options(x))
     return new
 
 
@@ -213,7 +214,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
             fn if norm_weight is None else norm_weight, out, post, comb, T, D, iters, hc_eps, rms_eps, norm_eps,
             HC=hc, BT=bt, CD=small.columns, NR=32, NP=16, BD=triton.next_power_of_2(D),
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
-            HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16)
+            HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16, **launch_options(xp))
         return x, out, post, comb
     x = hc_post(res.out, xp, res.post, res.comb, "triton") if pending else xp
     tiles = tiles or MIX_TILES
@@ -223,7 +224,8 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
         split *= 2  # decode: spread K over programs until ~2 waves of the GPU
     partial = torch.empty(split, T, 3 * 16 + 1, dtype=torch.float32, device=dev)  # mixes | Σx²
     _mix_kernel[(blocks, split)](x, fn, partial, T, D, HC=hc, BT=tiles.bt, BK=tiles.bk, NP=16, SPLIT=split,
-                                 HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps)
+                                 HEAD=head, X_FP32=x.dtype == torch.float32, num_warps=tiles.num_warps,
+                                 **launch_options(x))
     bt = 16 if T <= 2048 else 32
     # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
     # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
@@ -232,7 +234,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
     bd = min(256, triton.next_power_of_2(chunk))
     _pre_kernel[(triton.cdiv(T, bt), d_split)](
         x, partial, base, scale, out, post, comb, T, D, triton.cdiv(chunk, bd) * bd, iters, hc_eps, rms_eps,
-        HC=hc, BT=bt, NP=16, BD=bd, SPLIT=split, HEAD=head, num_warps=4)
+        HC=hc, BT=bt, NP=16, BD=bd, SPLIT=split, HEAD=head, num_warps=4, **launch_options(x))
     if norm_weight is not None:
         out = rmsnorm.rms_norm(out, norm_weight, norm_eps, "triton")
     return x, out, post, comb

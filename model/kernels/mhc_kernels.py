@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import wait
+
 
 @triton.jit
 def _split(v):
@@ -47,9 +49,11 @@ def _fn_dot(acc, x_hi, x_lo, fn_ptr, row0, n_rows, offs_k, K, NP: tl.constexpr, 
 
 @triton.jit
 def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                NP: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr, X_FP32: tl.constexpr):
+                NP: tl.constexpr, SPLIT: tl.constexpr, HEAD: tl.constexpr, X_FP32: tl.constexpr,
+                PDL: tl.constexpr = False):
     """Partial mixes x · fnᵀ (three row groups of fn, each padded to NP) and Σ x² over this
     program's share of K (steps split, split + SPLIT, ...) → out[split, t] = [pre | post | comb | Σx²]."""
+    wait(PDL)
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = tok < T
@@ -83,7 +87,7 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
                         w_ptr, out_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps, norm_eps,
                         HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
                         BD: tl.constexpr, SPLIT_PAD: tl.constexpr, HEAD: tl.constexpr, POST: tl.constexpr,
-                        ROUND_BF16: tl.constexpr, NORM: tl.constexpr):
+                        ROUND_BF16: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     """A whole sub-block entry of a few tokens (all T in one block) in one launch.
 
     Program p owns D columns [p·CD, (p+1)·CD) of every stream: it settles them (POST) and writes
@@ -93,6 +97,7 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     The last program to arrive (the counter, zeroed again by it) adds the partials (a fixed tree:
     deterministic), derives pre / post / Sinkhorn comb, and writes the collapse Σᵢ preᵢ·xᵢ,
     rounded to x's dtype and RMSNormed with w (NORM) into out [T, D]: BD >= D, whole rows."""
+    wait(PDL)
     p = tl.program_id(0)
     SPLIT = tl.num_programs(0)
     t = tl.arange(0, BT)
@@ -261,11 +266,12 @@ def _place4(m, cols, k0: tl.constexpr, a, b, c, d):
 @triton.jit
 def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr, T, D, D_CHUNK, iters, hc_eps,
                 rms_eps, HC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                HEAD: tl.constexpr):
+                HEAD: tl.constexpr, PDL: tl.constexpr = False):
     """From the mixes (`_mix_kernel`'s SPLIT partial sums, added here in split order: deterministic):
     pre, post, Sinkhorn comb, and the collapse Σᵢ preᵢ · xᵢ over the D columns
     [pid1 · D_CHUNK, (pid1 + 1) · D_CHUNK); every D chunk's program derives pre, the first also
     stores post and comb."""
+    wait(PDL)
     d_first = tl.program_id(1) * D_CHUNK
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = tok < T
@@ -298,7 +304,8 @@ def _pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr
 
 @triton.jit
 def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
-                 ROUND_BF16: tl.constexpr):
+                 ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = offs < D

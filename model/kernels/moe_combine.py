@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import launch_options, wait
+
 
 def reference(y: torch.Tensor, add: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     out = y.sum(1, dtype=torch.float32)
@@ -30,12 +32,14 @@ def sum_slots(y: torch.Tensor, add: torch.Tensor | None = None, dtype: torch.dty
         add_arg = add.contiguous() if add is not None else out
         bd = min(1024, triton.next_power_of_2(D))
         _sum_slots_kernel[(T, triton.cdiv(D, bd))](y, add_arg, out, D, S=S, BD=bd, HAS_ADD=add is not None,
-                                                   num_warps=4)
+                                                   num_warps=4, **launch_options(y))
     return out
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, add_ptr, out_ptr, D, S: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr):
+def _sum_slots_kernel(y_ptr, add_ptr, out_ptr, D, S: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = offs < D

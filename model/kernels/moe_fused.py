@@ -58,7 +58,10 @@ DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=Tr
 # tests/gpu/test_moe_kernels_cuda.py::test_decode_configurations_repeat_bit_for_bit.
 SMALL_T = 4
 SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=2, swap_ab=True, split_k=4)
-SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2)
+# The down programs are capped at 80 registers (102 uncapped, two spilled): five programs an SM
+# instead of four, and the down kernel at T = 1 20 → 17 µs (H200, benchmarks/moe_tiles_bench.py
+# variants small / small_regs80, which caps both). Gate/up loses from a cap (32 → 37 µs at 80).
+SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2, maxnreg=80)
 # Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
 # 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
 DECODE_MAX_TOKENS = 256

@@ -37,6 +37,7 @@ import triton
 from model.kernels import moe_combine, moe_shared
 from model.kernels.fp4 import FP4_K_BLOCK, check_fp4_block, check_fp8_block, reads_wgmma_operand
 from model.kernels.moe_tile_kernels import _count_sort_kernel, _down_kernel, _gateup_kernel
+from model.kernels.pdl import launch_options
 
 if TYPE_CHECKING:
     from model.moe import PackedExperts
@@ -98,6 +99,7 @@ class Tiles:
     num_stages: int = 3
     swap_ab: bool = False
     split_k: int = 1
+    maxnreg: int | None = None  # a cap on registers per thread (ptxas), for more programs per SM
 
 
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
@@ -217,7 +219,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         cursor = torch.empty(e_pad, dtype=torch.int32, device=x.device)
         launches.append(Launch(_count_sort_kernel, (1,), (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel()),
                                dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E, ZERO13=ks13 > 1,
-                                    num_warps=4 if A <= 2048 else 8, num_stages=1)))
+                                    num_warps=4 if A <= 2048 else 8, num_stages=1, **launch_options(x))))
     else:
         perm, counts = sort_by_expert(ids, E, has_shared)
     x = x.contiguous()
@@ -238,7 +240,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     # a CPU x with asm: a build for sm_90 (the compile checks)
     hopper = asm and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] == 9)
     common = dict(TOPK=k, E=E, E_PAD=triton.next_power_of_2(E + has_shared), FP4=experts.fmt == "fp4",
-                  HAS_SHARED=has_shared, ASM=asm, D=D, I=I, XPRE=preordered)
+                  HAS_SHARED=has_shared, ASM=asm, D=D, I=I, XPRE=preordered, **launch_options(x))
     launches += [
         Launch(_gateup_kernel, (tiles13, I // gateup.BN, ks13),
                (xr, x, perm, counts, experts.w13, experts.w13_scale, sw.w13, sw.w13_scale, h, cnt, part13, cnt13,
@@ -284,8 +286,9 @@ def _tile_meta(t: Tiles, hopper: bool) -> dict:
     register order the FP4 conversion reads its words in (kernels/fp4.py); smaller tiles run
     mma.sync, which `_operand_checked` does not vouch for, and convert through explicit words."""
     wgmma = hopper and t.swap_ab and t.BN % (16 * t.num_warps) == 0
+    cap = {} if t.maxnreg is None else {"maxnreg": t.maxnreg}
     return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
-                num_stages=t.num_stages)
+                num_stages=t.num_stages, **cap)
 
 
 def _operand_checked(launch: Launch, checks: dict) -> Launch:

@@ -26,6 +26,7 @@ import triton.language as tl
 from model import quant
 from model.kernels import fp8_gemm
 from model.kernels.fp4 import FP8_BLOCK
+from model.kernels.pdl import launch_options, wait
 from model.quantized import linear_fp32_out
 
 if TYPE_CHECKING:
@@ -115,12 +116,15 @@ def swiglu_bf16(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     if T:
         bi = min(1024, triton.next_power_of_2(two_i // 2))
         _swiglu_kernel[(T, triton.cdiv(two_i // 2, bi))](gate_up, gate_up.stride(0), h, two_i // 2, float(limit),
-                                                         CLAMP=limit > 0, BI=bi, num_warps=4)
+                                                         CLAMP=limit > 0, BI=bi, num_warps=4,
+                                                         **launch_options(gate_up))
     return h
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, stride_gu, h_ptr, I, limit, CLAMP: tl.constexpr, BI: tl.constexpr):
+def _swiglu_kernel(gu_ptr, stride_gu, h_ptr, I, limit, CLAMP: tl.constexpr, BI: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = offs < I

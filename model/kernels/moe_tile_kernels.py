@@ -10,17 +10,20 @@ import triton.language as tl
 
 from model.kernels.fp4 import FP8_BLOCK
 from model.kernels.moe_gemm import w_xt
+from model.kernels.pdl import wait
 
 B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 
 
 @triton.jit
 def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A, cnt13_ptr, n_cnt13,
-                       A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr, ZERO13: tl.constexpr):
+                       A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr, ZERO13: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """One program: per-expert counts (shared assignments a >= TK are expert E) and `perm`, the
     assignments grouped by expert. Within an expert the order is whatever the atomics give: a
     tile's rows are computed independently, so it changes no result. ZERO13: also zero the split
     gate/up kernel's arrival counters (a launch before their first use, without a memset)."""
+    wait(PDL)
     if ZERO13:
         for i in range(0, n_cnt13, A_PAD):
             z = i + tl.arange(0, A_PAD)
@@ -59,7 +62,8 @@ def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, s
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                    MMA: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SBK: tl.constexpr, KS: tl.constexpr):
+                   SBK: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = 0  # compile-time without a split
@@ -131,7 +135,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                  MMA: tl.constexpr, FUSE_COMBINE: tl.constexpr, ADD: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = 0  # compile-time without a split

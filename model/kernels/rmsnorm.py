@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.pdl import launch_options, wait
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,12 +30,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> to
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2.stride(0), weight, out, D, eps, BD=triton.next_power_of_2(D),
-                                          num_warps=4 if D <= 2048 else 8)
+                                          num_warps=4 if D <= 2048 else 8, **launch_options(x2))
     return out.view(x.shape)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride, w_ptr, out_ptr, D, eps, BD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, stride, w_ptr, out_ptr, D, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import entry_base, pack_code, store_entry
 from model.rope import Rope
 
@@ -71,7 +72,7 @@ def store_kv(kv: torch.Tensor, batch, pools, layer: int, norm_weight: torch.Tens
         norm_weight, rope.inv_freq_on(kv.device), eps, d,
         EPP=spec.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, D=triton.next_power_of_2(d),
         PACK=pack_code(pools, "swa"), ENTRY_BYTES=spec.entry_bytes, ROUND_BF16=kv.dtype == torch.bfloat16,
-        num_warps=4)
+        num_warps=4, **launch_options(kv))
 
 
 def _launch_rows(x: torch.Tensor, positions: torch.Tensor, rope: Rope, inverse: bool, rms_eps: float | None):
@@ -86,7 +87,7 @@ def _launch_rows(x: torch.Tensor, positions: torch.Tensor, rope: Rope, inverse: 
             x3, out, positions, rope.inv_freq_on(x.device), H, d,
             x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), rms_eps or 0.0,
             BH=bh, D=triton.next_power_of_2(d), R=rope.dim, RMS=rms_eps is not None, INVERSE=inverse,
-            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=4)
+            ROUND_BF16=x.dtype == torch.bfloat16, num_warps=4, **launch_options(x3))
     return out if x.dim() == 3 else out.squeeze(1)
 
 
@@ -132,7 +133,8 @@ def rotate_pairs(even, odd, c0: tl.constexpr, pos, inv_freq_ptr, d, R: tl.conste
 @triton.jit
 def _rope_rows_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, stride_xh, stride_ot, stride_oh, eps,
                       BH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RMS: tl.constexpr, INVERSE: tl.constexpr,
-                      ROUND_BF16: tl.constexpr):
+                      ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     # rows are loaded whole and split into (even, odd) pairs in registers: a partner load at
     # column c ^ 1 is not contiguous, so it compiles to scalar loads (0.65 ms for the 8K-token q
     # of one layer on H100, twice the time of a full read + write)
@@ -156,7 +158,8 @@ def _rope_rows_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, st
 def _store_kv_kernel(kv_ptr, stride_kv, seq_ptr, pos_ptr, table_ptr, table_stride, buf_ptr, page_bytes, layer_off,
                      entry_bytes, w_ptr, inv_freq_ptr, eps, d,
                      EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, PACK: tl.constexpr,
-                     ENTRY_BYTES: tl.constexpr, ROUND_BF16: tl.constexpr):
+                     ENTRY_BYTES: tl.constexpr, ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, D)
     valid = cols < d

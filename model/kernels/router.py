@@ -27,6 +27,7 @@ import triton.language as tl
 
 from model.config import SCORING_FUNCS as SCORING
 from model.kernels import arrival_counter, check_impl
+from model.kernels.pdl import launch_options, wait
 
 TOKENS_PER_PROGRAM = 4  # [4, 256] fp32 logits: 8 registers a thread at 4 warps
 # `gate_route`: up to TOKENS_PER_PROGRAM tokens the gate product runs inside the routing launch,
@@ -85,7 +86,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor
     _route_kernel[(triton.cdiv(T, TOKENS_PER_PROGRAM),)](
         logits.contiguous(), table, input_ids, weights, ids, T, E, float(scale),
         K=k, KP=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), BT=TOKENS_PER_PROGRAM,
-        SCORING=scoring, HASHED=hashed, NORM=norm, num_warps=4)
+        SCORING=scoring, HASHED=hashed, NORM=norm, num_warps=4, **launch_options(logits))
     return weights, ids
 
 
@@ -113,14 +114,15 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, t
         tid2eid if hashed else bias, input_ids, weights, ids, T, E, float(scale), D=D,
         K=k, KP=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), BT=TOKENS_PER_PROGRAM,
         BE=GATE_EXPERTS, BD=min(GATE_BLOCK_D, triton.next_power_of_2(D)), SCORING=scoring, HASHED=hashed, NORM=norm,
-        num_warps=4)
+        num_warps=4, **launch_options(x))
     return weights, ids
 
 
 @triton.jit
 def _route_kernel(logit_ptr, table_ptr, tok_ptr, w_ptr, id_ptr, T, E, scale,
                   K: tl.constexpr, KP: tl.constexpr, E_PAD: tl.constexpr, BT: tl.constexpr,
-                  SCORING: tl.constexpr, HASHED: tl.constexpr, NORM: tl.constexpr):
+                  SCORING: tl.constexpr, HASHED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
     x = tl.load(logit_ptr + rows[:, None] * E + cols[None, :], mask=(rows < T)[:, None] & (cols < E)[None, :],
@@ -132,11 +134,12 @@ def _route_kernel(logit_ptr, table_ptr, tok_ptr, w_ptr, id_ptr, T, E, scale,
 def _gate_route_kernel(x_ptr, g_ptr, logit_ptr, cnt_ptr, table_ptr, tok_ptr, w_ptr, id_ptr, T, E, scale,
                        D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_PAD: tl.constexpr, BT: tl.constexpr,
                        BE: tl.constexpr, BD: tl.constexpr, SCORING: tl.constexpr, HASHED: tl.constexpr,
-                       NORM: tl.constexpr):
+                       NORM: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: logits [T, BE] of gate rows [p·BE, (p+1)·BE) for all T ≤ BT tokens (products on
     the CUDA cores: a few tokens would be mostly padding in a 16-row MMA) into logit_ptr [T, E];
     the last program to arrive (the counter, set back to zero by it) routes every token from the
     whole [T, E] logits in registers."""
+    wait(PDL)
     t = tl.arange(0, BT)
     tmask = t < T
     e = tl.program_id(0) * BE + tl.arange(0, BE)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl, num_sms
+from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 from model.kernels.rope import rotate_pairs
 from model.rope import Rope
@@ -129,7 +130,7 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
         C_EPP=comp.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
         BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
         C_ALIGN=alignment(pools, kind),
-        num_warps=num_warps or (8 if bh >= 64 else 4), num_stages=num_stages or 2)
+        num_warps=num_warps or (8 if bh >= 64 else 4), num_stages=num_stages or 2, **launch_options(q))
     if splits > 1:
         combine(partial, ml, meta.positions, rope, out)
     return out
@@ -143,7 +144,8 @@ def combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, ro
     bh = COMBINE_HEADS if T * H >= COMBINE_HEADS * num_sms(partial.device) else 1
     _combine_kernel[(T, triton.cdiv(H, bh))](
         partial, ml, out, out.stride(0), out.stride(1), positions, rope.inv_freq_on(partial.device), H, d,
-        SPLITS=S, BH=bh, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4)
+        SPLITS=S, BH=bh, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4,
+        **launch_options(partial))
 
 
 def combine_reference(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -200,7 +202,8 @@ def _sparse_attn_kernel(
         WINDOW: tl.constexpr, RATIO: tl.constexpr, HAS_PICKS: tl.constexpr, SWA_EPP: tl.constexpr,
         C_EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SWA_ALIGN: tl.constexpr,
-        C_ALIGN: tl.constexpr):
+        C_ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
     # The head dim is worked in 4 column chunks: K is decoded chunk by chunk for q·kᵀ and again for
     # p·k (an L1/L2 hit), so the decoded tile never holds a whole [BN, D] in registers beside the
     # [BH, D] accumulator (which, whole, made the kernel spill).
@@ -283,11 +286,13 @@ def _sparse_attn_kernel(
 
 @triton.jit
 def _combine_kernel(partial_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, pos_ptr, inv_freq_ptr, H, d,
-                    SPLITS: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+                    SPLITS: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """One (token, BH heads) program: out = Σ_s 2^(m_s - M)·acc_s / Σ_s 2^(m_s - M)·l_s, M = max_s m_s,
     then the rope pairs rotated by -position. Partial row (s, t, h) = (s·T + t)·H + h, as `_finish`
     stores it; a split that saw no entry has m = -1e30, l = 0, acc = 0 and weighs nothing (split 0
     holds the sink, so M is finite)."""
+    wait(PDL)
     t = tl.program_id(0)
     T = tl.num_programs(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -182,10 +183,11 @@ def hopper_compile(launch):
     from triton.compiler import ASTSource
 
     names = launch.kernel.arg_names
+    defaults = {p.name: p.default for p in launch.kernel.params}  # constexprs a launch may leave out (PDL)
     sig, attrs, consts = {}, {}, {}
     for i, name in enumerate(names):
         if i >= len(launch.args):
-            sig[name], consts[name] = "constexpr", launch.meta[name]
+            sig[name], consts[name] = "constexpr", launch.meta.get(name, defaults[name])
             continue
         value = launch.args[i]
         if isinstance(value, torch.Tensor):
@@ -194,7 +196,7 @@ def hopper_compile(launch):
             sig[name], aligned = ("fp32", False) if isinstance(value, float) else ("i32", value % 16 == 0)
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=launch.meta["num_warps"], num_stages=launch.meta["num_stages"])
+    options = {k: launch.meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in launch.meta}
     k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
                        options=options)
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"moe_{os.getpid()}.cubin"
@@ -225,7 +227,12 @@ def check_hopper_build(path: str, fmt: str, T: int) -> None:
             assert "wgmma" in k.asm["ptx"], f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
         if launch.meta.get("MMA") and fmt == "fp4":  # V4 tiles keep the in-place conversion
             assert reads_wgmma_operand(k.asm["ttgir"]), f"{launch.kernel.__name__}: FP4 words off the wgmma operand"
-        assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
+        cap = launch.meta.get("maxnreg")
+        if cap is None:
+            assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
+        else:  # a register cap trades a few spilled bytes for more programs an SM (moe_fused.SMALL_DOWN)
+            regs, local = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "LOCAL"))
+            assert regs <= cap and local <= 16, usage
 
 
 def check_operand_layouts() -> None:
