@@ -50,12 +50,13 @@ def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
     tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M kernel:
     16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight tiles and 8
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
-    multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default."""
+    multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default, after "a8+" the
+    same over the W8A8 kernel quantising its input itself (up to `INLINE_QUANT_MAX_M` rows)."""
     if name in ("default", "dense", "a8", "a8_separate", "a8_kernel"):
         return None
-    a8 = name.startswith("a8_kernel+")
+    a8 = name.startswith(("a8_kernel+", "a8+"))
     if a8:
-        name = name[len("a8_kernel+"):]
+        name = name.split("+", 1)[1]
     if name == "tokens_m":
         if M <= 64:
             return fp8_gemm.decode_config(M, N, K, G, BLOCK_M=16 if M <= 16 else 64)
@@ -97,6 +98,9 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
             def product(q, s):
                 codes, x_scale = act_quant.quantize(x, "triton")
                 return fp8_gemm.decode_product(codes, q, s, arrivals, out_dtype=x.dtype, x_scale=x_scale)
+        elif name.startswith("a8+"):  # W8A8 quantising its input inside the kernel, other tiles
+            def product(q, s, cfg=cfg):
+                return fp8_gemm.decode_product(x, q, s, arrivals, cfg, out_dtype=x.dtype, quantize_x=True)
         elif name.startswith("a8_kernel"):  # the W8A8 kernel alone, on codes quantised once
             codes, x_scale = act_quant.quantize(x, "triton")
 

@@ -217,6 +217,11 @@ def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles
     # rows at up to 64 tokens
     while n_tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
         split *= 2
+    # W8A8 of one token tile: programs of at most 8 K blocks, past the two waves (H200, one token:
+    # wo_a 14.9 → 13.5 µs with 4 splits, wo_b 15.5 → 13.8 with 8; benchmarks/fp8_gemm_bench.py
+    # variants a8 and a8+split=x2). Their latency, not the wave count, bounds these programs.
+    while a8 and M <= TOKENS_M_MAX and k_blocks > 8 * split:
+        split *= 2
     return {"SPLIT_K": split, **cfg}
 
 

@@ -40,6 +40,17 @@ def test_decode_sizes_split_k_when_output_tiles_are_few():
     assert fp8_gemm.decode_config(5, 64, 1024, 4)["SPLIT_K"] > 1  # and the grouped (5, 4, 64, 1024) one
 
 
+def test_one_token_w8a8_programs_take_at_most_eight_k_blocks():
+    """W8A8 products of one token tile split K until each program has at most 8 blocks of 128
+    (V4-Flash wo_b: K 8192 → 8 splits, the grouped wo_a: K 4096 → 4); larger token counts and
+    W8A16 keep the two-wave rule (wo_b at 64 tokens: 4 splits)."""
+    assert fp8_gemm.decode_config(1, 4096, 8192, 1, a8=True)["SPLIT_K"] == 8
+    assert fp8_gemm.decode_config(16, 1024, 4096, 8, a8=True)["SPLIT_K"] == 4
+    assert fp8_gemm.decode_config(64, 4096, 8192, 1, a8=True)["SPLIT_K"] == 4
+    assert fp8_gemm.decode_config(1, 4096, 8192, 1)["SPLIT_K"] == 4
+    assert fp8_gemm.decode_config(1, 32768, 1024, 1, a8=True)["SPLIT_K"] == 1  # wq_b: 8 blocks already
+
+
 def test_decode_kernel_by_row_count():
     """Up to 16 rows the tokens are the MMA's M side; above, the weights are (`_fp8_swap_kernel`),
     in 128-row tiles only when a product has plenty of them (V4-Flash wq_b at 64 tokens, not wo_b)."""

@@ -1,0 +1,114 @@
+"""Where the one-launch mHC entry of a batch-1 decode step spends its time (no hardware counters).
+
+    python benchmarks/mhc_entry_parts.py --out parts.json
+
+`mhc_kernels._entry_small_kernel` runs in two phases: 128 programs each settle and mix their 32
+columns and publish a partial; the last to arrive sums the partials, derives pre / post, runs the
+Sinkhorn iterations, collapses the streams and RMSNorms the row. Variants of the kernel with parts
+cut out of that tail (its source edited into a scratch module; outputs wrong, timing only) are
+timed in CUDA graphs of 30 entries over 30 layers' fn weights, as a 15-layer step meets them:
+
+* full: the kernel as it is;
+* no_tail: the last program stops after zeroing the counter;
+* no_sinkhorn: no post / comb (the Sinkhorn iterations);
+* no_collapse: no collapse and norm (nor the output row);
+* sinkhorn_iters_0: the iteration count 0 (the launch as the model's, fewer iterations).
+
+Differences between rows place the time of each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.gpu_ceilings import bench  # noqa: E402
+from model.kernels import arrival_counter, mhc  # noqa: E402
+from model.kernels import mhc_kernels  # noqa: E402
+
+HC, D, MIX, LAYERS = 4, 4096, 24, 30
+TAIL = "    # every partial in one load (a fixed-shape sum: deterministic)\n"
+SINKHORN = ("    if not HEAD:\n        _store_post_comb(a_post, a_comb, r, t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, "
+            "iters, hc_eps, HC, NP)\n")
+COLLAPSE = "    # the collapse of the settled streams"
+
+
+def variant_source(name: str) -> str:
+    src = Path(mhc_kernels.__file__).read_text()
+    start = src.index("def _entry_small_kernel(")
+    end = src.index("@triton.jit", start)
+    body = src[start:end]
+    if name == "no_tail":
+        body = body[:body.index(TAIL)] + "\n\n"
+    elif name == "no_sinkhorn":
+        assert SINKHORN in body
+        body = body.replace(SINKHORN, "")
+    elif name == "no_collapse":
+        body = body[:body.index(COLLAPSE)] + "\n\n"
+    return src[:start] + body + src[end:]
+
+
+def load_variant(name: str, folder: Path):
+    path = folder / f"mhc_entry_{name}.py"
+    path.write_text(variant_source(name))
+    spec = importlib.util.spec_from_file_location(f"mhc_entry_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._entry_small_kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fns = [torch.randn(MIX, HC * D, device="cuda", generator=g) / (HC * D) ** 0.5 for _ in range(LAYERS)]
+    base, scale = 0.5 * torch.randn(MIX, device="cuda", generator=g), 0.5 + torch.rand(3, device="cuda", generator=g)
+    res = mhc.Residual(torch.randn(1, HC, D, device="cuda", generator=g).bfloat16(),
+                       torch.randn(1, D, device="cuda", generator=g).bfloat16(),
+                       2 * torch.rand(1, HC, device="cuda", generator=g),
+                       torch.softmax(torch.randn(1, HC, HC, device="cuda", generator=g), -1))
+    w = 1 + 0.1 * torch.randn(D, device="cuda", generator=g)
+    arrivals = arrival_counter("cuda")
+    original = mhc._entry_small_kernel
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {name: load_variant(name, Path(tmp)) for name in ("no_tail", "no_sinkhorn", "no_collapse")}
+        kernels["full"] = original
+        for _ in range(args.rounds):
+            for name in ("full", "no_tail", "no_sinkhorn", "no_collapse", "sinkhorn_iters_0"):
+                mhc._entry_small_kernel = kernels.get(name, original)
+                iters = 0 if name == "sinkhorn_iters_0" else 20
+
+                def step():
+                    for fn in fns:
+                        mhc.sublayer_input(res, fn, base, scale, w, 1e-6, HC, iters, 1e-6, 1e-6, "triton", arrivals)
+
+                step()
+                torch.cuda.synchronize()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    step()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                us = bench(graph.replay, warmup=3, reps=20) / LAYERS * 1e6
+                rows.append({"variant": name, "us_per_entry": round(us, 2)})
+                print(f"{name:18s} {us:6.2f} us an entry", flush=True)
+    mhc._entry_small_kernel = original
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
