@@ -3,16 +3,19 @@
     python benchmarks/mhc_entry_parts.py --out parts.json
 
 `mhc_kernels._entry_small_kernel` runs in two phases: 128 programs each settle and mix their 32
-columns and publish a partial; the last to arrive sums the partials, derives pre / post, runs the
-Sinkhorn iterations, collapses the streams and RMSNorms the row. Variants of the kernel with parts
-cut out of that tail (its source edited into a scratch module; outputs wrong, timing only) are
-timed in CUDA graphs of 30 entries over 30 layers' fn weights, as a 15-layer step meets them:
+columns and publish a partial; the last to arrive sums the partials, derives pre, collapses the
+streams and RMSNorms the row, and stores the full mixes, from which `_post_comb_kernel` derives
+post and the Sinkhorn comb. Variants (the kernel's source edited into a scratch module where
+parts are cut out; outputs wrong, timing only) are timed in CUDA graphs of 30 entries over 30
+layers' fn weights, as a 15-layer step meets them:
 
-* full: the kernel as it is;
-* no_tail: the last program stops after zeroing the counter;
-* no_sinkhorn: no post / comb (the Sinkhorn iterations);
-* no_collapse: no collapse and norm (nor the output row);
-* sinkhorn_iters_0: the iteration count 0 (the launch as the model's, fewer iterations).
+* in_order: the entry, then the post / comb kernel on the same stream;
+* beside: the post / comb kernel on a side stream (`mhc.EntryScratch`), joined once after the 30
+  entries: the entries' own chain, as a decode step's critical path has it (one mixes buffer
+  for all 30: their values race, which the timing does not depend on);
+* no_tail: the last program stops after zeroing the counter (post / comb beside);
+* no_collapse: no collapse and norm (nor the output row; post / comb beside);
+* sinkhorn_iters_0: in order, with no Sinkhorn iterations.
 
 Differences between rows place the time of each part.
 """
@@ -36,8 +39,6 @@ from model.kernels import mhc_kernels  # noqa: E402
 
 HC, D, MIX, LAYERS = 4, 4096, 24, 30
 TAIL = "    # every partial in one load (a fixed-shape sum: deterministic)\n"
-SINKHORN = ("    if not HEAD:\n        _store_post_comb(a_post, a_comb, r, t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, "
-            "iters, hc_eps, HC, NP)\n")
 COLLAPSE = "    # the collapse of the settled streams"
 
 
@@ -48,9 +49,6 @@ def variant_source(name: str) -> str:
     body = src[start:end]
     if name == "no_tail":
         body = body[:body.index(TAIL)] + "\n\n"
-    elif name == "no_sinkhorn":
-        assert SINKHORN in body
-        body = body.replace(SINKHORN, "")
     elif name == "no_collapse":
         body = body[:body.index(COLLAPSE)] + "\n\n"
     return src[:start] + body + src[end:]
@@ -82,16 +80,19 @@ def main() -> None:
     original = mhc._entry_small_kernel
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {name: load_variant(name, Path(tmp)) for name in ("no_tail", "no_sinkhorn", "no_collapse")}
-        kernels["full"] = original
+        kernels = {name: load_variant(name, Path(tmp)) for name in ("no_tail", "no_collapse")}
+        scratch = mhc.EntryScratch.beside(mhc.mixes_buffer("cuda"))
         for _ in range(args.rounds):
-            for name in ("full", "no_tail", "no_sinkhorn", "no_collapse", "sinkhorn_iters_0"):
+            for name in ("in_order", "beside", "no_tail", "no_collapse", "sinkhorn_iters_0"):
                 mhc._entry_small_kernel = kernels.get(name, original)
                 iters = 0 if name == "sinkhorn_iters_0" else 20
+                beside = scratch if name not in ("in_order", "sinkhorn_iters_0") else None
 
                 def step():
                     for fn in fns:
-                        mhc.sublayer_input(res, fn, base, scale, w, 1e-6, HC, iters, 1e-6, 1e-6, "triton", arrivals)
+                        mhc.sublayer_input(res, fn, base, scale, w, 1e-6, HC, iters, 1e-6, 1e-6, "triton", arrivals,
+                                           scratch=beside)
+                    scratch.join()
 
                 step()
                 torch.cuda.synchronize()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.kernels import arrival_counter, set_impl
+from model.kernels import arrival_counter, mhc, set_impl
 from model.moe import MoE, PackedExperts
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
 from model.tiny import random_weights
@@ -79,7 +79,8 @@ def dummy_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | 
     block.ffn = MoE.random_packed(cfg, layer, EXPERT_FORMAT, impl, device=device, seed=seed, defer_routed=True)
     if not meta:
         _fill_meta_parameters(block, cfg, device, seed)
-        block.hc_arrivals = arrival_counter(device)  # a buffer, built on the meta device above
+        block.hc_arrivals = arrival_counter(device)  # buffers, built on the meta device above
+        block.hc_mixes = mhc.mixes_buffer(device)
         if fuse:
             block.attn.fuse_products()
         if not defer_experts:

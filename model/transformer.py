@@ -38,21 +38,30 @@ class Block(nn.Module):
         self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size))
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
-        # the one-launch mHC entry's arrival counter, zero between calls (the calls run in stream order)
+        # the one-launch mHC entry's arrival counter, zero between calls (the calls run in stream order),
+        # and the full mixes its post / comb kernel reads on a side stream (`mhc.EntryScratch`)
         self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
+        self.register_buffer("hc_mixes", mhc.mixes_buffer(), persistent=False)
 
     def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
         """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
-        entry's kernel to apply (`mhc.Residual`)."""
-        x, h, post, comb = self._enter(res, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        entry's kernel to apply (`mhc.Residual`). An entry's post and comb may be computed beside
+        the sub-block (`mhc.EntryScratch`): joined before the next entry reads them."""
+        scratch = mhc.EntryScratch.beside(self.hc_mixes)
+        x, h, post, comb = self._enter(res, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
+                                       scratch)
         res = mhc.Residual(x, self.attn(h, batch, pools), post, comb)
-        x, h, post, comb = self._enter(res, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
-        return mhc.Residual(x, self.ffn(h, batch.input_ids), post, comb)
+        scratch.join()
+        x, h, post, comb = self._enter(res, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm,
+                                       scratch)
+        res = mhc.Residual(x, self.ffn(h, batch.input_ids), post, comb)
+        scratch.join()
+        return res
 
-    def _enter(self, res, fn, base, scale, norm: RMSNorm):
+    def _enter(self, res, fn, base, scale, norm: RMSNorm, scratch: "mhc.EntryScratch"):
         c = self.cfg
         return mhc.sublayer_input(res, fn, base, scale, norm.weight, norm.eps, c.hc_mult, c.hc_sinkhorn_iters,
-                                  c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
+                                  c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals, scratch=scratch)
 
     def head(self, res: mhc.Residual, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         """The LM head's input norm(hc_head(streams)) [T, D]."""

@@ -26,6 +26,7 @@ as ~55 small torch ops. The kernels (kernels/mhc_kernels.py):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from model.kernels import arrival_counter, check_impl, rmsnorm
-from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_kernel, _pre_kernel
+from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_comb_kernel, _post_kernel, _pre_kernel
 from model.kernels.pdl import launch_options
 
 
@@ -126,6 +127,42 @@ SMALL_TOKENS = 2
 SMALL_TILES = SmallTiles()
 
 
+class EntryScratch:
+    """A block's side work of its one-launch entries: `_post_comb_kernel` (post and the Sinkhorn
+    comb, a ~5 µs serial chain at one token on an H200) runs on `side`, beside the sub-block whose
+    input the entry wrote, from the full mixes in `mixes` [2, 32] fp32 (a buffer the block keeps, so
+    no freed allocation is shared between the streams). Only the next entry reads post and comb:
+    `join` before it. On the CPU (no side stream) the kernel runs in order. One per forward call."""
+
+    def __init__(self, mixes: torch.Tensor, side: "torch.cuda.Stream | None"):
+        self.mixes, self.side = mixes, side
+        self._pending = False  # side work launched since the last join
+
+    @classmethod
+    def beside(cls, mixes: torch.Tensor) -> "EntryScratch":
+        """A scratch on a stream from torch's high-priority pool (as the MoE's shared expert takes
+        one: no CUDA call) for `mixes` on a CUDA device, none elsewhere."""
+        return cls(mixes, torch.cuda.Stream(mixes.device, priority=-1) if mixes.is_cuda else None)
+
+    def fork(self) -> "torch.cuda.StreamContext":
+        """The side stream, after the work queued so far on the current one (a context for launches)."""
+        self.side.wait_stream(torch.cuda.current_stream(self.mixes.device))
+        self._pending = True
+        return torch.cuda.stream(self.side)
+
+    def join(self) -> None:
+        """The current stream waits for the side work launched since the last join (none: nothing,
+        so a captured graph never waits on a stream it did not fork)."""
+        if self._pending:
+            torch.cuda.current_stream(self.mixes.device).wait_stream(self.side)
+            self._pending = False
+
+
+def mixes_buffer(device: torch.device | str | None = None) -> torch.Tensor:
+    """An `EntryScratch.mixes` buffer: the full mixes of up to `SMALL_TOKENS` tokens."""
+    return torch.zeros(max(2, SMALL_TOKENS), 32, dtype=torch.float32, device=device)
+
+
 def settle(res: Residual, impl: str) -> torch.Tensor:
     """The streams [T, hc, D] of `res`, its pending hc_post applied."""
     return res.x if res.out is None else hc_post(res.out, res.x, res.post, res.comb, impl)
@@ -133,15 +170,18 @@ def settle(res: Residual, impl: str) -> torch.Tensor:
 
 def sublayer_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc: int, iters: int,
                    hc_eps: float, rms_eps: float, impl: str, arrivals: torch.Tensor | None = None,
-                   tiles: "MixTiles | SmallTiles | None" = None):
+                   tiles: "MixTiles | SmallTiles | None" = None, scratch: "EntryScratch | None" = None):
     """Enter a sub-block: → (streams x [T, hc, D] settled, its input rms_norm(collapsed) [T, D],
     post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: a `kernels.arrival_counter` buffer (else
-    one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning)."""
+    one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning).
+    `scratch`: up to `SMALL_TOKENS` tokens, post and comb are computed on its side stream, beside
+    the sub-block: the caller joins it (`EntryScratch.join`) before anything reads them."""
     if check_impl(impl) == "torch":
         x = settle(res, impl)
         collapsed, post, comb = reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
         return x, rmsnorm.reference(collapsed, norm_weight, norm_eps), post, comb
-    return _enter(res, fn, base, scale, hc, iters, hc_eps, rms_eps, False, norm_weight, norm_eps, arrivals, tiles)
+    return _enter(res, fn, base, scale, hc, iters, hc_eps, rms_eps, False, norm_weight, norm_eps, arrivals, tiles,
+                  scratch)
 
 
 def head_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc_eps: float, rms_eps: float,
@@ -186,7 +226,8 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, norm_weight=None,
-           norm_eps: float = 0.0, arrivals: torch.Tensor | None = None, tiles: "MixTiles | SmallTiles | None" = None):
+           norm_eps: float = 0.0, arrivals: torch.Tensor | None = None, tiles: "MixTiles | SmallTiles | None" = None,
+           scratch: "EntryScratch | None" = None):
     """The kernels' sub-block entry → (streams x, collapsed [T, D] (RMSNormed with `norm_weight`
     when given), post, comb): one launch up to `SMALL_TOKENS` tokens, else hc_post (when pending),
     the mixes, Sinkhorn with the collapse, and the norm (when given)."""
@@ -209,12 +250,20 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
                            else (xp, post, comb))  # unread without a pending output
         bt, split = max(2, triton.next_power_of_2(T)), triton.cdiv(D, small.columns)
         partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
+        # the full mixes for `_post_comb_kernel`: the scratch's buffer when it runs on the side
+        # stream (a buffer freed here could be handed to the main stream while it still reads)
+        side = scratch is not None and scratch.side is not None
+        mix = scratch.mixes if side else torch.empty(bt, 32, dtype=torch.float32, device=dev)
         _entry_small_kernel[(split,)](
             x, xp, o, postp, combp, fn, partial, arrival_counter(dev) if arrivals is None else arrivals, base, scale,
-            fn if norm_weight is None else norm_weight, out, post, comb, T, D, iters, hc_eps, rms_eps, norm_eps,
+            fn if norm_weight is None else norm_weight, out, mix, T, D, hc_eps, rms_eps, norm_eps,
             HC=hc, BT=bt, CD=small.columns, NR=32, NP=16, BD=triton.next_power_of_2(D),
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
             HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16, **launch_options(xp))
+        if not head:
+            with scratch.fork() if side else contextlib.nullcontext():
+                _post_comb_kernel[(1,)](mix, base, scale, post, comb, T, hc * D, iters, hc_eps, rms_eps, HC=hc, BT=bt,
+                                        NR=32, NP=16, num_warps=4, **launch_options(mix))
         return x, out, post, comb
     x = hc_post(res.out, xp, res.post, res.comb, "triton") if pending else xp
     tiles = tiles or MIX_TILES

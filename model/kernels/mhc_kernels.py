@@ -84,7 +84,7 @@ def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr
 
 @triton.jit
 def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
-                        w_ptr, out_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, rms_eps, norm_eps,
+                        w_ptr, out_ptr, mix_ptr, T, D, hc_eps, rms_eps, norm_eps,
                         HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
                         BD: tl.constexpr, SPLIT_PAD: tl.constexpr, HEAD: tl.constexpr, POST: tl.constexpr,
                         ROUND_BF16: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
@@ -95,8 +95,10 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     NR, Σx² in column NR - 1) into `part` row p: a few tokens make the tensor cores' 16-row tiles
     mostly padding, and one wide load of the program's fn columns replaces a chain of K steps.
     The last program to arrive (the counter, zeroed again by it) adds the partials (a fixed tree:
-    deterministic), derives pre / post / Sinkhorn comb, and writes the collapse Σᵢ preᵢ·xᵢ,
-    rounded to x's dtype and RMSNormed with w (NORM) into out [T, D]: BD >= D, whole rows."""
+    deterministic), derives pre, and writes the collapse Σᵢ preᵢ·xᵢ, rounded to x's dtype and
+    RMSNormed with w (NORM) into out [T, D]: BD >= D, whole rows. Unless HEAD it also stores the
+    full mixes [BT, NR] at mix_ptr, from which `_post_comb_kernel` derives post and the Sinkhorn
+    comb: the longest serial chain of the entry, which the sub-block's input does not need."""
     wait(PDL)
     p = tl.program_id(0)
     SPLIT = tl.num_programs(0)
@@ -143,14 +145,12 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     j = tl.arange(0, SPLIT_PAD)
     rows = part_ptr + (j * BT * NR)[:, None, None] + (t64[:, None] * NR + r[None, :])[None, :, :]
     total = tl.sum(tl.load(rows, mask=(j < SPLIT)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
+    if not HEAD:
+        tl.store(mix_ptr + t64[:, None] * NR + r[None, :], total)
     cols = tl.arange(0, NP)
     a_pre = _group(total, r, cols, 0, HC)
-    a_post = _group(total, r, cols, HC, HC)
-    a_comb = _group(total, r, cols, 2 * HC, HC * HC)
     sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
-    pre, r = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
-    if not HEAD:
-        _store_post_comb(a_post, a_comb, r, t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
+    pre, _ = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
     # the collapse of the settled streams (every program's x, published before its release): the
     # whole rows at once, four independent stream loads in flight, the norm from registers
     dd = tl.arange(0, BD)
@@ -166,6 +166,24 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
         scale = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + norm_eps)
         col = (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
+
+
+@triton.jit
+def _post_comb_kernel(mix_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, K, iters, hc_eps, rms_eps,
+                      HC: tl.constexpr, BT: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """post = 2σ(·) [T, HC] and the Sinkhorn comb [T, HC, HC] from the full mixes [BT, NR] (Σx² in
+    column NR - 1) that `_entry_small_kernel` stored: one program, launched beside the sub-block
+    the entry feeds (only the next entry reads post and comb)."""
+    wait(PDL)
+    t = tl.arange(0, BT)
+    r = tl.arange(0, NR)
+    cols = tl.arange(0, NP)
+    total = tl.load(mix_ptr + t[:, None] * NR + r[None, :])
+    sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
+    rms = tl.rsqrt(sq / K + rms_eps)[:, None]  # as `_pre_weights` derives it
+    _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC), rms, t, t < T,
+                     base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
 
 
 @triton.jit
