@@ -7,7 +7,7 @@ different layers (random FP4 experts, each layer routed by its own gate), as a d
 them, and the same layer `--layers` times for comparison; torch.profiler splits the graph's time
 per kernel (count sort, gate/up, down). Fraction of copy: the hit experts' bytes (and the shared
 expert's) over the time, against a device-to-device copy measured in the same run. Pre-ordered
-variants make their `preorder` copy of x when planned, outside the graph; the `fused*` variants
+variants make their `preorder` copy of x in the counting sort's launch; the `fused*` variants
 capture `moe_fused.fused_moe` whole, as the decode step runs it (copy and dense shared expert in).
 `META_VARIANTS` add launch options (register caps) to another variant's two kernels. The run
 ends by listing each compiled kernel's registers, spills and shared memory.

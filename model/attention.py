@@ -155,12 +155,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """x [T, D] → [T, D]."""
-        T, pos, eps = x.shape[0], batch.positions, self.cfg.rms_norm_eps
+        T, eps = x.shape[0], self.cfg.rms_norm_eps
         qa, kv = self._products("fused_x", (self.wq_a, self.wkv), x)
         qr = self.q_norm(qa)
         q, index_q = self._products("fused_qr", (self.wq_b, self._index_wq_b()), qr)
-        q = rope_ops.q_rms_rope(q.view(T, self.n_heads, self.head_dim), pos, self.rope, eps, self.impl)
-        rope_ops.store_kv(kv, batch, pools, self.layer, self.kv_norm.weight, eps, self.rope, self.impl)
+        q = rope_ops.q_rms_rope_store_kv(q.view(T, self.n_heads, self.head_dim), kv, batch, pools, self.layer,
+                                         self.kv_norm.weight, eps, self.rope, self.impl)
         proj, index_proj, index_weights = self._bf16_products(x)
         if self.compressor is not None:
             self.compressor(proj, batch, pools)

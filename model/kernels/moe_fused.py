@@ -4,7 +4,8 @@ For T tokens (decode, up to `MoE.fused_max_tokens`), after the routing (gate GEM
 torch, no host sync), the T·k routed assignments and T shared ones (a virtual expert E in FP8)
 go through
 
-1. `_count_sort_kernel` (one program): per-expert counts and the assignments grouped by expert.
+1. `_count_sort_kernel`: per-expert counts and the assignments grouped by expert (one program),
+   and with FP4 experts x copied into `preorder`'s layout by its other programs.
 2. `_gateup_kernel`: every (expert token tile, 64 columns of I) program streams its expert's w1/w3
    rows once, dequantising FP4 (or FP8) in registers, and applies the clamped SwiGLU in the
    epilogue → h [A, I] bf16. Its programs also zero the arrival counters of launch 3.

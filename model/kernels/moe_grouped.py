@@ -211,19 +211,26 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     # split gate/up: partial sums [KS, A, 2I] and an arrival counter per program tile, zeroed by the sort
     part13 = torch.empty(ks13 * A * 2 * I if ks13 > 1 else 1, dtype=torch.float32, device=x.device)
     cnt13 = torch.empty(tiles13 * (I // gateup.BN) if ks13 > 1 else 1, dtype=torch.int32, device=x.device)
+    x = x.contiguous()
     if fuse_combine:  # decode: one counting-sort program instead of the torch sort's several launches
         ids = ids.contiguous()
         perm = torch.empty(A, dtype=torch.int32, device=x.device)
         e_pad = triton.next_power_of_2(E + has_shared + 1)  # + a bin for padding
         counts = torch.empty(e_pad, dtype=torch.int32, device=x.device)
         cursor = torch.empty(e_pad, dtype=torch.int32, device=x.device)
-        launches.append(Launch(_count_sort_kernel, (1,), (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel()),
+        # the `preorder` copy the routed experts read, by the sort's launch: programs 1.. a tile each
+        xr = torch.empty_like(x) if preordered else x
+        copy_tiles = triton.cdiv(T, PREORDER_TILE[0]) * triton.cdiv(D, PREORDER_TILE[1]) if preordered else 0
+        if preordered and D % 32:
+            raise ValueError(f"preorder needs K divisible by 32, got {D}")
+        launches.append(Launch(_count_sort_kernel, (1 + copy_tiles,),
+                               (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel(), x, xr, T, D),
                                dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E, ZERO13=ks13 > 1,
-                                    num_warps=4 if A <= 2048 else 8, num_stages=1, **launch_options(x))))
+                                    BT=PREORDER_TILE[0], BC=PREORDER_TILE[1], num_warps=4 if A <= 2048 else 8,
+                                    num_stages=1, **launch_options(x))))
     else:
         perm, counts = sort_by_expert(ids, E, has_shared)
-    x = x.contiguous()
-    xr = preorder(x) if preordered else x  # what the routed experts read
+        xr = preorder(x) if preordered else x  # what the routed experts read
     weights = weights.float().contiguous()
     sw = shared if has_shared else experts  # placeholder pointers when there is no shared expert
     h = torch.empty(A, I, dtype=torch.bfloat16, device=x.device)
@@ -257,6 +264,10 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     if fuse_combine:
         return launches, lambda: out
     return launches, lambda: moe_combine.sum_slots(y.view(T, kp1, D), add, x.dtype)
+
+
+# Tile [rows, columns] of the `preorder` copy made by the counting sort's extra programs (decode)
+PREORDER_TILE = (16, 512)
 
 
 def preorder(x: torch.Tensor) -> torch.Tensor:

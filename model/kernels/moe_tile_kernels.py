@@ -16,14 +16,27 @@ B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 
 
 @triton.jit
-def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A, cnt13_ptr, n_cnt13,
+def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A, cnt13_ptr, n_cnt13, x_ptr, xr_ptr, T, K,
                        A_PAD: tl.constexpr, E_PAD: tl.constexpr, E: tl.constexpr, ZERO13: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """One program: per-expert counts (shared assignments a >= TK are expert E) and `perm`, the
+                       BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+    """Program 0: per-expert counts (shared assignments a >= TK are expert E) and `perm`, the
     assignments grouped by expert. Within an expert the order is whatever the atomics give: a
     tile's rows are computed independently, so it changes no result. ZERO13: also zero the split
-    gate/up kernel's arrival counters (a launch before their first use, without a memset)."""
+    gate/up kernel's arrival counters (a launch before their first use, without a memset).
+    Programs 1.. (a grid of more than one): x [T, K] copied into xr in `moe_grouped.preorder`'s
+    layout, a [BT, BC] tile each (the launch the copy would have taken on its own)."""
     wait(PDL)
+    if tl.program_id(0) > 0:
+        tile = tl.program_id(0) - 1
+        col_tiles = tl.cdiv(K, BC)
+        t = (tile // col_tiles) * BT + tl.arange(0, BT)
+        c = (tile % col_tiles) * BC + tl.arange(0, BC)
+        # column 32i + 8q + 4h + 2r + parity → parity·K/2 + 16i + 8h + 2q + r (preorder's permute)
+        dst = (c % 2) * (K // 2) + (c // 32) * 16 + ((c // 4) % 2) * 8 + ((c // 8) % 4) * 2 + (c // 2) % 2
+        m = (t < T)[:, None] & (c < K)[None, :]
+        rows = t.to(tl.int64)[:, None] * K
+        tl.store(xr_ptr + rows + dst[None, :], tl.load(x_ptr + rows + c[None, :], mask=m), mask=m)
+        return
     if ZERO13:
         for i in range(0, n_cnt13, A_PAD):
             z = i + tl.arange(0, A_PAD)

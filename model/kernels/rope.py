@@ -75,6 +75,29 @@ def store_kv(kv: torch.Tensor, batch, pools, layer: int, norm_weight: torch.Tens
         num_warps=4, **launch_options(kv))
 
 
+def q_rms_rope_store_kv(q: torch.Tensor, kv: torch.Tensor, batch, pools, layer: int, norm_weight: torch.Tensor,
+                        eps: float, rope: Rope, impl: str) -> torch.Tensor:
+    """`q_rms_rope(q, batch.positions, rope, eps, impl)` and `store_kv(kv, ...)` with the same rope and
+    eps, in one launch on the kernels' path: the KV store is one more program column of the query
+    grid (a decode step of a few tokens pays one launch's latency for both). → rotated q."""
+    T, H, d = q.shape
+    if check_impl(impl) == "torch" or T == 0 or q.stride(-1) != 1 or kv.shape[-1] != d:
+        out = q_rms_rope(q, batch.positions, rope, eps, impl)
+        store_kv(kv, batch, pools, layer, norm_weight, eps, rope, impl)
+        return out
+    meta, spec = batch.meta, pools.specs["swa"]
+    table = meta.tables["swa"]
+    out = torch.empty_like(q)
+    bh = min(16, triton.next_power_of_2(H))
+    _q_rope_store_kv_kernel[(T, triton.cdiv(H, bh) + 1)](
+        q, out, meta.positions, rope.inv_freq_on(q.device), H, d, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), eps, kv, kv.stride(0), meta.token_seq, table, table.stride(0), pools.buffers["swa"],
+        spec.page_bytes, pools._local["swa"][layer] * spec.layer_bytes, spec.entry_bytes, norm_weight,
+        BH=bh, D=triton.next_power_of_2(d), ROPE=rope.dim, EPP=spec.entries_per_page, PACK=pack_code(pools, "swa"),
+        ENTRY_BYTES=spec.entry_bytes, ROUND_BF16=q.dtype == torch.bfloat16, num_warps=4, **launch_options(q))
+    return out
+
+
 def _launch_rows(x: torch.Tensor, positions: torch.Tensor, rope: Rope, inverse: bool, rms_eps: float | None):
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(-1) != 1:
@@ -135,11 +158,19 @@ def _rope_rows_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, st
                       BH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RMS: tl.constexpr, INVERSE: tl.constexpr,
                       ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
+    _rope_rows(tl.program_id(0), tl.program_id(1), x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, stride_xh,
+               stride_ot, stride_oh, eps, BH, D, R, RMS, INVERSE, ROUND_BF16)
+
+
+@triton.jit
+def _rope_rows(t, head_block, x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_xt, stride_xh, stride_ot, stride_oh,
+               eps, BH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, RMS: tl.constexpr, INVERSE: tl.constexpr,
+               ROUND_BF16: tl.constexpr):
+    """Token t's heads [head_block·BH, (head_block + 1)·BH): RMS-rescaled (RMS), rotated, stored."""
     # rows are loaded whole and split into (even, odd) pairs in registers: a partner load at
     # column c ^ 1 is not contiguous, so it compiles to scalar loads (0.65 ms for the 8K-token q
     # of one layer on H100, twice the time of a full read + write)
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    heads = head_block * BH + tl.arange(0, BH)
     cols = tl.arange(0, D)
     mask = (heads < H)[:, None] & (cols < d)[None, :]
     x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :], mask=mask,
@@ -160,7 +191,34 @@ def _store_kv_kernel(kv_ptr, stride_kv, seq_ptr, pos_ptr, table_ptr, table_strid
                      EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr, PACK: tl.constexpr,
                      ENTRY_BYTES: tl.constexpr, ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
+    _store_kv(tl.program_id(0), kv_ptr, stride_kv, seq_ptr, pos_ptr, table_ptr, table_stride, buf_ptr, page_bytes,
+              layer_off, entry_bytes, w_ptr, inv_freq_ptr, eps, d, EPP, NOPE, ROPE, D, PACK, ENTRY_BYTES, ROUND_BF16)
+
+
+@triton.jit
+def _q_rope_store_kv_kernel(q_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_qt, stride_qh, stride_ot, stride_oh,
+                            eps, kv_ptr, stride_kv, seq_ptr, table_ptr, table_stride, buf_ptr, page_bytes, layer_off,
+                            entry_bytes, w_ptr,
+                            BH: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, EPP: tl.constexpr,
+                            PACK: tl.constexpr, ENTRY_BYTES: tl.constexpr, ROUND_BF16: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """`_rope_rows_kernel` (RMS, forward) over the query heads in program columns 0 .. n - 2 and
+    `_store_kv_kernel` in the last column, for token program_id(0)."""
+    wait(PDL)
     t = tl.program_id(0)
+    if tl.program_id(1) == tl.num_programs(1) - 1:
+        _store_kv(t, kv_ptr, stride_kv, seq_ptr, pos_ptr, table_ptr, table_stride, buf_ptr, page_bytes, layer_off,
+                  entry_bytes, w_ptr, inv_freq_ptr, eps, d, EPP, d - ROPE, ROPE, D, PACK, ENTRY_BYTES, ROUND_BF16)
+    else:
+        _rope_rows(t, tl.program_id(1), q_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, stride_qt, stride_qh, stride_ot,
+                   stride_oh, eps, BH, D, ROPE, True, False, ROUND_BF16)
+
+
+@triton.jit
+def _store_kv(t, kv_ptr, stride_kv, seq_ptr, pos_ptr, table_ptr, table_stride, buf_ptr, page_bytes, layer_off,
+              entry_bytes, w_ptr, inv_freq_ptr, eps, d, EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+              D: tl.constexpr, PACK: tl.constexpr, ENTRY_BYTES: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Token t's KV row: RMSNorm with w, RoPE, encoded into its SWA pool entry."""
     cols = tl.arange(0, D)
     valid = cols < d
     x = tl.load(kv_ptr + t * stride_kv + cols, mask=valid, other=0.0).to(tl.float32)

@@ -60,3 +60,29 @@ def test_store_kv_writes_what_the_reference_writes(fmt):
     assert rel_err(out, ref) < 1e-6
     if fmt != "fp32":  # rounded formats: bit-exact but for an ulp of cos/sin flipping a rounding
         assert (pools.buffers["swa"] != twin.buffers["swa"]).sum().item() <= 8
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_pack"])
+def test_q_rope_and_kv_store_in_one_launch_equal_the_two_launches(fmt):
+    """`q_rms_rope_store_kv` (the KV store as one more program column of the query grid) gives the
+    bits of `q_rms_rope` and `store_kv` launched apart: the rotated q and every pool byte; q a column
+    slice of a wider product, as the fused wq_b | indexer.wq_b hands it over."""
+    cfg = tiny_config()
+    pools = KVPools(cfg, fmt, max_tokens=1024, max_seqs=4, device=DEVICE)
+    fill_random(pools, seed=6)
+    batch = random_batch(cfg, pools, [(0, 40), (300, 1), (517, 30)], seed=7, device=DEVICE)
+    twin = copy.deepcopy(pools)
+    g = torch.Generator().manual_seed(8)
+    T, H, d = batch.input_ids.shape[0], cfg.num_attention_heads, cfg.head_dim
+    wide = (3 * torch.randn(T, H * d + 96, generator=g)).to(DEVICE, torch.bfloat16)
+    q = wide[:, :H * d].view(T, H, d)
+    kv = torch.randn(T, d, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    rope = Rope.for_layer(cfg, compressed=True)
+    want = rope_ops.q_rms_rope(q, batch.positions, rope, 1e-6, "triton")
+    rope_ops.store_kv(kv, batch, pools, 2, w, 1e-6, rope, "triton")
+    got = rope_ops.q_rms_rope_store_kv(q, kv, batch, twin, 2, w, 1e-6, rope, "triton")
+    assert torch.equal(got, want)
+    assert torch.equal(twin.buffers["swa"], pools.buffers["swa"])
+    ref = rope_ops.q_rms_rope_store_kv(q, kv, batch, copy.deepcopy(pools), 2, w, 1e-6, rope, "torch")
+    assert rel_err(got, ref) < 4e-3

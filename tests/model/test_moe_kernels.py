@@ -381,6 +381,22 @@ def test_fused_with_shared_expert_in_either_activation_order(poisoned, preordere
     check(out, x, weights, ids, moe)
 
 
+def test_sort_launch_writes_the_preorder_copy():
+    """The fused path's counting-sort launch also writes x in `preorder`'s layout, one [16, 512]
+    tile per program after the first: the bits of `preorder(x)`, partial row tiles included."""
+    moe = MoE.random_packed(tiny_config(hidden_size=1536, moe_intermediate_size=128), layer=3, fmt="fp4", seed=73,
+                            device=DEVICE)
+    x, weights, ids = skewed(moe, T=20, seed=17)
+    gateup, down = moe_fused.decode_tiles(20)
+    launches, _ = moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0,
+                                           moe_grouped.fit(gateup, 128, 1536), moe_grouped.fit(down, 1536, 128),
+                                           fuse_combine=True, preordered=True)
+    sort = launches[0]
+    assert sort.kernel.__name__ == "_count_sort_kernel" and sort.grid == (1 + 2 * 3,)
+    sort()
+    assert torch.equal(sort.args[9], moe_grouped.preorder(x))
+
+
 @pytest.mark.parametrize("T, fmt", [
     (1, "fp4"), (4, "fp8"),
     # the other two pairs add ~2 min of interpreter time on a 2-core CI machine; each format and
