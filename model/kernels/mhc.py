@@ -13,9 +13,11 @@ as ~55 small torch ops. The kernels (kernels/mhc_kernels.py):
 
 * up to `SMALL_TOKENS` tokens (decode of a small batch), one launch, `_entry_small_kernel`: its
   programs split D, settle the pending streams, take their share of the mixes on the CUDA cores,
-  and the last to arrive (a counter) adds the shares, runs the Sinkhorn iterations and writes the
-  normed collapse. Four launches before it (post, mixes, Sinkhorn with the collapse, norm) each
-  paid their latency at one token;
+  and the last to arrive (a counter) adds the shares and writes the normed collapse. Four
+  launches before it (post, mixes, Sinkhorn with the collapse, norm) each paid their latency at
+  one token. Post and the Sinkhorn comb, which only the next entry reads, come from
+  `_post_comb_kernel`, on a side stream beside the sub-block when the caller gives an
+  `EntryScratch` (the block does);
 * from more tokens, `_post_kernel`, then `_mix_kernel`: the skinny mixes GEMM on the tensor cores
   with Σx² for the RMS factor, its K split over programs when there are few tokens (one block of
   tokens would otherwise run the whole 16K-long dot alone), then `_pre_kernel`: the partial sums
