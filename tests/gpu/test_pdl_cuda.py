@@ -29,7 +29,7 @@ def test_pdl_chain_matches_plain_launches(act_fp8):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0")
     g = torch.Generator(device="cuda").manual_seed(3)
-    # wq_a-, wq_b- and wo_b-like shapes alternating, each product reading the last one's output
+    # N 1024 × K 4096 (wq_a-like) and back (N 4096 × K 1024), each product reading the last one's output
     shapes = [(1024, 4096), (4096, 1024), (1024, 4096), (4096, 1024)] * 3
     ops = []
     for n, k in shapes:
