@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_gemm_bench import shapes  # noqa: E402
-from benchmarks.gpu_ceilings import bench  # noqa: E402
+from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from model import quant  # noqa: E402
 from model.kernels import fp8_gemm  # noqa: E402
 
@@ -125,17 +125,7 @@ def main() -> None:
             row = {"busy_iters": iters, "products": names,
                    "weight_mb": sum(weights[n][0][1].numel() for n in names) / 1e6}
             for mode in ("busy", "plain", "bulk", "loads", "warm", "plain"):
-                step(names, iters, mode)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step(names, iters, mode)
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(graph):
-                    step(names, iters, mode)
-                us = bench(graph.replay, warmup=3, reps=30) / layers * 1e6
+                us = bench_graph(lambda: step(names, iters, mode), calls=1, reps=30) / layers * 1e6
                 row[mode if mode not in row else mode + "_again"] = round(us, 2)
             row["product_us"] = round(row["plain"] - row["busy"], 2)
             row["product_from_l2_us"] = round(row["warm"] - row["plain"], 2)

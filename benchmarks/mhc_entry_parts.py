@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_ceilings import bench  # noqa: E402
+from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from model.kernels import arrival_counter, mhc  # noqa: E402
 from model.kernels import mhc_kernels  # noqa: E402
 
@@ -94,17 +94,7 @@ def main() -> None:
                                            scratch=beside)
                     scratch.join()
 
-                step()
-                torch.cuda.synchronize()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                us = bench(graph.replay, warmup=3, reps=20) / LAYERS * 1e6
+                us = bench_graph(step, calls=1, reps=20) / LAYERS * 1e6
                 rows.append({"variant": name, "us_per_entry": round(us, 2)})
                 print(f"{name:18s} {us:6.2f} us an entry", flush=True)
     mhc._entry_small_kernel = original

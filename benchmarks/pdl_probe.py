@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_gemm_bench import shapes  # noqa: E402
-from benchmarks.gpu_ceilings import bench  # noqa: E402
+from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from model import quant  # noqa: E402
 from model.kernels import fp8_gemm  # noqa: E402
 
@@ -48,16 +48,7 @@ def main() -> None:
             outs = run(mode)
             ok = all(torch.allclose(out.float(), fp8_gemm.reference(x.float(), q, s, G).float(), rtol=2e-2, atol=2e-2)
                      for out, (x, q, s, _, _, G) in zip(outs, [op for ops in layers for op in ops]))
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run(mode)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run(mode)
-            ms = bench(graph.replay) * 1e3
+            ms = bench_graph(lambda: run(mode), calls=1, reps=20) * 1e3
             print(f"{name:30s} {ms:.3f} ms for {6 * len(layers)} products ({ms / len(layers) * 1e3:.1f} µs a layer)"
                   f"  outputs {'match' if ok else 'DIFFER'}", flush=True)
 

@@ -181,8 +181,8 @@ def _post_comb_kernel(mix_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, K, it
     cols = tl.arange(0, NP)
     total = tl.load(mix_ptr + t[:, None] * NR + r[None, :])
     sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
-    rms = tl.rsqrt(sq / K + rms_eps)[:, None]  # as `_pre_weights` derives it
-    _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC), rms, t, t < T,
+    _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC),
+                     _rms_factor(sq, K, rms_eps), t, t < T,
                      base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
 
 
@@ -195,11 +195,17 @@ def _group(total, r, cols, first, n):
 
 
 @triton.jit
+def _rms_factor(sq, K, rms_eps):
+    """The mixes' RMS factor [BT, 1] from Σx² [BT] over K stream values."""
+    return tl.rsqrt(sq / K + rms_eps)[:, None]
+
+
+@triton.jit
 def _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC: tl.constexpr, NP: tl.constexpr):
     """From the full mixes of pre [BT, NP] and Σx² [BT]: (pre = σ(·) + eps [BT, NP], zero past HC
     columns; the RMS factor r [BT, 1])."""
     cols = tl.arange(0, NP)
-    r = tl.rsqrt(sq / K + rms_eps)[:, None]
+    r = _rms_factor(sq, K, rms_eps)
     pre = tl.sigmoid(a_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols, mask=cols < HC, other=0.0)) + hc_eps
     return tl.where((cols < HC)[None, :], pre, 0.0), r
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.kernels import arrival_counter, mhc
+from tests.model.kernel_cases import captured
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HC, D, MIX = 4, 4096, 24
@@ -37,14 +38,7 @@ def test_entries_with_side_post_comb_match_in_order(T):
     scratch = mhc.EntryScratch.beside(mhc.mixes_buffer("cuda"))
     assert scratch.side is not None
     assert torch.equal(chain(scratch), want)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(scratch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(scratch)
+    graph, out = captured(lambda: chain(scratch))
     differ = 0
     for _ in range(50):
         graph.replay()

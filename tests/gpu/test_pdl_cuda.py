@@ -13,6 +13,7 @@ import torch
 from model import quant
 from model.kernels import fp8_gemm
 from model.kernels.pdl import launch_options
+from tests.model.kernel_cases import captured
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PLAIN = {"PDL": False, "launch_pdl": False}
@@ -49,14 +50,7 @@ def test_pdl_chain_matches_plain_launches(act_fp8):
     want = chain(PLAIN)
     assert torch.equal(chain(launch_options(x)), want)
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(launch_options(x))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(launch_options(x))
+    graph, out = captured(lambda: chain(launch_options(x)))
     differ = 0
     for _ in range(200):
         graph.replay()

@@ -93,3 +93,17 @@ def mhc_inputs(T: int, device: str = "cpu", hc: int = 4, D: int = 4096):
     base = 0.5 * torch.randn((2 + hc) * hc, device=device, generator=g)
     scale = 0.5 + torch.rand(3, device=device, generator=g)
     return x, fn, base, scale
+
+
+def captured(fn):
+    """fn() captured in a CUDA graph after a warm-up call on a side stream → (the graph, what fn
+    returned during the capture: the tensors each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
