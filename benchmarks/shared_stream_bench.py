@@ -1,8 +1,10 @@
-"""Decode steps with the dense shared expert on a side stream (`MoE.shared_on_side_stream`, the
-default) against the same step with it on the main stream, in one process: two CUDA graphs of the
-same layers and pools, timed in alternating rounds so that both see the same host and clocks.
+"""Decode steps with side-stream work on a side stream (the default) against the same step with it
+on the main stream, in one process: two CUDA graphs of the same layers and pools, timed in
+alternating rounds so that both see the same host and clocks. `--switch shared`: the MoE's dense
+shared expert (`MoE.shared_on_side_stream`); `--switch block`: the block's side stream (the mHC
+post / comb and the attention's compressors, `Block.side_stream`).
 
-    python benchmarks/shared_stream_bench.py --out s.json [--layers 15] [--rounds 3]
+    python benchmarks/shared_stream_bench.py --out s.json [--layers 15] [--rounds 3] [--switch block]
 
 Per (batch, context) and variant: the graph replay alone and the whole step (input load on the
 host included), median of 20 per round (benchmarks/gpu_ceilings.py's `bench`); and whether the
@@ -25,11 +27,21 @@ from benchmarks.gpu_ceilings import bench  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 
 
+def switch(model, name: str, on: bool) -> None:
+    """Side-stream work `name` of every block on (the default) or off."""
+    for block in model.blocks:
+        if name == "shared":
+            block.ffn.shared_on_side_stream = on
+        else:
+            block.side_stream = on
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--switch", choices=["shared", "block"], default="shared")
     ap.add_argument("--steps", nargs="+", default=["256x8192", "64x8192", "256x32768"], metavar="BATCHxCONTEXT")
     args = ap.parse_args()
     model = stack(args.layers)
@@ -40,8 +52,7 @@ def main() -> None:
         fb = decode_batch(seqs)
         graphs = {}
         for side in (True, False):  # captured with the flag as it is at capture time
-            for block in model.blocks:
-                block.ffn.shared_on_side_stream = side
+            switch(model, args.switch, side)
             scratch = graphs["side"].scratch if graphs else None
             graphs["side" if side else "main"] = DecodeGraph(model, pools, batch_size=B, max_context=C + 1,
                                                             scratch=scratch)
@@ -62,9 +73,9 @@ def main() -> None:
             g.close()
         del graphs, pools, seqs
         torch.cuda.empty_cache()
-    for block in model.blocks:
-        block.ffn.shared_on_side_stream = True
-    Path(args.out).write_text(json.dumps({"layers": args.layers, "device": torch.cuda.get_device_name(),
+    switch(model, args.switch, True)
+    Path(args.out).write_text(json.dumps({"layers": args.layers, "switch": args.switch,
+                                          "device": torch.cuda.get_device_name(),
                                           "rows": rows}, indent=1))
 
 

@@ -32,6 +32,7 @@ from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.quantized import Fp8Linear, fuse_fp8_linears, fuse_weights, linear_fp32_out
 from model.rope import Rope
+from model.side_stream import SideStream, fork, join
 
 
 class RMSNorm(nn.Module):
@@ -103,12 +104,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, layer, 4, cfg.index_head_dim, "c4_indexer", "state_c4_indexer", impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
 
-    def forward(self, q: torch.Tensor, proj: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch,
-                pools: KVPools) -> torch.Tensor:
-        """The products of the attention's inputs (`Attention.forward` runs them, fused where it can):
-        q = wq_b(qr) [T, n_I·c], proj = compressor.project(x), weights = weights_proj(x) [T, n_I]
-        float32. → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
-        self.compressor(proj, batch, pools)
+    def forward(self, q: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
+        """The products of the attention's inputs (`Attention.forward` runs them, fused where it can,
+        and this indexer's compressor, which must have written the step's entries first):
+        q = wq_b(qr) [T, n_I·c], weights = weights_proj(x) [T, n_I] float32.
+        → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
         q = rope_ops.rotate(q.view(q.shape[0], self.n_heads, self.head_dim), batch.positions, self.rope, self.impl)
         w = weights * self.n_heads ** -0.5  # [T, n_I]
         return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl)
@@ -153,24 +153,41 @@ class Attention(nn.Module):
         self.register_buffer("x_products", None, persistent=False)  # the bf16 products of x, stacked
         self.x_widths: list[int] = []  # x_products' output columns per `_bf16_products` entry
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
-        """x [T, D] → [T, D]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools, side: SideStream | None = None
+                ) -> torch.Tensor:
+        """x [T, D] → [T, D]. `side`: the compressors (and the products of x they read) run on it,
+        beside the query path, which reads nothing of theirs; joined before the indexer and the
+        attention read the entries they write."""
         T, eps = x.shape[0], self.cfg.rms_norm_eps
+        if side is not None and self.impl == "triton":
+            batch.meta  # built (once per batch) on this stream, before either stream reads it
+        with fork(side):
+            index_weights = self._compress(x, batch, pools)
         qa, kv = self._products("fused_x", (self.wq_a, self.wkv), x)
         qr = self.q_norm(qa)
         q, index_q = self._products("fused_qr", (self.wq_b, self._index_wq_b()), qr)
         q = rope_ops.q_rms_rope_store_kv(q.view(T, self.n_heads, self.head_dim), kv, batch, pools, self.layer,
                                          self.kv_norm.weight, eps, self.rope, self.impl)
-        proj, index_proj, index_weights = self._bf16_products(x)
-        if self.compressor is not None:
-            self.compressor(proj, batch, pools)
+        join(side)
         picks = None
         if self.indexer is not None:
-            picks = self.indexer(index_q, index_proj, index_weights, batch, pools)
+            if side is not None:
+                side.keep(index_weights)
+            picks = self.indexer(index_q, index_weights, batch, pools)
         out = sparse_attention.attend(q, batch, pools, self.layer, self.ratio, picks, self.attn_sink,
                                       self.cfg.sliding_window, self.rope, self.impl, out_dtype=x.dtype)
         groups = out.view(T, self.cfg.o_groups, -1)
         return self.wo_b(grouped_linear(groups, self.wo_a).flatten(1))
+
+    def _compress(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor | None:
+        """The compressors' step from x [T, D]: their products, then the compressed entries and ring
+        state written to the pools; → the indexer's head weights [T, n_I] float32 (None without one)."""
+        proj, index_proj, index_weights = self._bf16_products(x)
+        if self.compressor is not None:
+            self.compressor(proj, batch, pools)
+        if self.indexer is not None:
+            self.indexer.compressor(index_proj, batch, pools)
+        return index_weights
 
     def fuse_products(self) -> None:
         """Device format (`quantize_model`): products of the same input run as one. A decode step's

@@ -305,9 +305,9 @@ class MoE(nn.Module):
         # (H100, one V4-Flash layer on the fused path: 0.895 → 0.886 ms at 64 tokens, 1.144 →
         # 1.118 at 128, 1.364 → 1.351 at 256; benchmarks/moe_tiles_bench.py, variants `fused` and
         # `fused_shared_stream_high`). torch hands out streams from per-device pools, one per priority:
-        # taking one per call costs no CUDA call, and the high-priority pool is one nothing else
-        # here draws from (kvtransfer's copy streams come from the default one), so no other
-        # thread's work can share the stream, or join a graph captured on it
+        # taking one per call costs no CUDA call, and the high-priority pool is one only the
+        # model's side work draws from (kvtransfer's copy streams come from the default one), so
+        # no other thread's work can share the stream, or join a graph captured on it
         side = torch.cuda.Stream(x.device, priority=-1) if x.is_cuda and self.shared_on_side_stream else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
                                self.impl, self.uses_fused(x.shape[0]), side)

@@ -21,6 +21,7 @@ from model.config import ModelConfig
 from model.kernels import arrival_counter, mhc, set_impl
 from model.kv_pool import KVPools
 from model.moe import MoE
+from model.side_stream import SideStream
 
 
 class Block(nn.Module):
@@ -42,15 +43,18 @@ class Block(nn.Module):
         # and the full mixes its post / comb kernel reads on a side stream (`mhc.EntryScratch`)
         self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
         self.register_buffer("hc_mixes", mhc.mixes_buffer(), persistent=False)
+        self.side_stream = True  # see `forward` (off: all in order, tests' and benchmarks' baseline)
 
     def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
         """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
-        entry's kernel to apply (`mhc.Residual`). An entry's post and comb may be computed beside
-        the sub-block (`mhc.EntryScratch`): joined before the next entry reads them."""
-        scratch = mhc.EntryScratch.beside(self.hc_mixes)
+        entry's kernel to apply (`mhc.Residual`). On a GPU the block's side stream takes an entry's
+        post and comb (`mhc.EntryScratch`: joined before the next entry reads them) and the
+        attention's compressors (joined inside it)."""
+        side = SideStream.beside(self.hc_mixes.device) if self.side_stream else None
+        scratch = mhc.EntryScratch(self.hc_mixes, side)
         x, h, post, comb = self._enter(res, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
                                        scratch)
-        res = mhc.Residual(x, self.attn(h, batch, pools), post, comb)
+        res = mhc.Residual(x, self.attn(h, batch, pools, side), post, comb)
         scratch.join()
         x, h, post, comb = self._enter(res, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm,
                                        scratch)

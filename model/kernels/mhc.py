@@ -28,7 +28,6 @@ as ~55 small torch ops. The kernels (kernels/mhc_kernels.py):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -38,6 +37,7 @@ import triton
 from model.kernels import arrival_counter, check_impl, rmsnorm
 from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_comb_kernel, _post_kernel, _pre_kernel
 from model.kernels.pdl import launch_options
+from model.side_stream import SideStream, fork, join
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,33 +131,23 @@ SMALL_TILES = SmallTiles()
 
 class EntryScratch:
     """A block's side work of its one-launch entries: `_post_comb_kernel` (post and the Sinkhorn
-    comb, a ~5 µs serial chain at one token on an H200) runs on `side`, beside the sub-block whose
-    input the entry wrote, from the full mixes in `mixes` [2, 32] fp32 (a buffer the block keeps, so
-    no freed allocation is shared between the streams). Only the next entry reads post and comb:
-    `join` before it. On the CPU (no side stream) the kernel runs in order. One per forward call."""
+    comb, a ~5 µs serial chain at one token on an H200) runs on the block's side stream, beside the
+    sub-block whose input the entry wrote, from the full mixes in `mixes` [2, 32] fp32 (a buffer
+    the block keeps, so no freed allocation is shared between the streams). Only the next entry
+    reads post and comb: the block joins `side` before it. Without a side stream (the CPU) the
+    kernel runs in order. One per forward call."""
 
-    def __init__(self, mixes: torch.Tensor, side: "torch.cuda.Stream | None"):
+    def __init__(self, mixes: torch.Tensor, side: SideStream | None):
         self.mixes, self.side = mixes, side
-        self._pending = False  # side work launched since the last join
 
     @classmethod
     def beside(cls, mixes: torch.Tensor) -> "EntryScratch":
-        """A scratch on a stream from torch's high-priority pool (as the MoE's shared expert takes
-        one: no CUDA call) for `mixes` on a CUDA device, none elsewhere."""
-        return cls(mixes, torch.cuda.Stream(mixes.device, priority=-1) if mixes.is_cuda else None)
-
-    def fork(self) -> "torch.cuda.StreamContext":
-        """The side stream, after the work queued so far on the current one (a context for launches)."""
-        self.side.wait_stream(torch.cuda.current_stream(self.mixes.device))
-        self._pending = True
-        return torch.cuda.stream(self.side)
+        """A scratch for `mixes` with a side stream of its own (`SideStream.beside`)."""
+        return cls(mixes, SideStream.beside(mixes.device))
 
     def join(self) -> None:
-        """The current stream waits for the side work launched since the last join (none: nothing,
-        so a captured graph never waits on a stream it did not fork)."""
-        if self._pending:
-            torch.cuda.current_stream(self.mixes.device).wait_stream(self.side)
-            self._pending = False
+        """The current stream waits for the side work (`SideStream.join`)."""
+        join(self.side)
 
 
 def mixes_buffer(device: torch.device | str | None = None) -> torch.Tensor:
@@ -263,7 +253,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
             SPLIT_PAD=triton.next_power_of_2(split), NORM=norm_weight is not None, num_warps=small.num_warps,
             HEAD=head, POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16, **launch_options(xp))
         if not head:
-            with scratch.fork() if side else contextlib.nullcontext():
+            with fork(scratch.side if side else None):
                 _post_comb_kernel[(1,)](mix, base, scale, post, comb, T, hc * D, iters, hc_eps, rms_eps, HC=hc, BT=bt,
                                         NR=32, NP=16, num_warps=4, **launch_options(mix))
         return x, out, post, comb

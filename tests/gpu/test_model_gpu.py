@@ -126,15 +126,21 @@ def test_w8a8_path_matches_cpu_reference(models, w8a8, impl):
     assert rel_err(got, a16) > 5e-2
 
 
+def _prefilled(model, pools, steps: int) -> list[SeqKV]:
+    """The prompts prefilled one request at a time, with pages reserved for `steps` more tokens."""
+    seqs = [SeqKV() for _ in PROMPTS]
+    for s, p in zip(seqs, PROMPTS):
+        pools.reserve(s, len(p) + steps)
+        b = ForwardBatch.build([(s, p)], device="cuda")
+        model(b, pools)
+        b.commit()
+    return seqs
+
+
 def test_cuda_graph_decode_equals_eager(models):
     _, gpu = models
     pools = KVPools(gpu.cfg, "fp8_pack", max_tokens=512, max_seqs=4, device="cuda")
-    seqs = [SeqKV() for _ in PROMPTS]
-    for s, p in zip(seqs, PROMPTS):
-        pools.reserve(s, len(p) + 6)
-        b = ForwardBatch.build([(s, p)], device="cuda")
-        gpu(b, pools)
-        b.commit()
+    seqs = _prefilled(gpu, pools, 6)
     graph = DecodeGraph(gpu, pools, batch_size=4, max_context=512)
     twin = copy.deepcopy(pools)
     tokens = [7, 9]
@@ -149,3 +155,47 @@ def test_cuda_graph_decode_equals_eager(models):
         tokens = replay.argmax(-1).tolist()
     assert graph.staging.hits == 5  # every step after the first found its inputs staged by the last
     graph.close()
+
+
+def _side_streams(model, on: bool) -> None:
+    for block in model.layers:
+        block.side_stream = on
+
+
+def test_side_streams_give_in_order_bits(models):
+    """The blocks' side streams (post / comb, the attention's compressors) change no bit: prefill
+    chunks and decode steps eagerly, and 20 decode graph replays, each against the same work in
+    order (`Block.side_stream` off, the graph captured so)."""
+    _, gpu = models
+    assert any(b.attn.compressor is not None for b in gpu.layers) and any(b.attn.indexer is not None for b in gpu.layers)
+    pools = KVPools(gpu.cfg, "fp8_pack", max_tokens=512, max_seqs=4, device="cuda")
+    twin = copy.deepcopy(pools)
+    fed = []
+    try:
+        _side_streams(gpu, False)
+        want = _logits(gpu, twin, PROMPTS, 8, "cuda", fed=fed)
+        _side_streams(gpu, True)
+        got = _logits(gpu, pools, PROMPTS, 8, "cuda", forced=fed)
+        assert torch.equal(got, want)
+        pools = KVPools(gpu.cfg, "fp8_pack", max_tokens=512, max_seqs=4, device="cuda")
+        seqs = _prefilled(gpu, pools, 21)
+        graphs = {}
+        for on in (True, False):  # captured with the switch as it is at capture time
+            _side_streams(gpu, on)
+            scratch = graphs[True].scratch if graphs else None
+            graphs[on] = DecodeGraph(gpu, pools, batch_size=2, max_context=512, scratch=scratch)
+        tokens, differ = [7, 9], 0
+        for _ in range(20):
+            # the same step through both graphs: the second rewrites the pools' new entries, with
+            # the same bits when the two agree
+            batch = ForwardBatch.build([(s, [t]) for s, t in zip(seqs, tokens)], device="cuda")
+            ordered = graphs[False].run(batch).clone()
+            beside = graphs[True].run(batch).clone()
+            batch.commit()
+            differ += not torch.equal(beside, ordered)
+            tokens = beside.argmax(-1).tolist()
+        assert differ == 0, f"{differ} of 20 decode steps differ"
+        for g in graphs.values():
+            g.close()
+    finally:
+        _side_streams(gpu, True)
