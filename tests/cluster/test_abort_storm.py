@@ -1,5 +1,6 @@
-"""1000 requests cancelled at random points (queued, prefilling, transferring, decoding) through
-the router's cluster backend leave every pool on every worker at its idle page count."""
+"""Requests cancelled at random points (queued, prefilling, transferring, decoding) through the
+router's cluster backend leave every pool on every worker at its idle page count: 400 in the CI
+subset (~40 s on a 2-core machine), 1000 in the full suite."""
 
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from router.config import PlacementConfig
 
 pytest.importorskip("nixl")
 
-N_REQUESTS = 1000
-
 
 @pytest.fixture(scope="module")
 def cluster(tiny_official_ckpt):
@@ -34,7 +33,8 @@ def cluster(tiny_official_ckpt):
     c.stop()
 
 
-def test_abort_storm_leaves_no_pages(cluster):
+@pytest.mark.parametrize("n_requests", [400, pytest.param(1000, marks=pytest.mark.slow)])
+def test_abort_storm_leaves_no_pages(cluster, n_requests):
     rng = random.Random(7)
 
     async def one(backend, i):
@@ -64,7 +64,7 @@ def test_abort_storm_leaves_no_pages(cluster):
         await backend.start()
         await backend.wait_for_workers(prefill=1, decode=1)
         pending = set()
-        for i in range(N_REQUESTS):
+        for i in range(n_requests):
             pending.add(asyncio.ensure_future(one(backend, i)))
             if len(pending) >= 48:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
