@@ -103,9 +103,10 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 TOPK_KERNEL_MAX_N = 8192
 
 
-def top_k(scores: torch.Tensor, K: int) -> torch.Tensor:
+def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None) -> torch.Tensor:
     """scores [R, n] float32 (-inf = not causal) → the K best entry ids [R, K] int32 by descending
-    score (ties: the lower entry first), -1 where fewer than K scores are finite."""
+    score (ties: the lower entry first), -1 where fewer than K scores are finite. `num_warps`
+    overrides the select kernel's (tuning)."""
     R, n = scores.shape
     if n > TOPK_KERNEL_MAX_N:
         values, idx = scores.topk(K, dim=-1)
@@ -115,7 +116,7 @@ def top_k(scores: torch.Tensor, K: int) -> torch.Tensor:
     scratch = torch.empty(R, KP, dtype=torch.int64, device=scores.device)
     N = triton.next_power_of_2(n)
     _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), scratch, n, K, N=N, KP=KP,
-                         num_warps=8 if N >= 4096 else 4, **launch_options(scores))
+                         num_warps=num_warps or (8 if N >= 4096 else 4), **launch_options(scores))
     return out
 
 
