@@ -65,7 +65,8 @@ def test_indexer_matches_reference(fmt, topk):
             assert bool((full[t][real] >= kth - 2e-2 * scale).all())
 
 
-@pytest.mark.parametrize("K", [64, 100])
+# K = 100 (not a power of two: the padded sort) in the CI subset; 64 adds ~8 s there
+@pytest.mark.parametrize("K", [pytest.param(64, marks=pytest.mark.slow), 100])
 def test_top_k_kernel_matches_torch_topk(K):
     """The select kernel against torch.topk: same entries in the same (descending) order,
     negative scores ordered right, -1 exactly where a row has fewer than K finite scores."""
