@@ -160,7 +160,7 @@ class Attention(nn.Module):
         attention read the entries they write."""
         T, eps = x.shape[0], self.cfg.rms_norm_eps
         if side is not None and self.impl == "triton":
-            batch.meta  # built (once per batch) on this stream, before either stream reads it
+            _ = batch.meta  # built (once per batch) on this stream, before either stream reads it
         with fork(side):
             index_weights = self._compress(x, batch, pools)
         qa, kv = self._products("fused_x", (self.wq_a, self.wkv), x)
