@@ -16,15 +16,12 @@ expert three token tiles and leaves others empty; real shapes run in tests/gpu/t
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model.kernels import moe_combine, moe_fused, moe_grouped, moe_prefill, moe_shared
-from model.kernels.fp4 import reads_wgmma_operand
 from model.moe import MoE, PackedExperts
 from model.tiny import tiny_config
 
@@ -163,124 +160,6 @@ def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
         moe(x, tok)
         assert calls == [want], (layer, T)
     assert moe_fused.decode_tiles(4) != moe_fused.decode_tiles(9)  # the small-step table is its own
-
-
-# ---------------------------------------------------------------------------------------
-# Hopper compilation (no GPU needed: Triton's bundled ptxas), at V4-Flash shapes on meta tensors
-# ---------------------------------------------------------------------------------------
-
-_TL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-              torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
-
-
-def hopper_compile(launch):
-    """Compile a planned launch for sm_90 as the JIT would (16-byte aligned pointers, ints divisible by
-    16 marked so) → (compiled kernel, cubin resource usage line)."""
-    import subprocess
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = launch.kernel.arg_names
-    defaults = {p.name: p.default for p in launch.kernel.params}  # constexprs a launch may leave out (PDL)
-    sig, attrs, consts = {}, {}, {}
-    for i, name in enumerate(names):
-        if i >= len(launch.args):
-            sig[name], consts[name] = "constexpr", launch.meta.get(name, defaults[name])
-            continue
-        value = launch.args[i]
-        if isinstance(value, torch.Tensor):
-            sig[name], aligned = "*" + _TL_DTYPES[value.dtype], True
-        else:
-            sig[name], aligned = ("fp32", False) if isinstance(value, float) else ("i32", value % 16 == 0)
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: launch.meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in launch.meta}
-    k = triton.compile(ASTSource(launch.kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
-                       options=options)
-    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"moe_{os.getpid()}.cubin"
-    cubin.write_bytes(k.asm["cubin"])
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    cubin.unlink()
-    return k, usage
-
-
-def flash_plan(path: str, fmt: str, T: int):
-    D, I, E, k = 4096, 2048, 256, 6
-    experts = PackedExperts(fmt, E, D, I, device="meta")
-    shared = PackedExperts("fp8", 1, D, I, device="meta")
-    x = torch.empty(T, D, dtype=torch.bfloat16, device="meta")
-    ids, weights = torch.empty(T, k, dtype=torch.long, device="meta"), torch.empty(T, k, device="meta")
-    tiles = moe_fused.decode_tiles(T) if path == "fused" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
-    tiles = (moe_grouped.fit(tiles[0], I, D), moe_grouped.fit(tiles[1], D, I))
-    launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, shared, 10.0, *tiles,
-                                           fuse_combine=path == "fused", asm=True)
-    return launches
-
-
-def check_hopper_build(path: str, fmt: str, T: int) -> None:
-    for launch in flash_plan(path, fmt, T):
-        k, usage = hopper_compile(launch)
-        if launch.kernel.__name__ != "_count_sort_kernel":
-            assert "wgmma" in k.asm["ptx"], f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
-        if launch.meta.get("MMA") and fmt == "fp4":  # V4 tiles keep the in-place conversion
-            assert reads_wgmma_operand(k.asm["ttgir"]), f"{launch.kernel.__name__}: FP4 words off the wgmma operand"
-        cap = launch.meta.get("maxnreg")
-        if cap is None:
-            assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
-        else:  # a register cap trades a few spilled bytes for more programs an SM (moe_fused.SMALL_DOWN)
-            regs, local = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "LOCAL"))
-            assert regs <= cap and local <= 16, usage
-
-
-def check_operand_layouts() -> None:
-    """A small tile whose FP4 conversion Triton compiles before the layout change (BK 32: a
-    row's columns 0, 1, 8, 9 in four registers) is detected, and the V4 K step (128) is not."""
-    moe = MoE.random_packed(tiny_config(hidden_size=1024, moe_intermediate_size=512), layer=3, fmt="fp4", seed=5,
-                            device="cpu")
-    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(5))  # on the CPU: compiled, never run
-    weights, ids = moe.gate(x, torch.arange(8))
-    for bk, want in ((32, False), (128, True)):
-        tiles = moe_grouped.Tiles(BT=16, BN=64, BK=bk, swap_ab=True)
-        launches, _ = moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles,
-                                               fuse_combine=True, asm=True)
-        down = launches[-1]
-        assert down.meta["MMA"]
-        assert reads_wgmma_operand(hopper_compile(down)[0].asm["ttgir"]) is want, bk
-
-
-@pytest.mark.parametrize("path, fmt, T", [
-    ("fused", "fp4", 64), ("fused", "fp4", 1), ("grouped", "fp4", 8192),
-    pytest.param("fused", "fp8", 64, marks=pytest.mark.slow),
-    pytest.param("grouped", "fp8", 8192, marks=pytest.mark.slow),
-])
-def test_kernels_compile_for_hopper_without_spills(path, fmt, T):
-    """The interpreter checks neither Triton's compile-time rules, nor the inline PTX, nor register
-    use: compile both launches for sm_90 in a process without the interpreter, and require wgmma
-    and no local-memory spills."""
-    without_interpreter(f"check_hopper_build({path!r}, {fmt!r}, {T})")
-
-
-def test_fp4_conversion_layout_check_detects_small_tiles():
-    """Triton, not the kernel, decides whether the FP4 words are converted in the wgmma operand
-    layout; `reads_wgmma_operand` must tell the two apart (the GPU path falls back on it)."""
-    without_interpreter("check_operand_layouts()")
-
-
-def without_interpreter(call: str) -> None:
-    """Run `call` (a function of this module) in a process without Triton's interpreter."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"from tests.model.test_moe_kernels import *; {call}"
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("with_add", [False, True])
@@ -441,19 +320,6 @@ def test_split_k_tiles_fit_and_need_the_fused_path():
     with pytest.raises(ValueError, match="split_k=3 K ranges"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0,
                                  dataclasses.replace(split, split_k=3), split, fuse_combine=True)
-
-
-def test_fp4_words_convert_in_the_wgmma_operand_only_where_wgmma_runs():
-    """The register-order conversion (kernels/fp4.py) is for wgmma's operand alone: Hopper, SWAP
-    tiles of 64 rows per warpgroup (the decode and prefill tiles). Smaller tiles run mma.sync and
-    other GPUs other MMAs, for which the layout check vouches nothing: those convert through
-    explicit words."""
-    for t in (moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN, moe_fused.SMALL_GATEUP, moe_fused.SMALL_DOWN,
-              moe_prefill.PREFILL_GATEUP, moe_prefill.PREFILL_DOWN):
-        assert moe_grouped._tile_meta(t, True)["MMA"] and not moe_grouped._tile_meta(t, False)["MMA"]
-    small = moe_grouped.Tiles(BT=16, BN=32, BK=32, num_warps=4, num_stages=2, swap_ab=True)
-    assert not moe_grouped._tile_meta(small, True)["MMA"]
-    assert not moe_grouped._tile_meta(moe_grouped.GROUPED_GATEUP, True)["MMA"]  # tokens as M
 
 
 @pytest.mark.parametrize("path", ["fused", "grouped_decode_tiles"])
