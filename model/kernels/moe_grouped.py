@@ -221,8 +221,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         # the `preorder` copy the routed experts read, by the sort's launch: programs 1.. a tile each
         xr = torch.empty_like(x) if preordered else x
         copy_tiles = triton.cdiv(T, PREORDER_TILE[0]) * triton.cdiv(D, PREORDER_TILE[1]) if preordered else 0
-        if preordered and D % 32:
-            raise ValueError(f"preorder needs K divisible by 32, got {D}")
+        if preordered:
+            check_preorder(D)
         launches.append(Launch(_count_sort_kernel, (1 + copy_tiles,),
                                (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel(), x, xr, T, D),
                                dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E, ZERO13=ks13 > 1,
@@ -270,14 +270,19 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
 PREORDER_TILE = (16, 512)
 
 
+def check_preorder(K: int) -> None:
+    """`preorder`'s layout permutes within every 32 columns: K must be a multiple."""
+    if K % 32:
+        raise ValueError(f"preorder needs K divisible by 32, got {K}")
+
+
 def preorder(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] (K % 32 == 0) → [T, K] as the SWAP tiles' FP4 products read activations: row t
     becomes [x[t, 0::2] | x[t, 1::2]], each half permuted within every 16 columns by `fp4.mma_order`
     (column 16i + 4q + 2h + r → 16i + 8h + 2q + r); a contiguous copy. Activation tiles then go
     from global to shared memory untouched (kernels/moe_prefill.py's docstring)."""
     T, K = x.shape
-    if K % 32:
-        raise ValueError(f"preorder needs K divisible by 32, got {K}")
+    check_preorder(K)
     # (t, i, q, h, r, parity) with column 32i + 8q + 4h + 2r + parity → (t, parity, i, h, q, r)
     return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 5, 1, 3, 2, 4).reshape(T, K)
 
