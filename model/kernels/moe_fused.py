@@ -45,24 +45,33 @@ if TYPE_CHECKING:
 # Decode tiles: 16 tokens (tl.dot's minimum) against 64 or 128 weight rows (one or two wgmma M
 # tiles of a 4-warp warpgroup), 128 K (one FP8 scale block; 64 bytes of FP4 per row and step).
 # 3 stages keep a gate/up program under 64 KB of shared memory, three programs per SM.
-DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True)
-DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=True)
+#
+# Every decode tile settles (`Tiles.settle`): each K step's products finish before the next step
+# converts weights into registers. Triton 3.6 leaves a step's last register-operand wgmma group
+# in flight across the loop's back edge (its wait counts only the first group retired), so the
+# next step's conversion may write registers that group still reads (triton-lang/triton#9433,
+# fixed in Triton after 3.6 by #9514; a newer ptxas does not help). Built so at 3 stages, the
+# split gate/up kernel below returned finite, wrong rows in ~1-2% of calls of 2-8 tokens
+# (tests/gpu/test_moe_kernels_cuda.py::test_decode_configurations_repeat_bit_for_bit). Settled,
+# no group is pending at the back edge (tests/model/test_moe_hopper_build.py checks the PTX), the
+# gate/up kernels need fewer registers (T = 1: 107 → 80, T = 64: 123 → 96), and they are faster:
+# H200, benchmarks/moe_tiles_bench.py, gate/up at T = 1 32 µs at 2 stages unsettled → 24 µs at 3
+# settled; at 64 / 256 tokens 552 / 889 → 527 / 819 µs; the down kernels the same or faster.
+# (The prefill tiles, 128 tokens a step, lose 8% settled: kernels/moe_prefill.py.)
+DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True, settle=True)
+DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=True, settle=True)
 # A step of a few tokens hits ~7 experts: its programs are latency-bound, and a deeper pipeline and
 # twice the down programs pay (H100, one V4-Flash layer at T = 1: 0.099 ms against 0.122 ms in a
 # graph; benchmarks/moe_bench.py's sweep). From 8 tokens on the tiles above are as fast or faster.
 # The K loops are split too (`Tiles.split_k`): a step of one token has 7 token tiles, so 224
 # gate/up programs of 32 K steps each for 132 SMs, and each program's steps wait on the last.
-# The split gate/up kernel runs 2 stages: compiled with 3 or 4 (Triton 3.6 and its ptxas), its
-# pipelined wgmma, whose weight operand comes from registers, read registers the next K step had
-# already overwritten in ~1-2% of calls of 2-8 tokens (finite, wrong rows; the write-after-read
-# hazard of triton-lang/triton#9433, fixed in ptxas 13.3). Caught by
-# tests/gpu/test_moe_kernels_cuda.py::test_decode_configurations_repeat_bit_for_bit.
 SMALL_T = 4
-SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=2, swap_ab=True, split_k=4)
+SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True, split_k=4, settle=True)
 # The down programs are capped at 80 registers (102 uncapped, two spilled): five programs an SM
 # instead of four, and the down kernel at T = 1 20 → 17 µs (H200, benchmarks/moe_tiles_bench.py
-# variants small / small_regs80, which caps both). Gate/up loses from a cap (32 → 37 µs at 80).
-SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2, maxnreg=80)
+# variants small / small_regs80, which caps both).
+SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2, maxnreg=80,
+                   settle=True)
 # Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
 # 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
 DECODE_MAX_TOKENS = 256

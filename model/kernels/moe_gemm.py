@@ -93,14 +93,27 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 
 
 @triton.jit
+def _settled(acc):
+    """acc, passed through an opaque move: reading it makes the compiler wait for every product
+    pending on it (wgmma.wait_group 0) at this point. Pipelined deeper than 2 stages, Triton 3.6
+    lets the next K step start while the step's later register-operand products are in flight,
+    and their A registers can be overwritten under them (triton-lang/triton#9433); waiting here
+    keeps the deeper pipeline of weight loads and gives up only the products' overlap with the
+    next step's conversion."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
 def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
           K: tl.constexpr, FP4: tl.constexpr, TWO: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, MMA: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, XPRE: tl.constexpr = False,
-          R: tl.constexpr = 0, KB: tl.constexpr = 0, KS: tl.constexpr = 1, ks=0):
+          R: tl.constexpr = 0, KB: tl.constexpr = 0, KS: tl.constexpr = 1, ks=0, SETTLE: tl.constexpr = False):
     """(W[rows_a] · Xᵀ, W[rows_b] · Xᵀ) [BN, BT] fp32 over K for one expert's W (its FP8 scale rows
     `srows_*`; FP4 scales are per weight row); X rows `x_rows` (stride K, masked by x_mask), in
     `preorder`'s layout with XPRE (FP4 and SWAP only). Only the first product when not TWO.
     FP4: W is K-blocked, R rows and KB code bytes per row and block (BK/2 divides KB).
-    KS > 1: only the ks-th of KS equal K ranges (KS·BK divides K), a partial sum."""
+    KS > 1: only the ks-th of KS equal K ranges (KS·BK divides K), a partial sum.
+    SETTLE (wgmma register operand only): each K step's products finish before the next step
+    converts its weights (`_settled`)."""
     w_stride: tl.constexpr = K  # FP8
     s_stride: tl.constexpr = (K + B8 - 1) // B8
     if SWAP:
@@ -147,6 +160,10 @@ def w_xt(x_ptr, x_rows, x_mask, w_ptr, s_ptr, rows_a, srows_a, rows_b, srows_b,
         acc_a = _accumulate(acc_a, a1, a2, xt, x_even, x_odd, FP4, SWAP)
         if TWO:
             acc_b = _accumulate(acc_b, b1, b2, xt, x_even, x_odd, FP4, SWAP)
+        if SETTLE and MMA:
+            acc_a = _settled(acc_a)
+            if TWO:
+                acc_b = _settled(acc_b)
         sa, sb = sa_next, sb_next
     if not SWAP:
         acc_a, acc_b = tl.trans(acc_a), tl.trans(acc_b)

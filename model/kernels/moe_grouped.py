@@ -100,6 +100,7 @@ class Tiles:
     swap_ab: bool = False
     split_k: int = 1
     maxnreg: int | None = None  # a cap on registers per thread (ptxas), for more programs per SM
+    settle: bool = False  # wgmma tiles: each K step's products finish before the next step (`moe_gemm._settled`)
 
 
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
@@ -303,8 +304,8 @@ def _tile_meta(t: Tiles, hopper: bool) -> dict:
     mma.sync, which `_operand_checked` does not vouch for, and convert through explicit words."""
     wgmma = hopper and t.swap_ab and t.BN % (16 * t.num_warps) == 0
     cap = {} if t.maxnreg is None else {"maxnreg": t.maxnreg}
-    return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, num_warps=t.num_warps,
-                num_stages=t.num_stages, **cap)
+    return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, SETTLE=t.settle,
+                num_warps=t.num_warps, num_stages=t.num_stages, **cap)
 
 
 def _operand_checked(launch: Launch, checks: dict) -> Launch:

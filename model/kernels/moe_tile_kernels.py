@@ -75,7 +75,7 @@ def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, s
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                    MMA: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SBK: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+                   SBK: tl.constexpr, KS: tl.constexpr, SETTLE: tl.constexpr = False, PDL: tl.constexpr = False):
     wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -102,16 +102,16 @@ def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, s
         is_shared = e == E
     if is_shared:
         g, u = w_xt(xs_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
-                     D, False, True, SWAP, ASM, MMA, BN, BT, SBK, KS=KS, ks=pid_k)
+                     D, False, True, SWAP, ASM, MMA, BN, BT, SBK, KS=KS, ks=pid_k, SETTLE=SETTLE)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, ASM, MMA, BN, BT, BK,
-                        XPRE, 2 * I, WKB, KS, pid_k)
+                        XPRE, 2 * I, WKB, KS, pid_k, SETTLE)
         else:
             g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
-                         D, False, True, SWAP, ASM, MMA, BN, BT, BK, KS=KS, ks=pid_k)
+                         D, False, True, SWAP, ASM, MMA, BN, BT, BK, KS=KS, ks=pid_k, SETTLE=SETTLE)
     if KS > 1:
         # publish this K range's sums; the program that completes the tile adds all KS in split
         # order (barrier and acq_rel as in the down kernel's combine)
@@ -148,7 +148,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                  MMA: tl.constexpr, FUSE_COMBINE: tl.constexpr, ADD: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SETTLE: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -172,16 +173,16 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
         is_shared = e == E
     if is_shared:
         acc, _ = w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, ASM, MMA,
-                       BN, BT, BK, KS=KS, ks=pid_k)
+                       BN, BT, BK, KS=KS, ks=pid_k, SETTLE=SETTLE)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, ASM, MMA, BN, BT, BK,
-                          XPRE, D, WKB, KS, pid_k)
+                          XPRE, D, WKB, KS, pid_k, SETTLE)
         else:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, ASM, MMA, BN, BT, BK,
-                          KS=KS, ks=pid_k)
+                          KS=KS, ks=pid_k, SETTLE=SETTLE)
     y = acc * wgt[None, :]
     y_ptrs = y_ptr + (slot * KS + pid_k)[None, :] * D + d[:, None]
     if FUSE_COMBINE:

@@ -103,6 +103,18 @@ def test_decode_configurations_repeat_bit_for_bit(poisoned, flash_fp4, T, in_ker
     assert differ == 0, f"{differ} of {calls} calls gave other bits"
 
 
+def test_prefill_repeat_bit_for_bit(poisoned, flash_fp4):
+    """The FP4 prefill tiles are not settled (`Tiles.settle`: 8% slower), so their K loops leave
+    a register-operand product group in flight into the next step, the pattern of the decode
+    tiles' race (triton-lang/triton#9433): 200 calls of an 8K-token layer must give the first
+    call's bits."""
+    x, _, weights, ids = routed_inputs(flash_fp4, 8192, seed=29)
+    first = run(flash_fp4, "prefill", x, weights, ids)
+    check(first, x, weights, ids, flash_fp4)
+    differ = sum(not torch.equal(run(flash_fp4, "prefill", x, weights, ids), first) for _ in range(200))
+    assert differ == 0, f"{differ} of 200 calls gave other bits"
+
+
 @pytest.mark.parametrize("path", ["grouped", "prefill"])
 def test_prefill_8k(poisoned, flash_fp4, path):
     x, _, weights, ids = routed_inputs(flash_fp4, 8192, seed=5)

@@ -54,6 +54,23 @@ def hopper_compile(launch):
     return k, usage
 
 
+def wgmma_pending_at_back_edge(ptx: str) -> bool:
+    """Whether some loop of a PTX listing commits a wgmma group after its last wait, leaving the
+    group in flight when the next iteration starts (the pattern of triton-lang/triton#9433: that
+    iteration may overwrite the group's register operand). A loop is a label and the first later
+    branch back to it."""
+    lines = ptx.splitlines()
+    labels = {line.split(":")[0]: i for i, line in enumerate(lines) if re.match(r"\$L__BB\d+_\d+:", line)}
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m is None or labels.get(m.group(1), i) >= i:
+            continue
+        events = [b for b in lines[labels[m.group(1)]:i] if "wgmma.commit_group" in b or "wgmma.wait_group" in b]
+        if events and "commit_group" in events[-1]:
+            return True
+    return False
+
+
 def flash_plan(path: str, fmt: str, T: int):
     D, I, E, k = 4096, 2048, 256, 6
     experts = PackedExperts(fmt, E, D, I, device="meta")
@@ -62,8 +79,10 @@ def flash_plan(path: str, fmt: str, T: int):
     ids, weights = torch.empty(T, k, dtype=torch.long, device="meta"), torch.empty(T, k, device="meta")
     tiles = moe_fused.decode_tiles(T) if path == "fused" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
     tiles = (moe_grouped.fit(tiles[0], I, D), moe_grouped.fit(tiles[1], D, I))
+    # as `moe_fused.fused_moe` plans them: FP4 activations in `preorder`'s layout
     launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, shared, 10.0, *tiles,
-                                           fuse_combine=path == "fused", asm=True)
+                                           fuse_combine=path == "fused", preordered=path == "fused" and fmt == "fp4",
+                                           asm=True)
     return launches
 
 
@@ -74,12 +93,31 @@ def check_hopper_build(path: str, fmt: str, T: int) -> None:
             assert "wgmma" in k.asm["ptx"], f"{launch.kernel.__name__}: no wgmma (fell back to mma.sync)"
         if launch.meta.get("MMA") and fmt == "fp4":  # V4 tiles keep the in-place conversion
             assert reads_wgmma_operand(k.asm["ttgir"]), f"{launch.kernel.__name__}: FP4 words off the wgmma operand"
+        if launch.meta.get("SETTLE"):  # the decode tiles (moe_fused): no product in flight into the next K step
+            assert not wgmma_pending_at_back_edge(k.asm["ptx"]), f"{launch.kernel.__name__}: a wgmma group crosses a K step"
         cap = launch.meta.get("maxnreg")
         if cap is None:
             assert " LOCAL:0 " in usage and " STACK:0 " in usage, usage
         else:  # a register cap trades a few spilled bytes for more programs an SM (moe_fused.SMALL_DOWN)
             regs, local = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "LOCAL"))
             assert regs <= cap and local <= 16, usage
+
+
+def check_unsettled_tiles_leave_a_product_pending() -> None:
+    """The one-token gate/up tiles built unsettled at V4-Flash shapes: the K loop's last product
+    group is still in flight at the back edge, which `wgmma_pending_at_back_edge` must see."""
+    from dataclasses import replace
+
+    D, I, E, k = 4096, 2048, 256, 6
+    experts = PackedExperts("fp4", E, D, I, device="meta")
+    x = torch.empty(1, D, dtype=torch.bfloat16, device="meta")
+    ids, weights = torch.empty(1, k, dtype=torch.long, device="meta"), torch.empty(1, k, device="meta")
+    gateup = moe_grouped.fit(replace(moe_fused.SMALL_GATEUP, settle=False), I, D)
+    launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, None, 10.0, gateup,
+                                           moe_grouped.fit(moe_fused.SMALL_DOWN, D, I), fuse_combine=True,
+                                           preordered=True, asm=True)
+    (launch,) = [launch for launch in launches if launch.kernel.__name__ == "_gateup_kernel"]
+    assert wgmma_pending_at_back_edge(hopper_compile(launch)[0].asm["ptx"])
 
 
 def check_operand_layouts() -> None:
@@ -94,8 +132,9 @@ def check_operand_layouts() -> None:
         launches, _ = moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, tiles, tiles,
                                                fuse_combine=True, asm=True)
         down = launches[-1]
-        assert down.meta["MMA"]
+        assert down.meta["MMA"] and not down.meta["SETTLE"]
         assert reads_wgmma_operand(hopper_compile(down)[0].asm["ttgir"]) is want, bk
+
 
 
 @pytest.mark.parametrize("path, fmt, T", [
@@ -114,6 +153,11 @@ def test_fp4_conversion_layout_check_detects_small_tiles():
     """Triton, not the kernel, decides whether the FP4 words are converted in the wgmma operand
     layout; `reads_wgmma_operand` must tell the two apart (the GPU path falls back on it)."""
     without_interpreter("check_operand_layouts()")
+
+
+def test_pending_product_check_sees_unsettled_tiles():
+    """The PTX check behind the settled decode tiles (check_hopper_build) is not vacuous."""
+    without_interpreter("check_unsettled_tiles_leave_a_product_pending()")
 
 
 def without_interpreter(call: str) -> None:
