@@ -32,6 +32,7 @@ compares against.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +73,12 @@ SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=Tr
 # variants small / small_regs80, which caps both).
 SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2, maxnreg=80,
                    settle=True)
+# Two to four tokens hit up to 24 tiles: half the gate/up split and the down unsplit fill the GPU
+# as well with fewer, longer programs (H100, benchmarks/moe_tiles_bench.py variants small /
+# small_gateup_split2_down_split1, the layer's experts at T = 2 / 3 / 4: 81-83 / 115 / 145-147 µs
+# → 74 / 117 / 134; at T = 1 45-47 → 53).
+FEW_GATEUP = replace(SMALL_GATEUP, split_k=2)
+FEW_DOWN = replace(SMALL_DOWN, split_k=1)
 # Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
 # 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
 DECODE_MAX_TOKENS = 256
@@ -80,7 +87,9 @@ DECODE_MAX_TOKENS = 256
 def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
     """(gate/up, down) tiles for a step of `tokens` tokens (a graph captures one size, so the
     choice is fixed per captured step)."""
-    return (SMALL_GATEUP, SMALL_DOWN) if tokens <= SMALL_T else (DECODE_GATEUP, DECODE_DOWN)
+    if tokens <= 1:
+        return SMALL_GATEUP, SMALL_DOWN
+    return (FEW_GATEUP, FEW_DOWN) if tokens <= SMALL_T else (DECODE_GATEUP, DECODE_DOWN)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
