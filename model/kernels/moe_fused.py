@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 # Decode tiles: 16 tokens (tl.dot's minimum) against 64 or 128 weight rows (one or two wgmma M
 # tiles of a 4-warp warpgroup), 128 K (one FP8 scale block; 64 bytes of FP4 per row and step).
-# 3 stages keep a gate/up program under 64 KB of shared memory, three programs per SM.
+# 3 stages: a gate/up program's buffers stay under 40 KB of shared memory.
 #
 # Every decode tile settles (`Tiles.settle`): each K step's products finish before the next step
 # converts weights into registers. Triton 3.6 leaves a step's last register-operand wgmma group

@@ -95,9 +95,9 @@ def _accumulate(acc, a, b, xt, x_even, x_odd, FP4: tl.constexpr, SWAP: tl.conste
 @triton.jit
 def _settled(acc):
     """acc, passed through an opaque move: reading it makes the compiler wait for every product
-    pending on it (wgmma.wait_group 0) at this point. Pipelined deeper than 2 stages, Triton 3.6
-    lets the next K step start while the step's later register-operand products are in flight,
-    and their A registers can be overwritten under them (triton-lang/triton#9433); waiting here
+    pending on it (wgmma.wait_group 0) at this point. Pipelined, Triton 3.6 lets the next K step
+    start while the step's last register-operand products are in flight, and their A registers
+    can be overwritten under them (triton-lang/triton#9433); waiting here
     keeps the deeper pipeline of weight loads and gives up only the products' overlap with the
     next step's conversion."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1)
