@@ -109,9 +109,9 @@ class Indexer(nn.Module):
         and this indexer's compressor, which must have written the step's entries first):
         q = wq_b(qr) [T, n_I·c], weights = weights_proj(x) [T, n_I] float32.
         → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
-        q = rope_ops.rotate(q.view(q.shape[0], self.n_heads, self.head_dim), batch.positions, self.rope, self.impl)
+        q = q.view(q.shape[0], self.n_heads, self.head_dim)  # roped by the top-k's logits launch
         w = weights * self.n_heads ** -0.5  # [T, n_I]
-        return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl)
+        return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl, rope=self.rope)
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
     score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k_j) / √c      for j < (pos_t + 1) / 4
 
-keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32), q [T, n_I, c] roped,
-w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
+keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32), q [T, n_I, c] roped
+(or rotated here, given the `Rope`: by the logits kernel, as it loads each query, rather than by a
+launch of its own), w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
 entries of the longest request), -1 where a query sees fewer than K entries.
 
 `_select_kernel` takes a row's top k in one program: it finds the k-th largest score by
@@ -28,6 +29,8 @@ import triton.language as tl
 from model.kernels import check_impl, num_sms
 from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
+from model.kernels.rope import rotate_pairs
+from model.rope import Rope
 
 
 def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
@@ -54,8 +57,10 @@ def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Te
 
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
-           block_n: int = 64, blocks: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end.
+           block_n: int = 64, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None) -> torch.Tensor:
+    """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end;
+    `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
+    (fp32, rounded back to q's dtype: the same bits).
     A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 that still leaves two
     waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py --skip-attention: batch
     64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch 1, 2 blocks, 4.8 µs
@@ -74,6 +79,7 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         meta.token_seq[rows], meta.positions[rows],
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
+        rope.inv_freq_on(q.device) if rope is not None else qs, ROPE=rope.dim if rope is not None else 0,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
         C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
         **launch_options(qs))
@@ -81,9 +87,12 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, topk: int, impl: str,
-                 max_logit_bytes: int = 1 << 28) -> torch.Tensor:
-    """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring)."""
+                 max_logit_bytes: int = 1 << 28, rope: Rope | None = None) -> torch.Tensor:
+    """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring); `rope`: q is not
+    roped yet (the kernels rotate it in the logits launch)."""
     if check_impl(impl) == "torch":
+        if rope is not None:
+            q = rope.apply(q, batch.positions)
         return reference(q, w, batch, pools, layer, topk)
     T = q.shape[0]
     n_max = batch.meta.max_end // 4
@@ -94,7 +103,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
     chunk = max(1, max_logit_bytes // (4 * n_max))
     for lo in range(0, T, chunk):
         rows = slice(lo, min(T, lo + chunk))
-        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max), K)
+        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope), K)
     return picks
 
 
@@ -152,13 +161,14 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
 
 @triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
-                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale,
-                   EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
-                   NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale, inv_freq_ptr,
+                   ROPE: tl.constexpr, EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr,
+                   BN: tl.constexpr, NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
     (they weigh more than a block of FP8 keys). Keys are the MMA's M side and heads its N side,
     so the head-weighted sum runs along each thread's accumulator row, not across warps (H100,
-    batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`)."""
+    batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`). ROPE > 0:
+    the query's trailing ROPE channels are rotated here first."""
     wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -167,7 +177,12 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
     heads = tl.arange(0, NH)
     cols = tl.arange(0, C)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=(heads < n_heads)[:, None] & (cols < c)[None, :], other=0.0).to(tl.bfloat16)
+                mask=(heads < n_heads)[:, None] & (cols < c)[None, :], other=0.0)
+    if ROPE > 0:  # as rope.py's `_rope_rows`: fp32 pairs, rounded back to q's dtype
+        even, odd = tl.split(tl.reshape(q.to(tl.float32), (NH, C // 2, 2)))
+        even, odd = rotate_pairs(even, odd, 0, pos, inv_freq_ptr, c, ROPE, False)
+        q = tl.reshape(tl.join(even, odd), (NH, C)).to(q_ptr.dtype.element_ty)
+    q = q.to(tl.bfloat16)
     w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32)
     for b in tl.static_range(NB):
         j0 = (tl.program_id(1) * NB + b) * BN

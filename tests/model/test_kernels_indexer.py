@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from model.kernels import indexer
+from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
+from model.rope import Rope
 from model.tiny import tiny_config
 from tests.model.kernel_cases import fill_random, random_batch, rel_err
 
@@ -63,6 +65,27 @@ def test_indexer_matches_reference(fmt, topk):
             kth = full[t][ref[t][ref[t] >= 0].long()].min()
             scale = full[t][finite[t]].abs().max()
             assert bool((full[t][real] >= kth - 2e-2 * scale).all())
+
+
+def test_logits_rotate_the_queries_as_the_rope_kernel_does():
+    """Given the layer's `Rope`, the logits kernel ropes each query itself (`Indexer.forward` leaves
+    q unrotated): the scores of rope_ops.rotate's queries, bit for bit; the torch path likewise."""
+    cfg = tiny_config()
+    pools = KVPools(cfg, "fp8_pack", max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
+    fill_random(pools, seed=33)
+    batch = random_batch(cfg, pools, SHAPES, seed=34, device=DEVICE)
+    g = torch.Generator().manual_seed(35)
+    T = batch.input_ids.shape[0]
+    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
+    rope = Rope.for_layer(cfg, compressed=True)
+    roped = rope_ops.rotate(q, batch.positions, rope, "triton")
+    n_max = max(s.end for s in batch.segments) // 4
+    got = indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max, rope=rope)
+    assert torch.equal(got, indexer.logits(roped, w, batch, pools, 1, slice(0, T), n_max))
+    assert not torch.equal(got, indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max))  # rotation matters
+    assert torch.equal(indexer.indexer_topk(q, w, batch, pools, 1, 16, "torch", rope=rope),
+                       indexer.indexer_topk(rope.apply(q, batch.positions), w, batch, pools, 1, 16, "torch"))
 
 
 # K = 100 (not a power of two: the padded sort) in the CI subset; 64 adds ~8 s there
