@@ -6,7 +6,8 @@ dequantised in registers (an e4m3 value times a power of two is exact in bf16) a
 the tensor cores with fp32 accumulation, so the kernel computes exactly the reference's product up
 to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic activation scheme)
 the input is quantised (`act_quant`; up to `INLINE_QUANT_MAX_M` rows inside the product kernel)
-and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at every decode size;
+and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at every decode size (its
+weight tiles by TMA above one token tile);
 prefill-size M multiplies the quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from model.kernels import act_quant, check_impl
 from model.kernels.act_quant import quantize_blocks
@@ -150,8 +152,13 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if kernel is _fp8_swap_kernel:
         cfg.update(EVEN_K=K % BLOCK == 0, ASM=x3.is_cuda)
     if M and a8:
+        # TMA: the weight tiles through the bulk tensor copy engine, where its descriptor can hold
+        # the weight (16-byte aligned base and rows); else the same tiles by plain loads
+        cfg["TMA"] = bool(cfg.get("TMA")) and weight.stride(1) == 1 and (weight.stride(0) % 16 == 0
+                                                                          and weight.data_ptr() % 16 == 0)
+        w = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], BLOCK]) if cfg["TMA"] else weight
         kernel[(tiles, groups, split)](
-            x3, x_scale, weight, scale, out, part, arrivals, M, N, K,
+            x3, x_scale, w, scale, out, part, arrivals, M, N, K,
             x3.stride(0), x3.stride(1), x_scale.stride(0), x_scale.stride(1), weight.stride(0), scale.stride(0),
             out.stride(0), out.stride(1), M * groups * N, BLOCK_K=BLOCK, QUANT_X=quantize_x, **cfg)
     elif M:
@@ -208,7 +215,12 @@ def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles
             bt = 32
         # 128-row weight tiles from 512 output tiles, W8A8 from 256 (wo_b at 256 tokens 50.8 → 42.0 µs)
         bn = 128 if triton.cdiv(M, bt) * triton.cdiv(N, 64) * groups >= (256 if a8 else 512) else 64
-        cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **tiles}
+        # W8A8 above one token tile: the weight tiles by TMA (a CSA layer's six products at 256 tokens
+        # 152 → 138 µs, wo_a 37 → 31; at 64 tokens 85 → 83; at 1 and 16 none faster; H100,
+        # benchmarks/fp8_gemm_bench.py variants a8_kernel+TMA=1 and a8+TMA=1, docs round v31)
+        tma = a8 and M > TOKENS_M_MAX
+        cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **({"TMA": True} if tma else {}),
+               **tiles}
         rows = cfg["BLOCK_T"]
     n_tiles = triton.cdiv(M, rows) * triton.cdiv(N, cfg["BLOCK_N"]) * groups
     k_blocks = triton.cdiv(K, BLOCK)
@@ -356,21 +368,26 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
 def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
                    stride_xm, stride_xg, stride_xsm, stride_xsg, stride_w, stride_s, stride_ym, stride_yg,
                    stride_part, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr = False):
+                   SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, TMA: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
     out), each 128-wide K step's product scaled by its weight block's scale times each token's
     scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
     V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
     docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
-    (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block)."""
+    (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
+    w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)
     pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0)
+        if TMA:  # w_ptr: the [G·N, K] weight's descriptor (rows past the group's end are masked at the store)
+            w = w_ptr.load([g * N + (pid // tl.cdiv(M, BLOCK_T)) * BLOCK_N, kb * BLOCK_K])
+        else:
+            w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         sw = _scale_values(s_ptr, rows, kb, stride_s, mask_n)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import quant
-from model.kernels import fp8_gemm
+from model.kernels import act_quant, fp8_gemm
 from model.quantized import Fp8Linear
 from tests.model.kernel_cases import block_weights, rel_err
 
@@ -135,3 +135,31 @@ def test_decode_product_reads_ue8m0_bytes_and_writes_fp32(M):
     assert out.dtype == torch.float32
     assert torch.equal(out, fp8_gemm.decode_product(x3, q, floats, None, out_dtype=torch.float32))
     assert rel_err(out, fp8_gemm.reference(x3[:, 0].float(), q, floats)[:, None]) < 1e-5
+
+
+@pytest.mark.parametrize("M,G,N,K", [(20, 1, 96, 512), (64, 2, 40, 384), (256, 1, 200, 256)])
+def test_w8a8_tma_tiles_are_the_plain_loads_bit_for_bit(M, G, N, K):
+    """Above one token tile the W8A8 kernel takes its weight tiles by TMA (`decode_config`): the
+    same product as the plain loads, rows past a group's end or the weight's read as zeros."""
+    g = torch.Generator().manual_seed(M + N)
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = torch.randn(M, G, K, generator=g).to(DEVICE, torch.bfloat16)
+    codes, x_scale = act_quant.quantize(x, "triton")
+    cfg = fp8_gemm.decode_config(M, N, K, G, a8=True)
+    assert cfg["TMA"]
+    tma = fp8_gemm.decode_product(codes, q, s, None, cfg, out_dtype=x.dtype, x_scale=x_scale)
+    plain = fp8_gemm.decode_product(codes, q, s, None, {**cfg, "TMA": False}, out_dtype=x.dtype, x_scale=x_scale)
+    assert torch.equal(tma, plain)
+    ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G, act_fp8=True)
+    assert rel_err(tma.view(ref.shape), ref) < 6e-3
+
+
+def test_w8a8_weights_a_descriptor_cannot_hold_take_plain_loads():
+    """A weight whose rows are not 16-byte aligned (K = 200 e4m3) falls back to the plain loads."""
+    g = torch.Generator().manual_seed(5)
+    q, s = quant.fp8_quantize_weight(block_weights(64, 200, g))
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = torch.randn(40, 200, generator=g).to(DEVICE, torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x, q, s, "triton", act_fp8=True)
+    assert rel_err(out, fp8_gemm.fp8_linear(x.float(), q, s, "torch", act_fp8=True)) < 6e-3
