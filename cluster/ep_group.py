@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -87,6 +86,8 @@ class Seat:
 def listen(options: ExpertParallelOptions) -> tuple[dist.TCPStore, str]:
     """Rank 0, in its actor: the group's rendezvous store on a free port of this node (its `.port`)
     and this node's address; the store must stay alive while the group forms."""
+    import ray  # only the actors' entry points use Ray: the group itself runs without it (tests/gpu)
+
     host = ray.util.get_node_ip_address()
     return dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=options.timeout_s),
                          wait_for_workers=False), host
@@ -95,6 +96,8 @@ def listen(options: ExpertParallelOptions) -> tuple[dist.TCPStore, str]:
 def join(seat: Seat, options: ExpertParallelOptions, device: str, model: Transformer,
          store: dist.Store | None = None) -> "ExpertParallelGroup":
     """A rank, in its actor: join the group at `seat` (its peers found by actor name) from this node."""
+    import ray
+
     peers = [ray.get_actor(name) for r, name in enumerate(seat.peers) if r != seat.rank]
     return ExpertParallelGroup(seat, ray.util.get_node_ip_address(), options, device, model, peers, store)
 

@@ -81,3 +81,25 @@ def test_decode_groups_are_checked_like_prefill_groups(tiny_official_ckpt):
 def test_up_refuses_bad_decode_ep_flags(tiny_official_ckpt, capsys, flags, message):
     assert cli.main(["up", "--model", str(tiny_official_ckpt), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_group_runs_without_ray():
+    """`cluster.ep_group` needs Ray only in the actors' entry points (`listen`, `join`), so the group
+    and the 2-GPU test that builds it directly (tests/gpu/test_ep_decode_group.py) run where Ray is
+    not installed: import it with Ray's import refused."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Refuse())
+import cluster.ep_group, decode_worker.engine, cluster.replica
+assert "ray" not in sys.modules
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
