@@ -23,6 +23,10 @@ def test_split_of_one_step():
     longest = s["longest_gaps"][0]
     assert (longest["after"], longest["before"], longest["us"], longest["side_busy_us"]) == ("b", "c", 10, 5)
     assert list(s["wait_before"]) == ["c", "b"]
+    assert s["main_self_overlap_us"] == 0
+    # a trace that put every branch on one stream: its kernels overlap, which the split flags
+    one_stream = [Kernel(k.name, 1, k.start, k.end) for k in step()]
+    assert analyse(one_stream)["main_self_overlap_us"] == 13
 
 
 def test_merged_intervals_and_replays():
