@@ -103,6 +103,10 @@ class Tiles:
     settle: bool = False  # wgmma tiles: each K step's products finish before the next step (`moe_gemm._settled`)
 
 
+# Up to this many assignments (a decode step of 256 tokens has 7 a token) the experts are sorted by
+# `_count_sort_kernel`, one program, else by `sort_by_expert`'s torch ops (five launches, ~24 µs
+# of a batch-1 hash layer's chain on H100 against ~5 µs: benchmarks/step_timeline.py)
+COUNT_SORT_MAX = 2048
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
 GROUPED_GATEUP = Tiles(BT=128, BN=64, BK=64, num_warps=8, num_stages=3)
 GROUPED_DOWN = Tiles(BT=128, BN=128, BK=64, num_warps=8, num_stages=3)
@@ -173,8 +177,9 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                  shared: "PackedExperts | None", limit: float, gateup: Tiles, down: Tiles, fuse_combine: bool,
                  asm: bool | None = None, preordered: bool = False,
                  add: torch.Tensor | None = None) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
-    """Sort the assignments and allocate the outputs; → (the launches: with `fuse_combine` a counting
-    sort and the two kernels, else the two kernels after a torch sort; and what returns out [T, D]
+    """Sort the assignments and allocate the outputs; → (the launches: a counting sort (with
+    `fuse_combine` or up to `COUNT_SORT_MAX` assignments, else a torch sort before) and the two
+    kernels; and what returns out [T, D]
     in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots; either
     way plus `add` [T, D] fp32 (an output computed outside the kernels, such as the dense shared
     expert of kernels/moe_shared.py) before the one rounding).
@@ -213,7 +218,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     part13 = torch.empty(ks13 * A * 2 * I if ks13 > 1 else 1, dtype=torch.float32, device=x.device)
     cnt13 = torch.empty(tiles13 * (I // gateup.BN) if ks13 > 1 else 1, dtype=torch.int32, device=x.device)
     x = x.contiguous()
-    if fuse_combine:  # decode: one counting-sort program instead of the torch sort's several launches
+    if fuse_combine or A <= COUNT_SORT_MAX:  # one counting-sort program instead of the torch sort's launches
         ids = ids.contiguous()
         perm = torch.empty(A, dtype=torch.int32, device=x.device)
         e_pad = triton.next_power_of_2(E + has_shared + 1)  # + a bin for padding

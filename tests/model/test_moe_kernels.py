@@ -132,6 +132,29 @@ def test_no_shared_expert_and_no_tokens():
     assert empty.shape == (0, moe.cfg.hidden_size)
 
 
+def test_grouped_path_counting_sort_gives_the_torch_sorts_bits(poisoned, monkeypatch):
+    """Up to `COUNT_SORT_MAX` assignments the grouped path sorts with the counting-sort launch (a
+    batch-1 hash layer's five torch sort launches were ~24 µs of its chain); past it, with torch's
+    stable sort. Rows are computed independently of their order within an expert: same bits."""
+    moe = MoE.random_packed(tiny_config(), layer=0, fmt="fp4", seed=19, device=DEVICE)
+    x, weights, ids = routed(moe, T=5, seed=21)
+    gateup, down = moe_fused.decode_tiles(5)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    D, I = moe.cfg.hidden_size, moe.cfg.moe_intermediate_size
+    tiles = (moe_grouped.fit(gateup, I, D), moe_grouped.fit(down, D, I))
+
+    def sorts() -> list[str]:
+        launches, _ = moe_grouped.plan_kernels(*args, *tiles, fuse_combine=False)
+        return [launch.kernel.__name__ for launch in launches]
+
+    assert sorts()[0] == "_count_sort_kernel"
+    counted = moe_grouped.grouped_moe(*args, "triton", gateup, down)
+    check(counted, x, weights, ids, moe)
+    monkeypatch.setattr(moe_grouped, "COUNT_SORT_MAX", 5 * 2)  # below A = 5·(2 + 1): the torch sort
+    assert "_count_sort_kernel" not in sorts()
+    assert torch.equal(moe_grouped.grouped_moe(*args, "triton", gateup, down), counted)
+
+
 def test_sort_by_expert_is_stable_and_counts():
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
     perm, counts = moe_grouped.sort_by_expert(ids, 4, with_shared=True)
