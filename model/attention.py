@@ -110,8 +110,8 @@ class Indexer(nn.Module):
         q = wq_b(qr) [T, n_I·c], weights = weights_proj(x) [T, n_I] float32.
         → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
         q = q.view(q.shape[0], self.n_heads, self.head_dim)  # roped by the top-k's logits launch
-        w = weights * self.n_heads ** -0.5  # [T, n_I]
-        return indexer.indexer_topk(q, w, batch, pools, self.layer, self.topk, self.impl, rope=self.rope)
+        return indexer.indexer_topk(q, weights, batch, pools, self.layer, self.topk, self.impl, rope=self.rope,
+                                    w_scale=self.n_heads ** -0.5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -57,10 +57,12 @@ def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Te
 
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
-           block_n: int = 64, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None) -> torch.Tensor:
+           block_n: int = 64, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None,
+           w_scale: float = 1.0) -> torch.Tensor:
     """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end;
     `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
-    (fp32, rounded back to q's dtype: the same bits).
+    (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
+    the bits of scaling w first, without that element-wise launch).
     A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 that still leaves two
     waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py --skip-attention: batch
     64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch 1, 2 blocks, 4.8 µs
@@ -78,7 +80,7 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
         meta.token_seq[rows], meta.positions[rows],
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
-        pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5,
+        pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_bytes, n_max, n_heads, c, c ** -0.5, w_scale,
         rope.inv_freq_on(q.device) if rope is not None else qs, ROPE=rope.dim if rope is not None else 0,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
         C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
@@ -87,13 +89,14 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, topk: int, impl: str,
-                 max_logit_bytes: int = 1 << 28, rope: Rope | None = None) -> torch.Tensor:
+                 max_logit_bytes: int = 1 << 28, rope: Rope | None = None, w_scale: float = 1.0) -> torch.Tensor:
     """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring); `rope`: q is not
-    roped yet (the kernels rotate it in the logits launch)."""
+    roped yet (the kernels rotate it in the logits launch); the head weights are w · `w_scale`
+    (float32; the kernels scale them in the logits launch)."""
     if check_impl(impl) == "torch":
         if rope is not None:
             q = rope.apply(q, batch.positions)
-        return reference(q, w, batch, pools, layer, topk)
+        return reference(q, w * w_scale if w_scale != 1.0 else w, batch, pools, layer, topk)
     T = q.shape[0]
     n_max = batch.meta.max_end // 4
     K = min(topk, n_max)
@@ -101,9 +104,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
     if K == 0 or T == 0:
         return picks
     chunk = max(1, max_logit_bytes // (4 * n_max))
+    if chunk >= T:  # one chunk (every decode step): the picks as top_k makes them, without a copy
+        return top_k(logits(q, w, batch, pools, layer, slice(0, T), n_max, rope=rope, w_scale=w_scale), K)
     for lo in range(0, T, chunk):
         rows = slice(lo, min(T, lo + chunk))
-        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope), K)
+        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale), K)
     return picks
 
 
@@ -161,7 +166,7 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
 
 @triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
-                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale, inv_freq_ptr,
+                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale, w_scale, inv_freq_ptr,
                    ROPE: tl.constexpr, EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr,
                    BN: tl.constexpr, NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
@@ -183,7 +188,7 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
         even, odd = rotate_pairs(even, odd, 0, pos, inv_freq_ptr, c, ROPE, False)
         q = tl.reshape(tl.join(even, odd), (NH, C)).to(q_ptr.dtype.element_ty)
     q = q.to(tl.bfloat16)
-    w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32) * w_scale
     for b in tl.static_range(NB):
         j0 = (tl.program_id(1) * NB + b) * BN
         j = j0 + tl.arange(0, BN)

@@ -88,6 +88,31 @@ def test_logits_rotate_the_queries_as_the_rope_kernel_does():
                        indexer.indexer_topk(rope.apply(q, batch.positions), w, batch, pools, 1, 16, "torch"))
 
 
+def test_head_weights_scaled_in_the_logits_launch():
+    """`w_scale` (the indexer's n_I^-1/2, which `Indexer.forward` no longer applies in an
+    element-wise launch of its own) gives the bits of scaling w first, also at a scale that is
+    not a power of two; the picks are top_k's own tensor when one chunk holds every query, and
+    the chunked loop's picks are the same."""
+    cfg = tiny_config()
+    pools = KVPools(cfg, "fp8_pack", max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
+    fill_random(pools, seed=36)
+    batch = random_batch(cfg, pools, SHAPES, seed=37, device=DEVICE)
+    g = torch.Generator().manual_seed(38)
+    T = batch.input_ids.shape[0]
+    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
+    n_max = max(s.end for s in batch.segments) // 4
+    for scale in (cfg.index_n_heads ** -0.5, 0.3):
+        assert torch.equal(indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max, w_scale=scale),
+                           indexer.logits(q, w * scale, batch, pools, 1, slice(0, T), n_max))
+        for impl in ("torch", "triton"):
+            assert torch.equal(indexer.indexer_topk(q, w, batch, pools, 1, 16, impl, w_scale=scale),
+                               indexer.indexer_topk(q, w * scale, batch, pools, 1, 16, impl)), impl
+    whole = indexer.indexer_topk(q, w, batch, pools, 1, 16, "triton")
+    chunked = indexer.indexer_topk(q, w, batch, pools, 1, 16, "triton", max_logit_bytes=4 * n_max * 2)
+    assert T > 2 and torch.equal(chunked, whole)
+
+
 # K = 100 (not a power of two: the padded sort) in the CI subset; 64 adds ~8 s there
 @pytest.mark.parametrize("K", [pytest.param(64, marks=pytest.mark.slow), 100])
 def test_top_k_kernel_matches_torch_topk(K):
