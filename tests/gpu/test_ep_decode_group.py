@@ -7,7 +7,9 @@ Rank 0 serves three requests, rank 1 one short one, so most steps find rank 1 wi
 it replays the agreed bucket's graph on padding rows. Checked: the steps after the prompts replay
 graphs on both ranks; rank 1 joined steps idle; the tokens agree with the same requests on one
 GPU without expert parallelism, eagerly (not bitwise: the experts' rows cross the wire in bf16 and
-graphs pad rows, docs/gpu.md), and every page comes back."""
+graphs pad rows, docs/gpu.md), teacher forced: after each prefix the group decoded, its token is
+the reference's best or within a near-tie of it, so one flip does not decide a whole sequence;
+and every page comes back."""
 
 from __future__ import annotations
 
@@ -88,6 +90,21 @@ def _rank_main(rank: int, ckpt: str, port: int, out_dir: str) -> None:
     while engine1.has_work():
         for chunk in engine1.step():
             result["eager"][chunk.request_id] += chunk.token_ids
+    # teacher forced: the reference's logits after every prefix the group decoded, so that one
+    # near-tie flipped by the bf16 exchange does not decide every later position of a sequence;
+    # kept: how far below the reference's best the group's token scored, and the logits' spread
+    from model.generate import generate
+    from model.sampling import SamplingParams
+
+    result["forced"] = {}
+    for r in requests:
+        got = tokens[r.request_id]
+        rows = []
+        for j in range(1, len(got)):
+            logits = generate(model1, pools1, list(r.prompt_ids) + got[:j], 1, SamplingParams(),
+                              keep_logits=True).logits[0]
+            rows.append([float(logits.max() - logits[got[j]]), float(logits.std())])
+        result["forced"][r.request_id] = rows
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # without tearing the NCCL group down: its abort can wait on a peer that already left
 
@@ -105,4 +122,12 @@ def test_expert_parallel_decode_group_replays_graphs_in_lockstep(tiny_official_c
     eager = {**r0["eager"], **r1["eager"]}
     assert all(len(t) == (MAX_TOKENS if rid.startswith("r0") else 4) for rid, t in got.items())
     assert all(got[r][0] == eager[r][0] for r in got)  # first tokens: the prefill step
-    assert sum(got[r] == eager[r] for r in got) >= 3, (got, eager)
+    # every later token is the reference's greedy choice after the same prefix, or a near-tie of it:
+    # within a tenth of the logits' spread (a wrong exchange or expert slice scores most tokens
+    # about a spread below the best), and near-ties are a minority. Free-running, one flip
+    # changes the rest of a sequence: 2 of the 4 matched whole on 2×H200
+    forced = {**r0["forced"], **r1["forced"]}
+    assert sorted(len(rows) for rows in forced.values()) == [3] + [MAX_TOKENS - 1] * 3
+    below = [(r, j, gap, spread) for r, rows in forced.items() for j, (gap, spread) in enumerate(rows, 1) if gap > 0]
+    assert all(gap <= 0.1 * spread for _, _, gap, spread in below), below
+    assert len(below) <= 3 * MAX_TOKENS // 5, below
