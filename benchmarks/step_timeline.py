@@ -12,6 +12,12 @@ replay's wall time (first kernel start to last kernel end) splits into
   for the launch of its next kernel) while side work runs;
 * all idle: no kernel anywhere: launch and dependency latency alone.
 
+The stream ids are the profiler's: in graph replays it reports each branch of the graph under a
+stream of its own, which need not be the stream it was captured on (on H100 / H200 the entries,
+attention and MoE of one layer came out on different ids), so the split can mislabel work; it
+warns when the "main" stream's kernels overlap. Per-layer spans (`--marker`, each layer's first
+sub-block entry to the next layer's) need no stream ids.
+
 Removing a main-stream kernel shortens the step only by the part of it that is not covered by
 side work: the split says how much of each kind there is. Printed with the longest gaps of the
 main chain and the kernels around them; the JSON holds the split of every replay, per-kernel
@@ -93,6 +99,17 @@ def analyse(kernels: list[Kernel], top: int = 12) -> dict:
             "wait_before": dict(sorted(waits.items(), key=lambda kv: -kv[1])[:top])}
 
 
+def layer_spans(kernels: list[Kernel], marker: str, per_layer: int) -> list[float]:
+    """Each layer's span of one replay, µs: from a layer's first `marker` kernel (every
+    `per_layer`-th start of that kernel) to the next layer's, the last layer's to the replay's end.
+    Unlike the stream split, it needs no stream ids: a layer's time, whatever ran in it."""
+    starts = sorted(k.start for k in kernels if k.name == marker)
+    if not starts or len(starts) % per_layer:
+        raise ValueError(f"{len(starts)} {marker} kernels do not make layers of {per_layer}")
+    firsts = starts[::per_layer] + [max(k.end for k in kernels)]
+    return [b - a for a, b in zip(firsts, firsts[1:])]
+
+
 def kernels_of_trace(trace: dict) -> list[Kernel]:
     """The kernel events of a torch.profiler Chrome trace."""
     return [Kernel(e["name"][:60], int(e.get("args", {}).get("stream", e.get("tid", 0))), float(e["ts"]),
@@ -124,6 +141,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=15)
     ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--marker", default="_entry_small_kernel", help="a kernel that starts every layer's sub-blocks")
+    ap.add_argument("--per-layer", type=int, default=2, help="how many times --marker runs a layer")
     args = ap.parse_args()
     model = stack(args.layers, act_fp8=True)
     pools, seqs = decode_pools(model.cfg, args.layers, args.batch, args.context - STEPS, steps=STEPS)
@@ -159,11 +178,14 @@ def main() -> None:
         print(f"  gap {g['us']:6.1f} µs (side busy {g['side_busy_us']:5.1f}) after {g['after']} before {g['before']}")
     for name, us in s["wait_before"].items():
         print(f"  waited {us:7.1f} µs in all before {name}")
+    spans = layer_spans(runs[median], args.marker, args.per_layer)
+    print("  layers (µs, from one --marker to the next layer's): " + " ".join(f"{x:.1f}" for x in spans))
     result = {"batch": args.batch, "context": args.context, "layers": args.layers,
               "device": torch.cuda.get_device_name(), "splits": splits, "median_replay": median,
               "kernel_us": {n: {"calls": len(v) // args.replays, "median": statistics.median(v),
                                 "total": sum(v) / args.replays} for n, v in per_kernel.items()},
-              "median_replay_kernels": [asdict(k) for k in runs[median]]}
+              "median_replay_kernels": [asdict(k) for k in runs[median]],
+              "layer_us": [layer_spans(r, args.marker, args.per_layer) for r in runs]}
     Path(args.out).write_text(json.dumps(result, indent=1))
     graph.close()
 

@@ -3,7 +3,7 @@ profiles real graph replays; the arithmetic is checked here)."""
 
 import pytest
 
-from benchmarks.step_timeline import Kernel, analyse, kernels_of_trace, merged, replays
+from benchmarks.step_timeline import Kernel, analyse, kernels_of_trace, layer_spans, merged, replays
 
 
 def step(offset: float = 0.0) -> list[Kernel]:
@@ -48,3 +48,15 @@ def test_kernels_of_a_chrome_trace():
     ]}
     assert kernels_of_trace(trace) == [Kernel("_fp8_a8_kernel", 7, 10.0, 24.5),
                                        Kernel("_post_comb_kernel", 9, 12.0, 17.0)]
+
+
+def test_layer_spans_by_marker():
+    """Two layers of two entries each: spans from each layer's first entry, the last to the end."""
+    ks = [Kernel("entry", 1, 0, 2), Kernel("x", 2, 2, 9), Kernel("entry", 1, 9, 10),
+          Kernel("entry", 3, 12, 13), Kernel("y", 1, 13, 20), Kernel("entry", 1, 20, 21), Kernel("z", 4, 21, 30)]
+    assert layer_spans(ks, "entry", 2) == [12, 18]
+    assert layer_spans(ks, "entry", 1) == [9, 3, 8, 10]
+    with pytest.raises(ValueError, match="layers of 3"):
+        layer_spans(ks, "entry", 3)
+    with pytest.raises(ValueError, match="layers of 2"):
+        layer_spans(ks, "nothing", 2)
