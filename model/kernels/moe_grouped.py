@@ -89,8 +89,9 @@ class Tiles:
     """One kernel's tile sizes: BT tokens × BN weight rows, BK along K; Triton launch options.
     `swap_ab`: weight rows on the MMA's M side (decode), else tokens (prefill). `split_k`: K split
     over that many programs whose partial sums the last one to finish adds up in split order
-    (deterministic; the fused path only, for steps of a few tokens whose programs are too few
-    to keep the memory system busy)."""
+    (deterministic; for steps of a few tokens whose programs are too few to keep the memory
+    system busy: the fused path's two products, the grouped path's gate/up where the counting sort
+    zeroes its arrival counters)."""
 
     BT: int
     BN: int
@@ -192,9 +193,13 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     if add is not None and (add.shape != x.shape or add.dtype != torch.float32 or add.device != x.device):
         raise ValueError(f"add must be float32 {tuple(x.shape)} on {x.device}, got {add.dtype} "
                          f"{tuple(add.shape)} on {add.device}")
-    if not fuse_combine and (gateup.split_k > 1 or down.split_k > 1):
-        raise ValueError("split_k needs the fused path's arrival counters (fuse_combine)")
     T, k = ids.shape
+    count_sort = fuse_combine or T * (k + (shared is not None)) <= COUNT_SORT_MAX
+    if not fuse_combine and down.split_k > 1:
+        raise ValueError("a split down product needs the fused path's arrival counters (fuse_combine)")
+    if not count_sort and gateup.split_k > 1:
+        raise ValueError(f"a split gate/up product needs the arrival counters the counting sort zeroes (up to "
+                         f"{COUNT_SORT_MAX} assignments)")
     D, I, E = experts.dim, experts.inter, experts.n_experts
     for t, n, kk, kb, what in ((gateup, I, D, experts.kb13, "gate/up tiles"), (down, D, I, experts.kb2, "down tiles")):
         check_tiles(t, n, kk, experts.fmt, what)
@@ -218,7 +223,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     part13 = torch.empty(ks13 * A * 2 * I if ks13 > 1 else 1, dtype=torch.float32, device=x.device)
     cnt13 = torch.empty(tiles13 * (I // gateup.BN) if ks13 > 1 else 1, dtype=torch.int32, device=x.device)
     x = x.contiguous()
-    if fuse_combine or A <= COUNT_SORT_MAX:  # one counting-sort program instead of the torch sort's launches
+    if count_sort:  # one counting-sort program instead of the torch sort's launches
         ids = ids.contiguous()
         perm = torch.empty(A, dtype=torch.int32, device=x.device)
         e_pad = triton.next_power_of_2(E + has_shared + 1)  # + a bin for padding
@@ -343,11 +348,18 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     the expert kernels, joined before the sum over slots)."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
-    # (no split K here: its partial sums need the fused path's arrival counters)
-    gateup, down = replace(gateup, split_k=1), replace(down, split_k=1)
+    # (no split down product here: its partial sums need the fused path's combine; gate/up keeps its
+    # split where the counting sort, which zeroes its arrival counters, runs: T·(k + 1) assignments at most)
+    if x.shape[0] * (ids.shape[1] + 1) > COUNT_SORT_MAX:
+        gateup = replace(gateup, split_k=1)
+    down = replace(down, split_k=1)
+    # FP4 on SWAP (decode) tiles: x read as the `preorder` copy, as the fused path reads it (natural
+    # order cost a one-token gate/up 27.7 → 32.8 µs on H100, docs/benchmarks.md round v31)
+    preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
     shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
-                                    fit(down, experts.dim, experts.inter), fuse_combine=False, add=add)
+                                    fit(down, experts.dim, experts.inter), fuse_combine=False,
+                                    preordered=preordered, add=add)
     for launch in launches:
         launch()
     join()

@@ -103,6 +103,19 @@ def test_decode_configurations_repeat_bit_for_bit(poisoned, flash_fp4, T, in_ker
     assert differ == 0, f"{differ} of {calls} calls gave other bits"
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_grouped_split_gateup_repeats_bit_for_bit(poisoned, flash_fp4, T):
+    """The grouped path at a few tokens (hash layers, the MTP block) splits its gate/up K loop like
+    the fused path (`moe_fused.decode_tiles`), its arrival counters zeroed by the counting sort:
+    the reference's result, and the first call's bits on 1000 calls (a counter left unzeroed or
+    summed out of split order shows as a changed row)."""
+    x, _, weights, ids = routed_inputs(flash_fp4, T, seed=T + 31)
+    first = run(flash_fp4, "grouped_decode_tiles", x, weights, ids)
+    check(first, x, weights, ids, flash_fp4)
+    differ = sum(not torch.equal(run(flash_fp4, "grouped_decode_tiles", x, weights, ids), first) for _ in range(1000))
+    assert differ == 0, f"{differ} of 1000 calls gave other bits"
+
+
 def test_prefill_repeat_bit_for_bit(poisoned, flash_fp4):
     """The FP4 prefill tiles are not settled (`Tiles.settle`: 8% slower), so their K loops leave
     a register-operand product group in flight into the next step, the pattern of the decode

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,11 +78,13 @@ def flash_plan(path: str, fmt: str, T: int):
     shared = PackedExperts("fp8", 1, D, I, device="meta")
     x = torch.empty(T, D, dtype=torch.bfloat16, device="meta")
     ids, weights = torch.empty(T, k, dtype=torch.long, device="meta"), torch.empty(T, k, device="meta")
-    tiles = moe_fused.decode_tiles(T) if path == "fused" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
+    tiles = moe_fused.decode_tiles(T) if path != "grouped" else (moe_grouped.GROUPED_GATEUP, moe_grouped.GROUPED_DOWN)
+    if path == "grouped_decode":  # as `moe_grouped.grouped_moe` plans a few tokens: down unsplit
+        tiles = (tiles[0], replace(tiles[1], split_k=1))
     tiles = (moe_grouped.fit(tiles[0], I, D), moe_grouped.fit(tiles[1], D, I))
-    # as `moe_fused.fused_moe` plans them: FP4 activations in `preorder`'s layout
+    # as `moe_fused.fused_moe` plans them: FP4 activations on SWAP tiles in `preorder`'s layout
     launches, _ = moe_grouped.plan_kernels(x, weights, ids, experts, shared, 10.0, *tiles,
-                                           fuse_combine=path == "fused", preordered=path == "fused" and fmt == "fp4",
+                                           fuse_combine=path == "fused", preordered=path != "grouped" and fmt == "fp4",
                                            asm=True)
     return launches
 
@@ -106,8 +109,6 @@ def check_hopper_build(path: str, fmt: str, T: int) -> None:
 def check_unsettled_tiles_leave_a_product_pending() -> None:
     """The one-token gate/up tiles built unsettled at V4-Flash shapes: the K loop's last product
     group is still in flight at the back edge, which `wgmma_pending_at_back_edge` must see."""
-    from dataclasses import replace
-
     D, I, E, k = 4096, 2048, 256, 6
     experts = PackedExperts("fp4", E, D, I, device="meta")
     x = torch.empty(1, D, dtype=torch.bfloat16, device="meta")
@@ -138,7 +139,7 @@ def check_operand_layouts() -> None:
 
 
 @pytest.mark.parametrize("path, fmt, T", [
-    ("fused", "fp4", 64), ("fused", "fp4", 1), ("grouped", "fp4", 8192),
+    ("fused", "fp4", 64), ("fused", "fp4", 1), ("grouped", "fp4", 8192), ("grouped_decode", "fp4", 1),
     pytest.param("fused", "fp8", 64, marks=pytest.mark.slow),
     pytest.param("grouped", "fp8", 8192, marks=pytest.mark.slow),
 ])

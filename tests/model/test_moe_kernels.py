@@ -326,7 +326,7 @@ def test_split_k_small_steps(poisoned, fmt, T):
     assert torch.equal(out, again)  # the split order, not the arrival order, sets the sums
 
 
-def test_split_k_tiles_fit_and_need_the_fused_path():
+def test_split_k_tiles_fit_and_need_their_arrival_counters(monkeypatch):
     small, _ = moe_fused.decode_tiles(1)
     assert moe_grouped.fit(small, 2048, 4096).split_k == small.split_k > 1  # V4-Flash gate/up: K = 4096
     assert moe_grouped.fit(small, 32, 64).split_k == 1  # one BK step: nothing to split
@@ -334,12 +334,20 @@ def test_split_k_tiles_fit_and_need_the_fused_path():
                             device=DEVICE)
     x, weights, ids = routed(moe, T=2, seed=16)
     split = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
-    # the grouped path (hash layers, MTP) takes the small-step tiles unsplit
+    # the grouped path (hash layers, MTP) takes the small-step tiles with gate/up split, down unsplit
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     check(moe_grouped.grouped_moe(*args, "triton", split, split), x, weights, ids, moe)
-    with pytest.raises(ValueError, match="split_k needs the fused path"):
+    with pytest.raises(ValueError, match="split down product needs the fused path"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, split, split,
                                  fuse_combine=False)
+    unsplit = dataclasses.replace(split, split_k=1)
+    launches, _ = moe_grouped.plan_kernels(*args, split, unsplit, fuse_combine=False)
+    assert [launch.kernel.__name__ for launch in launches][:2] == ["_count_sort_kernel", "_gateup_kernel"]
+    assert launches[1].grid[2] == 2  # gate/up over two K ranges: the sort zeroed their arrival counters
+    monkeypatch.setattr(moe_grouped, "COUNT_SORT_MAX", 2)  # the torch sort: no zeroed counters
+    with pytest.raises(ValueError, match="counting sort zeroes"):
+        moe_grouped.plan_kernels(*args, split, unsplit, fuse_combine=False)
+    check(moe_grouped.grouped_moe(*args, "triton", split, split), x, weights, ids, moe)  # unsplit there
     with pytest.raises(ValueError, match="split_k=3 K ranges"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0,
                                  dataclasses.replace(split, split_k=3), split, fuse_combine=True)
