@@ -1,7 +1,10 @@
 """Decode FP8 projections of one V4-Flash layer, per tile choice: the six dense products of a CSA
-layer (wq_a, wq_b, wkv, grouped wo_a, wo_b, indexer wq_b) at decode batch sizes.
+layer (wq_a, wq_b, wkv, grouped wo_a, wo_b, indexer wq_b) at decode batch sizes, or with
+`--products shared` the MoE's dense shared expert (gate/up [2I, D], down [D, I]; W8A16, the
+products `moe_shared.shared_expert` runs beside the routed kernels).
 
     python benchmarks/fp8_gemm_bench.py --out fp8.json [--batches 1 64 256] [--variants default,a8,tokens_m]
+    python benchmarks/fp8_gemm_bench.py --out s.json --products shared --batches 1 --variants default,split=x2
 
 Each product runs in a CUDA graph over enough different weights of its shape (>= 256 MB in all)
 that none is read from L2, as a decode step meets them. Fraction of copy: the weight, scale,
@@ -29,9 +32,12 @@ from model.tiny import flash_config  # noqa: E402
 CFG = flash_config(4)
 
 
-def shapes() -> dict[str, tuple[int, int, int]]:
-    """name → (N, K, G) of a CSA layer's FP8 projections."""
+def shapes(products: str = "attention") -> dict[str, tuple[int, int, int]]:
+    """name → (N, K, G) of a CSA layer's FP8 projections ("attention") or its shared expert's ("shared")."""
     c = CFG
+    if products == "shared":
+        return {"shared.w13": (2 * c.moe_intermediate_size, c.hidden_size, 1),
+                "shared.w2": (c.hidden_size, c.moe_intermediate_size, 1)}
     heads_in = c.num_attention_heads * c.head_dim // c.o_groups
     return {"wq_a": (c.q_lora_rank, c.hidden_size, 1),
             "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank, 1),
@@ -139,6 +145,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--variants", default="default,tokens_m")
+    ap.add_argument("--products", choices=("attention", "shared"), default="attention")
     args = ap.parse_args()
     names = args.variants.split(",")
     ceil = ceilings()
@@ -148,7 +155,7 @@ def main() -> None:
     for M in args.batches:
         layer = {n: 0.0 for n in names}
         layer_bytes = 0
-        for proj, (N, K, G) in shapes().items():
+        for proj, (N, K, G) in shapes(args.products).items():
             for r in run(M, N, K, G, names, g):
                 r["proj"] = proj
                 r["fraction_of_copy"] = r["bytes"] / (r["ms"] / 1e3) / bw
