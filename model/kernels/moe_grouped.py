@@ -348,15 +348,15 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     the expert kernels, joined before the sum over slots)."""
     if impl == "torch":
         return reference(x, weights, ids, experts, shared, limit)
+    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     # (no split down product here: its partial sums need the fused path's combine; gate/up keeps its
-    # split where the counting sort, which zeroes its arrival counters, runs: T·(k + 1) assignments at most)
-    if x.shape[0] * (ids.shape[1] + 1) > COUNT_SORT_MAX:
+    # split where the counting sort runs, which zeroes its arrival counters)
+    if x.shape[0] * (ids.shape[1] + (shared is not None)) > COUNT_SORT_MAX:
         gateup = replace(gateup, split_k=1)
     down = replace(down, split_k=1)
     # FP4 on SWAP (decode) tiles: x read as the `preorder` copy, as the fused path reads it (natural
     # order cost a one-token gate/up 27.7 → 32.8 µs on H100, docs/benchmarks.md round v31)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
-    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                                     fit(down, experts.dim, experts.inter), fuse_combine=False,
                                     preordered=preordered, add=add)
