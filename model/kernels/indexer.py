@@ -166,7 +166,8 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
 
 @triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
-                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale, w_scale, inv_freq_ptr,
+                   buf, table, tstride, page_bytes, layer_off, entry_bytes, n_max, n_heads, c, scale, w_scale,
+                   inv_freq_ptr,
                    ROPE: tl.constexpr, EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr,
                    BN: tl.constexpr, NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks

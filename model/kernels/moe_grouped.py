@@ -180,10 +180,10 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                  add: torch.Tensor | None = None) -> tuple[list[Launch], Callable[[], torch.Tensor]]:
     """Sort the assignments and allocate the outputs; → (the launches: a counting sort (with
     `fuse_combine` or up to `COUNT_SORT_MAX` assignments, else a torch sort before) and the two
-    kernels; and what returns out [T, D]
-    in x.dtype once they ran: `out` itself with `fuse_combine`, else the sum over slots; either
-    way plus `add` [T, D] fp32 (an output computed outside the kernels, such as the dense shared
-    expert of kernels/moe_shared.py) before the one rounding).
+    kernels; and what returns out [T, D] in x.dtype once they ran: `out` itself with
+    `fuse_combine`, else the sum over slots; either way plus `add` [T, D] fp32 (an output computed
+    outside the kernels, such as the dense shared expert of kernels/moe_shared.py) before the one
+    rounding).
     `asm`: the PTX dequantisation (default: on CUDA tensors; the interpreter cannot run it).
     `preordered`: the routed experts read x as a `preorder` copy and write h in that layout too
     (FP4, SWAP tiles); the shared expert reads x and writes its rows of h in natural order."""
