@@ -115,12 +115,20 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 # The select kernel holds a row in registers: up to 8192 entries (a 32K-token context); longer
 # rows go to torch's multi-block radix select.
 TOPK_KERNEL_MAX_N = 8192
+# Bits of the K-th score the select kernel decides a pass: a batch-1 step runs one program a row,
+# whose passes are serial reductions (1 bit a pass: 10.9 µs a CSA layer at 8K on H200,
+# docs/benchmarks.md round v32)
+SELECT_DIGIT_BITS = 2
 
 
-def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None) -> torch.Tensor:
+def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits: int = SELECT_DIGIT_BITS
+          ) -> torch.Tensor:
     """scores [R, n] float32 (-inf = not causal) → the K best entry ids [R, K] int32 by descending
     score (ties: the lower entry first), -1 where fewer than K scores are finite. `num_warps`
-    overrides the select kernel's (tuning)."""
+    and `digit_bits` (1, 2 or 4: the K-th score's bits decided per pass) override the select
+    kernel's (tuning); every choice gives the same ids."""
+    if digit_bits not in (1, 2, 4):
+        raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
     R, n = scores.shape
     if n > TOPK_KERNEL_MAX_N:
         values, idx = scores.topk(K, dim=-1)
@@ -129,26 +137,31 @@ def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None) -> torch.T
     KP = triton.next_power_of_2(K)
     scratch = torch.empty(R, KP, dtype=torch.int64, device=scores.device)
     N = triton.next_power_of_2(n)
-    _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), scratch, n, K, N=N, KP=KP,
+    _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), scratch, n, K, N=N, KP=KP, BITS=digit_bits,
                          num_warps=num_warps or (8 if N >= 4096 else 4), **launch_options(scores))
     return out
 
 
 @triton.jit
 def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.constexpr, KP: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   BITS: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
     bits = tl.load(s_ptr + t * stride_s + j, mask=j < n, other=float("-inf")).to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped → signed int order
     u = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order as unsigned
-    # the K-th largest u: the largest x with at least K entries >= x, decided bit by bit from the top
+    # the K-th largest u: the largest x with at least K entries >= x, decided BITS bits a pass from
+    # the top. Invariant: at least K entries are >= thr (all N are >= 0, and K <= n), so digit 0
+    # always qualifies, and the counts fall as the digit grows: the largest qualifying digit is
+    # how many qualify, less one. One reduction of [N, 2^BITS] a pass, 32 / BITS passes.
     thr = tl.zeros([], dtype=tl.uint32)
-    one = tl.full([], 1, dtype=tl.uint32)
-    for b in range(32):
-        cand = thr | (one << (31 - b))
-        thr = tl.where(tl.sum((u >= cand).to(tl.int32), 0) >= K, cand, thr)
+    shift = tl.full([], 32, dtype=tl.uint32)
+    digits = tl.arange(0, 2 ** BITS).to(tl.uint32)
+    for _ in range(32 // BITS):
+        shift -= BITS
+        counts = tl.sum((u[:, None] >= (thr | (digits << shift))[None, :]).to(tl.int32), 0)
+        thr = thr | ((tl.sum((counts >= K).to(tl.int32), 0) - 1).to(tl.uint32) << shift)
     above = u > thr
     tie = u == thr
     take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0)))  # exactly K

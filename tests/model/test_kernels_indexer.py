@@ -129,6 +129,8 @@ def test_top_k_kernel_matches_torch_topk(K):
     ref = torch.where(values == float("-inf"), -1, idx).int()
     assert got.dtype == torch.int32 and got.shape == (R, K)
     assert torch.equal(got, ref)
+    for bits in (1, 4):  # the K-th score decided 1 or 4 bits a pass (2 by default): the same ids
+        assert torch.equal(indexer.top_k(scores, K, digit_bits=bits), ref), bits
     assert (got[0] == -1).all() and (got[1, K // 2:] == -1).all() and (got[1, :K // 2] >= 0).all()
 
 
@@ -143,7 +145,10 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
     flat = torch.full((n,), 0.25)
     ulp = torch.full((n,), 1.0).nextafter(torch.tensor(2.0))
     ulp[::2] = 1.0  # odd entries one bit above the even ones
-    got = indexer.top_k(torch.stack([base, flat, ulp]).to(DEVICE), K).cpu()
-    assert got[0].tolist() == [3, 30] + tied[:6]
-    assert got[1].tolist() == list(range(K))
-    assert got[2].tolist() == list(range(1, 2 * K, 2))
+    for bits in (1, 2, 4):  # a tie and a last-bit difference at every digit width
+        got = indexer.top_k(torch.stack([base, flat, ulp]).to(DEVICE), K, digit_bits=bits).cpu()
+        assert got[0].tolist() == [3, 30] + tied[:6]
+        assert got[1].tolist() == list(range(K))
+        assert got[2].tolist() == list(range(1, 2 * K, 2))
+    with pytest.raises(ValueError, match="digit_bits"):
+        indexer.top_k(base[None].to(DEVICE), K, digit_bits=3)
