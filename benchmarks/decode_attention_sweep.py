@@ -1,7 +1,7 @@
 """Launch-option sweep of the decode-time attention kernels at V4-Flash shapes: sparse attention on
-a CSA layer (128 window + 512 picks) and an HCA layer (128 window + context/128 entries), and the
-indexer's logits over the CSA layer's compressed keys; fp8_pack pools, GPU time per call from
-CUDA-graph replays.
+a CSA layer (128 window + 512 picks) and an HCA layer (128 window + context/128 entries), the
+indexer's logits over the CSA layer's compressed keys and the top-512 select over those logits
+(bits of the K-th score a pass, warps); fp8_pack pools, GPU time per call from CUDA-graph replays.
 
     python benchmarks/decode_attention_sweep.py --out $OUT/decode_attention.json --batches 64 256 --context 32768
 
@@ -38,6 +38,8 @@ SMALL = [(16, 64, 8, 4, 2), (16, 64, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 32,
          (32, 64, 16, 4, 2), (32, 32, 16, 4, 2), (32, 32, 32, 4, 2), (64, 32, 16, 8, 2), (16, 16, 32, 4, 2), (64, 64, 16, 8, 2)]
 # (block_n, blocks, num_warps); None = the heuristic's
 LOGITS = [(64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (256, 1, 8)]
+# (digit_bits, num_warps) of the select kernel; None = the default's
+SELECT = [(None, None), (1, None), (4, None), (2, 4), (2, 8), (4, 8), (1, 8)]
 
 
 def main() -> None:
@@ -84,6 +86,16 @@ def main() -> None:
             out = fn()
             ref = out if ref is None else ref
             row["max_diff"] = float((out - ref).abs().nan_to_num().max())
+            row["us"] = bench_graph(fn) * 1e6
+            rows.append(row)
+            print(row, flush=True)
+        scores, ref = ref, None  # the heuristic's logits: -inf past each causal end, as the step's
+        for bits, nw in SELECT:
+            fn = lambda: indexer.top_k(scores, 512, nw, bits or indexer.SELECT_DIGIT_BITS)  # noqa: E731
+            row = {"kernel": "indexer select", "batch": B, "context": C, "digit_bits": bits, "num_warps": nw}
+            out = fn()
+            ref = out if ref is None else ref
+            row["same_ids"] = bool(torch.equal(out, ref))
             row["us"] = bench_graph(fn) * 1e6
             rows.append(row)
             print(row, flush=True)
