@@ -100,15 +100,18 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
     T = q.shape[0]
     n_max = batch.meta.max_end // 4
     K = min(topk, n_max)
-    picks = torch.empty(T, K, dtype=torch.int32, device=q.device)
     if K == 0 or T == 0:
-        return picks
+        return torch.empty(T, K, dtype=torch.int32, device=q.device)
+
+    def pick(rows: slice) -> torch.Tensor:
+        return top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale), K)
+
     chunk = max(1, max_logit_bytes // (4 * n_max))
     if chunk >= T:  # one chunk (every decode step): the picks as top_k makes them, without a copy
-        return top_k(logits(q, w, batch, pools, layer, slice(0, T), n_max, rope=rope, w_scale=w_scale), K)
+        return pick(slice(0, T))
+    picks = torch.empty(T, K, dtype=torch.int32, device=q.device)
     for lo in range(0, T, chunk):
-        rows = slice(lo, min(T, lo + chunk))
-        picks[rows] = top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale), K)
+        picks[lo:lo + chunk] = pick(slice(lo, min(T, lo + chunk)))
     return picks
 
 

@@ -108,6 +108,14 @@ class Tiles:
 # `_count_sort_kernel`, one program, else by `sort_by_expert`'s torch ops (five launches, ~24 µs
 # of a batch-1 hash layer's chain on H100 against ~5 µs: benchmarks/step_timeline.py)
 COUNT_SORT_MAX = 2048
+
+
+def counting_sort_runs(assignments: int, fuse_combine: bool = False) -> bool:
+    """Whether `plan_kernels` sorts `assignments` (T·k, + T with the shared expert in the kernels)
+    with the counting-sort launch, which also zeroes the split gate/up's arrival counters."""
+    return fuse_combine or assignments <= COUNT_SORT_MAX
+
+
 # Prefill-sized T: large tiles amortise the in-register dequantisation over 128 tokens.
 GROUPED_GATEUP = Tiles(BT=128, BN=64, BK=64, num_warps=8, num_stages=3)
 GROUPED_DOWN = Tiles(BT=128, BN=128, BK=64, num_warps=8, num_stages=3)
@@ -194,7 +202,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         raise ValueError(f"add must be float32 {tuple(x.shape)} on {x.device}, got {add.dtype} "
                          f"{tuple(add.shape)} on {add.device}")
     T, k = ids.shape
-    count_sort = fuse_combine or T * (k + (shared is not None)) <= COUNT_SORT_MAX
+    count_sort = counting_sort_runs(T * (k + (shared is not None)), fuse_combine)
     if not fuse_combine and down.split_k > 1:
         raise ValueError("a split down product needs the fused path's arrival counters (fuse_combine)")
     if not count_sort and gateup.split_k > 1:
@@ -351,7 +359,7 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     # (no split down product here: its partial sums need the fused path's combine; gate/up keeps its
     # split where the counting sort runs, which zeroes its arrival counters)
-    if x.shape[0] * (ids.shape[1] + (shared is not None)) > COUNT_SORT_MAX:
+    if not counting_sort_runs(x.shape[0] * (ids.shape[1] + (shared is not None))):
         gateup = replace(gateup, split_k=1)
     down = replace(down, split_k=1)
     # FP4 on SWAP (decode) tiles: x read as the `preorder` copy, as the fused path reads it (natural

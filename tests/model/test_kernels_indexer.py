@@ -33,19 +33,27 @@ def reference_scores(q, w, batch, pools, layer):
 
 # the production encoding at both k, the others at one (each other case adds 8-14 s of interpreter
 # time on a 2-core CI machine; the GPU runs them all)
+def indexer_inputs(fmt: str, seed: int):
+    """The tiny model's pools in `fmt` filled at random, a batch of SHAPES over them, and random
+    indexer queries q [T, n_I, c] bf16 and head weights w [T, n_I] (seeds seed, seed + 1, seed + 2)."""
+    cfg = tiny_config()
+    pools = KVPools(cfg, fmt, max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
+    fill_random(pools, seed=seed)
+    batch = random_batch(cfg, pools, SHAPES, seed=seed + 1, device=DEVICE)
+    g = torch.Generator().manual_seed(seed + 2)
+    T = batch.input_ids.shape[0]
+    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
+    return cfg, pools, batch, q, w
+
+
 @pytest.mark.parametrize("fmt,topk", [("fp8_pack", 16), ("fp8_pack", 64), ("bf16", 16),
                                       pytest.param("fp32", 16, marks=pytest.mark.slow),
                                       pytest.param("bf16", 64, marks=pytest.mark.slow),
                                       pytest.param("fp32", 64, marks=pytest.mark.slow)])
 def test_indexer_matches_reference(fmt, topk):
-    cfg = tiny_config()
-    pools = KVPools(cfg, fmt, max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
-    fill_random(pools, seed=30)
-    batch = random_batch(cfg, pools, SHAPES, seed=31, device=DEVICE)
-    g = torch.Generator().manual_seed(32)
+    _, pools, batch, q, w = indexer_inputs(fmt, seed=30)
     T = batch.input_ids.shape[0]
-    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
-    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
     layer = 1
     full = reference_scores(q, w, batch, pools, layer)
     n_max = full.shape[1]
@@ -70,14 +78,8 @@ def test_indexer_matches_reference(fmt, topk):
 def test_logits_rotate_the_queries_as_the_rope_kernel_does():
     """Given the layer's `Rope`, the logits kernel ropes each query itself (`Indexer.forward` leaves
     q unrotated): the scores of rope_ops.rotate's queries, bit for bit; the torch path likewise."""
-    cfg = tiny_config()
-    pools = KVPools(cfg, "fp8_pack", max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
-    fill_random(pools, seed=33)
-    batch = random_batch(cfg, pools, SHAPES, seed=34, device=DEVICE)
-    g = torch.Generator().manual_seed(35)
+    cfg, pools, batch, q, w = indexer_inputs("fp8_pack", seed=33)
     T = batch.input_ids.shape[0]
-    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
-    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
     rope = Rope.for_layer(cfg, compressed=True)
     roped = rope_ops.rotate(q, batch.positions, rope, "triton")
     n_max = max(s.end for s in batch.segments) // 4
@@ -91,16 +93,9 @@ def test_logits_rotate_the_queries_as_the_rope_kernel_does():
 def test_head_weights_scaled_in_the_logits_launch():
     """`w_scale` (the indexer's n_I^-1/2, which `Indexer.forward` no longer applies in an
     element-wise launch of its own) gives the bits of scaling w first, also at a scale that is
-    not a power of two; the picks are top_k's own tensor when one chunk holds every query, and
-    the chunked loop's picks are the same."""
-    cfg = tiny_config()
-    pools = KVPools(cfg, "fp8_pack", max_tokens=1024, max_seqs=len(SHAPES), device=DEVICE)
-    fill_random(pools, seed=36)
-    batch = random_batch(cfg, pools, SHAPES, seed=37, device=DEVICE)
-    g = torch.Generator().manual_seed(38)
+    not a power of two; and the picks of queries in chunks equal those of one chunk."""
+    cfg, pools, batch, q, w = indexer_inputs("fp8_pack", seed=36)
     T = batch.input_ids.shape[0]
-    q = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, generator=g).to(DEVICE, torch.bfloat16)
-    w = torch.randn(T, cfg.index_n_heads, generator=g).to(DEVICE)
     n_max = max(s.end for s in batch.segments) // 4
     for scale in (cfg.index_n_heads ** -0.5, 0.3):
         assert torch.equal(indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max, w_scale=scale),
