@@ -132,7 +132,9 @@ def _rank_main(rank: int, ckpt: str, port: int, out_dir: str) -> None:
         for j in range(1, len(got)):
             prefix = list(r.prompt_ids) + got[:j]
             logits = logits_after(prefix)
-            noised = sorted({int(logits_after(prefix, seed).argmax()) for seed in range(NOISE_SEEDS)})
+            # the picks with and without the noise (the best itself cannot excuse a token below it)
+            noised = sorted({int(logits.argmax())} | {int(logits_after(prefix, seed).argmax())
+                                                      for seed in range(NOISE_SEEDS)})
             rows.append([float(logits.max() - logits[got[j]]), float(logits.std()), noised])
         result["forced"][r.request_id] = rows
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
