@@ -1,8 +1,9 @@
 """How far FP8 activations into the MoE experts would move the model (W4A8: each expert's input
 quantised to e4m3 per 128 along K, `act_quant.fake_quantize`, as the W8A8 projections already
 quantise theirs), against how far the W8A8 projections move it now. The question behind it: the
-FP4 experts on an H200 are bound by turning codes into bf16 MMA operands (docs/benchmarks.md,
-round v33), and e4m3 operands would halve that work, but only with FP8 activations.
+FP4 experts on an H200 are bound in part by turning codes into bf16 MMA operands, and e4m3
+operands convert for fewer instructions, but only with FP8 activations (docs/benchmarks.md,
+round v33, with why the per-32 scales may eat that saving).
 
     python benchmarks/expert_activation_error.py --out e.json [--device cuda] [--prompts 32]
 

@@ -119,8 +119,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 # rows go to torch's multi-block radix select.
 TOPK_KERNEL_MAX_N = 8192
 # Bits of the K-th score the select kernel decides a pass: a batch-1 step runs one program a row,
-# whose passes are serial reductions (1 bit a pass: 10.9 µs a CSA layer at 8K on H200,
-# docs/benchmarks.md round v32)
+# whose passes are serial reductions (H200, 8K, batch 1: 2 bits 11.1 µs, 1 bit 14.3, 4 bits 13.1-14.3;
+# benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v33)
 SELECT_DIGIT_BITS = 2
 
 
