@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels.fp4 import FP8_BLOCK, fp4_to_bf16, fp8_to_bf16, mma_order, mma_order_pairs
+from model.kernels.fp4 import FP8_BLOCK, fp4_scale_factor, fp4_to_bf16, fp8_to_bf16, mma_order, mma_order_pairs
 
 B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 
@@ -47,9 +47,10 @@ def _k_step(rows, i, R: tl.constexpr, B: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _scales(s_ptr, rows, srows, k0, s_stride, FP4: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
             BK: tl.constexpr):
-    """The scale bytes a K step at k0 needs: FP4 [BN, BK/32] (per row and 32 K), FP8 [BN] (per row's block)."""
+    """The scales a K step at k0 needs: FP4 [BN, BK/32] bf16 factors (`fp4_scale_factor`, per row and
+    32 K), FP8 [BN] bytes (per row's block)."""
     if FP4:
-        s = tl.load(s_ptr + _k_step(rows, k0 // BK, R, KB // 16, BK // 32))
+        s = fp4_scale_factor(tl.load(s_ptr + _k_step(rows, k0 // BK, R, KB // 16, BK // 32)))
     else:
         s = tl.load(s_ptr + srows * s_stride + k0 // 128)
     return s

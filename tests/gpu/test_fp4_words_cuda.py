@@ -18,7 +18,7 @@ import triton.language as tl
 
 from model import quant
 from model.kernels import moe_grouped
-from model.kernels.fp4 import fp4_to_bf16, mma_order, mma_order_pairs, shuffle_fp4_words
+from model.kernels.fp4 import fp4_scale_factor, fp4_to_bf16, mma_order, mma_order_pairs, shuffle_fp4_words
 from model.moe import MoE
 from model.tiny import tiny_config
 
@@ -30,7 +30,7 @@ def _convert_kernel(codes_ptr, scale_ptr, even_ptr, odd_ptr, R: tl.constexpr, C:
     rows = tl.arange(0, R)[:, None]
     cols = tl.arange(0, C)[None, :]
     packed = tl.load(codes_ptr + rows * C + cols)
-    scale = tl.load(scale_ptr + rows * (C // 16) + tl.arange(0, C // 16)[None, :])
+    scale = fp4_scale_factor(tl.load(scale_ptr + rows * (C // 16) + tl.arange(0, C // 16)[None, :]))
     even, odd = fp4_to_bf16(packed, scale, ASM, False)
     tl.store(even_ptr + rows * C + cols, even)
     tl.store(odd_ptr + rows * C + cols, odd)
@@ -60,7 +60,7 @@ def _product_kernel(codes_ptr, scale_ptr, x_ptr, out_ptr, R: tl.constexpr, C: tl
     columns in `mma_order`, W converted as explicit words."""
     rows = tl.arange(0, R)[:, None]
     packed = tl.load(codes_ptr + rows * C + tl.arange(0, C)[None, :])
-    scale = tl.load(scale_ptr + rows * (C // 16) + tl.arange(0, C // 16)[None, :])
+    scale = fp4_scale_factor(tl.load(scale_ptr + rows * (C // 16) + tl.arange(0, C // 16)[None, :]))
     x = tl.load(x_ptr + tl.arange(0, T)[:, None] * (2 * C) + tl.arange(0, 2 * C)[None, :])
     a, b = fp4_to_bf16(mma_order(packed), scale, ASM, False)
     x_even, x_odd = mma_order_pairs(x)
