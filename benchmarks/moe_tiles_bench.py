@@ -86,7 +86,8 @@ VARIANTS = {
 # name → launch options added to a VARIANTS entry's gate/up and down launches (register caps)
 META_VARIANTS = {"small_regs96": ("small", {"maxnreg": 96}), "small_regs80": ("small", {"maxnreg": 80}),
                  "small_regs72": ("small", {"maxnreg": 72}),
-                 "small_stages3_regs96": ("small_gateup_stages3", {"maxnreg": 96})}
+                 "small_stages3_regs96": ("small_gateup_stages3", {"maxnreg": 96}),
+                 "regs96": ("default", {"maxnreg": 96}), "regs80": ("default", {"maxnreg": 80})}
 # name → (`fused_moe`'s shared_dense, the priority of a side stream for the dense shared expert or
 # None): the whole call captured as the decode step runs it (the `preorder` copy and, dense, the
 # shared expert's products and SwiGLU included), decode tiles
