@@ -31,11 +31,18 @@ def _count_sort_kernel(ids_ptr, perm_ptr, counts_ptr, cursor_ptr, TK, A, cnt13_p
         col_tiles = tl.cdiv(K, BC)
         t = (tile // col_tiles) * BT + tl.arange(0, BT)
         c = (tile % col_tiles) * BC + tl.arange(0, BC)
-        # column 32i + 8q + 4h + 2r + parity → parity·K/2 + 16i + 8h + 2q + r (preorder's permute)
-        dst = (c % 2) * (K // 2) + (c // 32) * 16 + ((c // 4) % 2) * 8 + ((c // 8) % 4) * 2 + (c // 2) % 2
-        m = (t < T)[:, None] & (c < K)[None, :]
         rows = t.to(tl.int64)[:, None] * K
-        tl.store(xr_ptr + rows + dst[None, :], tl.load(x_ptr + rows + c[None, :], mask=m), mask=m)
+        v = tl.load(x_ptr + rows + c[None, :], mask=(t < T)[:, None] & (c < K)[None, :])
+        # column 32i + 8q + 4h + 2r + parity → parity·K/2 + 16i + 8h + 2q + r (preorder's permute),
+        # done in registers: each parity's BC/2 columns of the tile are then one contiguous store
+        # (stored element by element at their scattered places, the copy took ~7 of the launch's
+        # 11 µs at 64 tokens on H200)
+        v = tl.permute(tl.reshape(v, [BT, BC // 32, 4, 2, 2, 2]), [0, 1, 3, 2, 4, 5])  # [.., i, h, q, r, parity]
+        even, odd = tl.split(tl.reshape(v, [BT, BC // 2, 2]))
+        d = (tile % col_tiles) * (BC // 2) + tl.arange(0, BC // 2)
+        m = (t < T)[:, None] & (d < K // 2)[None, :]  # K % 32 == 0: column c < K exactly where d < K/2
+        tl.store(xr_ptr + rows + d[None, :], even, mask=m)
+        tl.store(xr_ptr + rows + K // 2 + d[None, :], odd, mask=m)
         return
     if ZERO13:
         for i in range(0, n_cnt13, A_PAD):

@@ -229,6 +229,28 @@ def test_preorder_layout():
             assert torch.equal(got[:, parity * 32 + 16 * i + 8 * h + 2 * q + r], half[:, src])
 
 
+@pytest.mark.parametrize("T, K", [(1, 4096), (21, 1056)])
+def test_count_sort_launch_copies_x_in_preorder(T, K):
+    """The counting-sort launch's other programs copy x into `preorder`'s layout tile by tile: the
+    copy equals `preorder(x)` bit for bit, over a partial row tile and a partial column tile
+    (1056 = 2 × 512 + 32), and leaves nothing of the output unwritten."""
+    import triton
+
+    from model.kernels.moe_tile_kernels import _count_sort_kernel
+
+    g = torch.Generator().manual_seed(T + K)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    xr = torch.full_like(x, float("nan"))
+    ids = torch.randint(0, 8, (T, 2), generator=g).to(DEVICE)
+    perm, counts, cursor, cnt13 = (torch.empty(n, dtype=torch.int32, device=DEVICE) for n in (2 * T, 16, 16, 1))
+    bt, bc = moe_grouped.PREORDER_TILE
+    tiles = triton.cdiv(T, bt) * triton.cdiv(K, bc)
+    _count_sort_kernel[(1 + tiles,)](ids, perm, counts, cursor, 2 * T, 2 * T, cnt13, 1, x, xr, T, K,
+                                     A_PAD=triton.next_power_of_2(2 * T), E_PAD=16, E=8, ZERO13=False, BT=bt, BC=bc)
+    assert torch.equal(xr.cpu(), moe_grouped.preorder(x.cpu()))
+    assert torch.equal(counts[:8].cpu(), torch.bincount(ids.cpu().flatten(), minlength=8).to(torch.int32))
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_prefill_path_matches_reference(poisoned, skew):
     moe = MoE.random_packed(tiny_config(), layer=3, fmt="fp4", seed=61 + skew, device=DEVICE)
