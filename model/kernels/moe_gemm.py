@@ -16,8 +16,8 @@ activation tile), for the kernels of kernels/moe_grouped.py. Two orientations:
 FP4 weights and scales are K-blocked (model/moe.py's `PackedExperts`): a step's tile of BN rows is
 one contiguous read (`_k_step`).
 
-Scale bytes are fetched one K step ahead in registers (`_scales`): a global load consumed in its
-own step stalls the warp. (Gate and up scales loaded as one tile in their own step are large
+Scales are fetched one K step ahead in registers (`_scales`; FP4's already made bf16 factors,
+`fp4.fp4_scale_factor`): a global load consumed in its own step stalls the warp. (Gate and up scales loaded as one tile in their own step are large
 enough for the pipeliner's asynchronous copies, which then read them from shared memory straight
 into the MMA layout; on H100 that decode gate/up kernel was no faster, 0.822 against 0.804 ms at
 64 tokens, so it was not kept.)
