@@ -157,6 +157,10 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         cfg["TMA"] = bool(cfg.get("TMA")) and weight.stride(1) == 1 and (weight.stride(0) % 16 == 0
                                                                           and weight.data_ptr() % 16 == 0)
         w = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], BLOCK]) if cfg["TMA"] else weight
+        # promotion by one factor a token above one token tile (H200, a CSA layer's six products
+        # at 64 / 256 tokens 86.3 / 154.6 → 83.2 / 145.4 µs); at one token the products were
+        # 0.2-0.6 µs slower each with it (benchmarks/fp8_gemm_bench.py --variants a8)
+        cfg["UNIFORM_SW"] = cfg.get("UNIFORM_SW", M > TOKENS_M_MAX) and uniform_weight_scale(N, cfg["BLOCK_N"])
         kernel[(tiles, groups, split)](
             x3, x_scale, w, scale, out, part, arrivals, M, N, K,
             x3.stride(0), x3.stride(1), x_scale.stride(0), x_scale.stride(1), weight.stride(0), scale.stride(0),
@@ -168,6 +172,13 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
             x3.stride(0), x3.stride(1), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
             M * groups * N, BLOCK_K=BLOCK, **cfg)
     return out
+
+
+def uniform_weight_scale(N: int, block_n: int) -> bool:
+    """Whether every tile of `block_n` rows of a weight of groups of N rows lies inside one 128-row
+    scale block: block_n divides 128 and N, so tiles start at multiples of block_n and never cross
+    a multiple of 128. `_fp8_a8_kernel` then promotes with one factor per token (`UNIFORM_SW`)."""
+    return BLOCK % block_n == 0 and N % block_n == 0
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -369,33 +380,40 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
                    stride_xm, stride_xg, stride_xsm, stride_xsg, stride_w, stride_s, stride_ym, stride_yg,
                    stride_part, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, QUANT_X: tl.constexpr, TMA: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   UNIFORM_SW: tl.constexpr = False, PDL: tl.constexpr = False):
     """W8A8: yᵀ tile [BLOCK_N, BLOCK_T] = W[rows] · xᵀ on the FP8 tensor cores (e4m3 × e4m3, fp32
     out), each 128-wide K step's product scaled by its weight block's scale times each token's
-    scale and added to the accumulator (DeepGEMM's promotion). No dequantisation: at 256 tokens a
+    scale and added to the accumulator (DeepGEMM's promotion). `UNIFORM_SW`: BLOCK_N divides 128
+    and N, so the tile's rows lie in one 128-row scale block and the promotion multiplies by a
+    factor per token, one FFMA an element (the outer product of row and token scales cost an FMUL
+    more). No dequantisation: at 256 tokens a
     V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
     docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
     w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)
     pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
+    row0 = g * N + (pid // tl.cdiv(M, BLOCK_T)) * BLOCK_N  # the tile's first weight row
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         if TMA:  # w_ptr: the [G·N, K] weight's descriptor (rows past the group's end are masked at the store)
-            w = w_ptr.load([g * N + (pid // tl.cdiv(M, BLOCK_T)) * BLOCK_N, kb * BLOCK_K])
+            w = w_ptr.load([row0, kb * BLOCK_K])
         else:
             w = tl.load(w_ptr + rows[:, None] * stride_w + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_ptr + offs_t[:, None] * stride_xm + g * stride_xg + offs_k[None, :],
                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        sw = _scale_values(s_ptr, rows, kb, stride_s, mask_n)
         if QUANT_X:
             x, sx = quantize_blocks(x.to(tl.float32))
         else:
             sx = tl.load(xs_ptr + offs_t * stride_xsm + g * stride_xsg + kb, mask=mask_t, other=0.0)
-        acc += tl.dot(w, tl.trans(x)) * (sw[:, None] * sx[None, :])
+        if UNIFORM_SW:  # the tile's rows share one scale block: a factor per token
+            scale = (sx * _scale_values(s_ptr, row0, kb, stride_s, True))[None, :]
+        else:
+            scale = _scale_values(s_ptr, rows, kb, stride_s, mask_n)[:, None] * sx[None, :]
+        acc += tl.dot(w, tl.trans(x)) * scale
     tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
     _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
                 mask_n[:, None] & mask_t[None, :], split, stride_part, SPLIT_K)

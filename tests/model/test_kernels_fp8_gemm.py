@@ -155,6 +155,33 @@ def test_w8a8_tma_tiles_are_the_plain_loads_bit_for_bit(M, G, N, K):
     assert rel_err(tma.view(ref.shape), ref) < 6e-3
 
 
+@pytest.mark.parametrize("M,G,N,K", [(20, 1, 128, 512), (64, 2, 192, 384), (3, 3, 64, 1024)])
+def test_w8a8_promotion_by_token_factor_is_the_outer_product_bit_for_bit(M, G, N, K):
+    """Where a tile's rows share one weight scale block (`uniform_weight_scale`) the W8A8 kernel
+    scales each K step's product by one factor a token; the same product as the per-row outer
+    product of weight and token scales, bit for bit."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    assert s.float().unique().numel() > 1
+    q, s = q.to(DEVICE), s.float().to(DEVICE)
+    x = torch.randn(M, G, K, generator=g).to(DEVICE, torch.bfloat16)
+    codes, x_scale = act_quant.quantize(x, "triton")
+    cfg = fp8_gemm.decode_config(M, N, K, G, a8=True)
+    assert fp8_gemm.uniform_weight_scale(N, cfg["BLOCK_N"])
+    fast = fp8_gemm.decode_product(codes, q, s, None, {**cfg, "UNIFORM_SW": True}, out_dtype=x.dtype, x_scale=x_scale)
+    outer = fp8_gemm.decode_product(codes, q, s, None, {**cfg, "UNIFORM_SW": False}, out_dtype=x.dtype, x_scale=x_scale)
+    assert torch.equal(fast, outer)
+    ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G, act_fp8=True)
+    assert rel_err(fast.view(ref.shape), ref) < 6e-3
+
+
+def test_uniform_weight_scale_needs_tiles_inside_scale_blocks():
+    assert fp8_gemm.uniform_weight_scale(32768, 128) and fp8_gemm.uniform_weight_scale(192, 64)
+    assert not fp8_gemm.uniform_weight_scale(192, 128)  # group 1's rows 192-319 cross 256
+    assert not fp8_gemm.uniform_weight_scale(200, 64)  # a tile at row 192 crosses 256
+    assert not fp8_gemm.uniform_weight_scale(1024, 256)  # a tile spans two blocks
+
+
 def test_w8a8_weights_a_descriptor_cannot_hold_take_plain_loads():
     """A weight whose rows are not 16-byte aligned (K = 200 e4m3) falls back to the plain loads."""
     g = torch.Generator().manual_seed(5)
