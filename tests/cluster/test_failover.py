@@ -162,7 +162,13 @@ def test_killed_prefill_worker_requests_are_recomputed(tiny_official_ckpt):
                 return [t async for chunk in backend.generate(req) for t in chunk.token_ids if chunk.error is None]
 
             tasks = [asyncio.ensure_future(one(r)) for r in reqs]
-            await asyncio.sleep(0.3)  # prompts are queued and prefilling on the prefill worker
+            # kill once the prefill worker has begun: with 64 tokens a step most of the ~2000
+            # prompt tokens are still queued or in flight then (a fixed sleep raced a slow or busy
+            # machine: nothing dispatched yet, or everything prefilled already)
+            deadline = time.time() + 60
+            while (await cluster.prefill[0].page_accounting.remote())["computed_tokens"] == 0:
+                assert time.time() < deadline, "no prompt reached the prefill worker"
+                await asyncio.sleep(0.005)
             ray.kill(cluster.prefill[0])
             out = await asyncio.gather(*tasks)
             await backend.stop()
