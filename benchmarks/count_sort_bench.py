@@ -4,7 +4,7 @@ its other programs, the `preorder` copy of x the FP4 experts read (kernels/moe_t
 
     python benchmarks/count_sort_bench.py --out count_sort.json
 
-Each launch is timed as the mean over a CUDA graph of 50 launches (median of 10 replays), at 1,
+Each launch is timed as the mean over a CUDA graph of 50 launches (`gpu_ceilings.bench_graph`), at 1,
 2, 4 and 8 warps and, for comparison, as the sort's program alone (no copy programs).
 """
 
@@ -20,33 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from benchmarks.moe_bench import build_layer, routed_inputs  # noqa: E402
 from model.kernels import moe_fused  # noqa: E402
 from model.kernels.moe_grouped import fit, plan_kernels  # noqa: E402
-
-
-def launch_us(launch, n: int = 50, reps: int = 10) -> float:
-    """Mean µs of one launch over a graph of n launches (median of `reps` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / n * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -64,8 +41,9 @@ def main() -> None:
                                    fit(down, ex.dim, ex.inter), fuse_combine=True, preordered=True)
         sort = launches[0]
         row = dict(T=T, assignments=T * ids.shape[1], default_warps=sort.meta["num_warps"],
-                   us={w: launch_us(replace(sort, meta={**sort.meta, "num_warps": w})) for w in (1, 2, 4, 8)},
-                   sort_alone_us=launch_us(replace(sort, grid=(1,))))
+                   us={w: bench_graph(replace(sort, meta={**sort.meta, "num_warps": w}), calls=50) * 1e6
+                       for w in (1, 2, 4, 8)},
+                   sort_alone_us=bench_graph(replace(sort, grid=(1,)), calls=50) * 1e6)
         rows.append(row)
         print(f"T={T:4d} ({row['assignments']} assignments): " + "  ".join(f"{w} warps {t:.2f}" for w, t in
               row["us"].items()) + f" µs; the sort's program alone {row['sort_alone_us']:.2f} µs "

@@ -386,9 +386,8 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     scale and added to the accumulator (DeepGEMM's promotion). `UNIFORM_SW`: BLOCK_N divides 128
     and N, so the tile's rows lie in one 128-row scale block and the promotion multiplies by a
     factor per token, one FFMA an element (the outer product of row and token scales cost an FMUL
-    more). No dequantisation: at 256 tokens a
-    V4-Flash CSA layer's six products take 152 against 266 µs for the W8A16 kernels (H100,
-    docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
+    more). No dequantisation: at 256 tokens a V4-Flash CSA layer's six products take 152 against
+    266 µs for the W8A16 kernels (H100, docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
     w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)

@@ -17,10 +17,10 @@ FP4 weights and scales are K-blocked (model/moe.py's `PackedExperts`): a step's 
 one contiguous read (`_k_step`).
 
 Scales are fetched one K step ahead in registers (`_scales`; FP4's already made bf16 factors,
-`fp4.fp4_scale_factor`): a global load consumed in its own step stalls the warp. (Gate and up scales loaded as one tile in their own step are large
-enough for the pipeliner's asynchronous copies, which then read them from shared memory straight
-into the MMA layout; on H100 that decode gate/up kernel was no faster, 0.822 against 0.804 ms at
-64 tokens, so it was not kept.)
+`fp4.fp4_scale_factor`): a global load consumed in its own step stalls the warp. (Gate and up
+scales loaded as one tile in their own step are large enough for the pipeliner's asynchronous
+copies, which then read them from shared memory straight into the MMA layout; on H100 that decode
+gate/up kernel was no faster, 0.822 against 0.804 ms at 64 tokens, so it was not kept.)
 """
 
 from __future__ import annotations
