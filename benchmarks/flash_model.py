@@ -103,7 +103,9 @@ def _tile_random(pools: KVPools, seed: int = 0) -> None:
             page = torch.randn(n, spec.entry_bytes // 4, device=pools.device, generator=g).view(torch.uint8)
         else:
             width = pools.cfg.index_head_dim if kind == "c4_indexer" else pools.cfg.head_dim
-            page = pools._encode(kind, torch.randn(n, width, device=pools.device, generator=g))
+            entries = pools._encode(kind, torch.randn(n, width, device=pools.device, generator=g)).reshape(-1)
+            page = torch.empty_like(entries)
+            page[spec.page_order(pools.device)] = entries
         pools.buffers[kind].copy_(page.reshape(1, -1).expand(spec.num_pages, -1))
 
 

@@ -21,7 +21,7 @@ def layout_of(pools: KVPools) -> LayoutDescriptor:
     kinds = pools.kinds_for()
     return LayoutDescriptor(
         model_hash=pools.cfg.digest(),
-        storage_format=pools.format,
+        storage_format=pools.page_encoding,
         page_tokens=pools.page_size,
         pools=tuple(PoolLayout(k, pools.specs[k].page_bytes, pools.specs[k].num_pages) for k in kinds),
         layer_map=tuple((k, pools.specs[k].layers) for k in kinds),

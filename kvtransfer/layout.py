@@ -38,7 +38,7 @@ class LayoutDescriptor:
     """Everything two peers must agree on before pages move between them.
 
     model_hash:     hash of the model config (set by `model/`; opaque here).
-    storage_format: e.g. "fp32", "bf16", "fp8_pack".
+    storage_format: e.g. "fp32", "bf16", "fp8_pack/index-split": the encoding and its byte layout.
     page_tokens:    tokens covered by one page of the full-position pools (256 for V4).
     pools:          one PoolLayout per kind, kinds unique.
     layer_map:      per kind, the model layer ids whose data the kind's pages hold, in page order.

@@ -4,6 +4,11 @@ One contiguous uint8 buffer per pool kind, shape [num_pages, page_bytes], page-m
 a page holds every layer of its kind, laid out [layer][entry][entry_bytes]. The transfer layer
 registers each buffer once and moves whole pages (or one layer's slice of them) without copies.
 
+One exception to [entry][entry_bytes] inside a layer: `fp8_pack` indexer keys are stored as in
+DeepGEMM's paged indexer cache (seed 001), a page's c-byte FP8 values of all its entries first,
+then their 4-byte scales ([entry][c] then [entry][4]; `PoolSpec.split_at`). A block of keys is
+then one contiguous, 16-byte aligned read, where 132-byte entries allowed only 4-byte loads.
+
 Kinds (P = page_size tokens, d = head_dim, c = index_head_dim):
 
 | kind               | layers      | entries / page     | entry                               |
@@ -21,11 +26,12 @@ compressor projections (before `ape`), so a ring is resumable from any token bou
 
 Storage formats: `fp32` and `bf16` (exact up to the dtype) and `fp8_pack` (584-byte
 NopeFp8RopeBf16Pack KV entries, FP8 + FP32-scale indexer keys). Compress state is always fp32.
+`KVPools.page_encoding` names format and byte layout together for the transfer handshake.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +58,9 @@ class PoolSpec:
     entries_per_page: int
     entry_bytes: int
     num_pages: int
+    # 0: each entry's bytes are contiguous. Otherwise an entry's first `split_at` bytes sit in a
+    # block of all the layer's entries' first parts, and its remaining bytes in a block after it.
+    split_at: int = 0
 
     @property
     def layer_bytes(self) -> int:
@@ -60,6 +69,28 @@ class PoolSpec:
     @property
     def page_bytes(self) -> int:
         return len(self.layers) * self.layer_bytes
+
+    @property
+    def entry_stride(self) -> int:
+        """Bytes from one slot's first byte to the next slot's (the first block's when split)."""
+        return self.split_at or self.entry_bytes
+
+    def slab_offsets(self, slots: torch.Tensor) -> torch.Tensor:
+        """Entry slots within a page [n] (int64) → [n, entry_bytes]: where each byte of the
+        entry's encoding lies, counted from the start of its layer's part of the page."""
+        cols = torch.arange(self.entry_bytes, device=slots.device)
+        if not self.split_at:
+            return slots.unsqueeze(1) * self.entry_bytes + cols
+        head, tail = self.split_at, self.entry_bytes - self.split_at
+        return torch.cat([slots.unsqueeze(1) * head + cols[:head],
+                          self.entries_per_page * head + slots.unsqueeze(1) * tail + cols[:tail]], dim=1)
+
+    def page_order(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        """[page_bytes] int64: where in a page each byte lies of its entries' encodings laid end
+        to end (layer by layer, slot by slot); the identity unless `split_at`."""
+        slab = self.slab_offsets(torch.arange(self.entries_per_page, device=device)).reshape(-1)
+        starts = torch.arange(len(self.layers), device=device) * self.layer_bytes
+        return (starts.unsqueeze(1) + slab).reshape(-1)
 
 
 class PageAllocator:
@@ -143,6 +174,8 @@ class KVPools:
             "state_c128": (c128, 128, 4 * 2 * d, max_seqs),
         }
         self.specs = {k: PoolSpec(k, *g) for k, g in geometry.items()}
+        if storage_format == "fp8_pack":
+            self.specs["c4_indexer"] = replace(self.specs["c4_indexer"], split_at=c)
         self.buffers = {k: torch.zeros(s.num_pages, max(s.page_bytes, 1), dtype=torch.uint8, device=device)
                         for k, s in self.specs.items()}
         self.allocators = {k: PageAllocator(s.num_pages) for k, s in self.specs.items()}
@@ -157,6 +190,12 @@ class KVPools:
 
     def idle_free(self) -> dict[str, int]:
         return {k: s.num_pages for k, s in self.specs.items()}
+
+    @property
+    def page_encoding(self) -> str:
+        """The storage format with its page layout: peers exchange pages only when these match
+        (an `fp8_pack` page of the whole-entry indexer layout reads as garbage in this one)."""
+        return f"{self.format}/index-split" if self.format == "fp8_pack" else self.format
 
     def kinds_for(self) -> tuple[str, ...]:
         """Kinds that actually hold layers for this model (others stay empty)."""
@@ -273,19 +312,15 @@ class KVPools:
         return seq
 
     # --- typed entry access ---------------------------------------------------------------
-    def _slots(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries idx [n] → (page [n, 1], byte offsets in the page [n, entry_bytes])."""
         spec = self.specs[kind]
         table = torch.tensor(pages, dtype=torch.long, device=idx.device)
         page = table[idx // spec.entries_per_page]
         if bool((page < 0).any()):
             raise RuntimeError(f"{kind}: read of a released page (entries {idx.tolist()[:8]}...)")
-        offset = self._local[kind][layer] * spec.layer_bytes + (idx % spec.entries_per_page) * spec.entry_bytes
-        return page, offset
-
-    def _rows(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        page, offset = self._slots(kind, layer, pages, idx)
-        cols = torch.arange(self.specs[kind].entry_bytes, device=idx.device)
-        return page.unsqueeze(1), (offset.unsqueeze(1) + cols)
+        offsets = self._local[kind][layer] * spec.layer_bytes + spec.slab_offsets(idx % spec.entries_per_page)
+        return page.unsqueeze(1), offsets
 
     def write(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor, values: torch.Tensor) -> None:
         """Store entries `idx` [n] of `layer` from float `values` [n, dim], encoding per format."""

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from model.kernels import check_impl
 from model.kernels.pdl import launch_options, wait
-from model.kernels.pool_io import entry_base, pack_code, store_entry
+from model.kernels.pool_io import entry_base, index_scale_at, pack_code, store_entry
 from model.rope import Rope
 
 
@@ -82,7 +82,7 @@ def compress(proj: torch.Tensor, batch, pools, layer: int, ratio: int, kind: str
         pools.buffers[state_kind], meta.tables[state_kind], meta.tables[state_kind].stride(0), state.page_bytes,
         state_off, state.entry_bytes,
         pools.buffers[kind], meta.tables[kind], meta.tables[kind].stride(0), out.page_bytes,
-        pools._local[kind][layer] * out.layer_bytes, out.entry_bytes,
+        pools._local[kind][layer] * out.layer_bytes, out.entry_stride,
         ape.float().contiguous(), norm_weight.float().contiguous(), rope.inv_freq_on(proj.device), eps, h,
         RATIO=ratio, OVERLAP=overlap, ROWS=rows, BR=min(rows, 16), RING=rows, EPP=out.entries_per_page,
         NOPE=h - rope.dim, ROPE=rope.dim, D=triton.next_power_of_2(h), PACK=pack_code(pools, kind),
@@ -97,7 +97,7 @@ def compress(proj: torch.Tensor, batch, pools, layer: int, ratio: int, kind: str
 @triton.jit
 def _emit_kernel(proj_ptr, stride_p, seq_ptr, pos_ptr, seg_start_ptr,
                  st_buf, st_table, st_tstride, st_page_bytes, st_layer_off, st_row_bytes,
-                 out_buf, out_table, out_tstride, out_page_bytes, out_layer_off, out_entry_bytes,
+                 out_buf, out_table, out_tstride, out_page_bytes, out_layer_off, out_entry_stride,
                  ape_ptr, w_ptr, inv_freq_ptr, eps, h,
                  RATIO: tl.constexpr, OVERLAP: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
                  RING: tl.constexpr, EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, D: tl.constexpr,
@@ -151,8 +151,8 @@ def _emit_kernel(proj_ptr, stride_p, seq_ptr, pos_ptr, seg_start_ptr,
     cos, sin = tl.cos(freq), tl.sin(freq)
     y = tl.reshape(tl.join(tl.where(in_rope, even * cos - odd * sin, even),
                            tl.where(in_rope, odd * cos + even * sin, odd)), (D,))
-    base = entry_base(out_table, out_tstride, seq, n, True, EPP, out_page_bytes, out_layer_off, out_entry_bytes)
-    store_entry(out_buf, base, y, cols, h, NOPE, ROPE, ENTRY_BYTES, D, PACK)
+    base = entry_base(out_table, out_tstride, seq, n, True, EPP, out_page_bytes, out_layer_off, out_entry_stride)
+    store_entry(out_buf, base, y, cols, h, NOPE, ROPE, ENTRY_BYTES, D, PACK, index_scale_at(base, n, EPP, h))
 
 
 @triton.jit

@@ -1,9 +1,13 @@
 """Reading and writing KV-pool entries inside Triton kernels (the layouts of `model.kv_pool`).
 
 A pool is one uint8 buffer [num_pages, page_bytes], page-major, a page laid out
-[layer][entry][entry_bytes]. Entry `j` of a request in layer slot `l` lives at byte
+[layer][entry][entry_bytes]. Entry `j` of a request in layer slot `l` starts at byte
 
-    table[seq, j // entries_per_page] · page_bytes + l · layer_bytes + (j % entries_per_page) · entry_bytes
+    table[seq, j // entries_per_page] · page_bytes + l · layer_bytes + (j % entries_per_page) · entry_stride
+
+where `entry_stride` is `entry_bytes`, except for `fp8_pack` indexer keys (`PoolSpec.split_at`):
+their values fill a block of entries_per_page · c bytes at the start of the layer's part of the
+page, strided by c, and their fp32 scales a block after it (`index_scale_at`).
 
 Entry encodings (`PACK`, a constexpr; `pack_code` maps pool kind and storage format to it):
 
@@ -12,7 +16,7 @@ Entry encodings (`PACK`, a constexpr; `pack_code` maps pool kind and storage for
 | 0 | fp32 values | 4·d |
 | 1 | bf16 values | 2·d |
 | 2 | KV `NopeFp8RopeBf16Pack`: nope e4m3, rope bf16, one UE8M0 byte per 64 nope dims, zero pad | 584 for d=512 |
-| 3 | indexer key: e4m3 values then one fp32 scale (amax/448) | d + 4 |
+| 3 | indexer key: e4m3 values, and one fp32 scale (amax/448) in the page's scale block | d + 4 |
 
 Decoding reproduces `model.quant` exactly (an e4m3 value times a power of two is exact in fp32
 and bf16). Encoding matches it bit for bit except that the UE8M0 exponent is taken from the
@@ -36,7 +40,7 @@ def alignment(pools: KVPools, kind: str) -> int:
     the compiler (`tl.multiple_of`) so entry loads become vector loads, not byte gathers."""
     spec = pools.specs[kind]
     a = 16
-    while a > 1 and (spec.entry_bytes % a or spec.layer_bytes % a or spec.page_bytes % a):
+    while a > 1 and (spec.entry_stride % a or spec.layer_bytes % a or spec.page_bytes % a):
         a //= 2
     return a
 
@@ -52,13 +56,21 @@ def pack_code(pools: KVPools, kind: str) -> int:
 
 
 @triton.jit
-def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page_bytes, layer_off, entry_bytes,
+def entry_base(table_ptr, table_stride, seq, idx, valid, EPP: tl.constexpr, page_bytes, layer_off, entry_stride,
                ALIGN: tl.constexpr = 1):
     """Byte offsets (int64) of entries `idx` of request row `seq` (0 where not `valid`), each a
-    multiple of ALIGN (`alignment`)."""
+    multiple of ALIGN (`alignment`); `entry_stride` is the pool's `PoolSpec.entry_stride`."""
     page = tl.load(table_ptr + seq * table_stride + idx // EPP, mask=valid, other=0)
-    base = page.to(tl.int64) * page_bytes + layer_off + (idx % EPP).to(tl.int64) * entry_bytes
+    base = page.to(tl.int64) * page_bytes + layer_off + (idx % EPP).to(tl.int64) * entry_stride
     return tl.multiple_of(tl.where(valid, base, 0), ALIGN)
+
+
+@triton.jit
+def index_scale_at(base, idx, EPP: tl.constexpr, c):
+    """Byte offset of the fp32 scale of indexer key `idx` (code 3) whose values start at `base`:
+    past the layer's EPP·c value bytes, 4 bytes a slot."""
+    slot = (idx % EPP).to(tl.int64)
+    return base + (EPP - slot) * c + slot * 4
 
 
 @triton.jit
@@ -95,10 +107,7 @@ def load_entries(rows, valid, c0: tl.constexpr, C: tl.constexpr, d, NOPE: tl.con
                         mask=mask & ~nope, other=0.0).to(tl.float32)
             x = tl.where(nope, x, r)
     else:
-        q = tl.load((rows[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask,
-                    other=0.0).to(tl.float32)
-        s = tl.load((rows + d).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-        x = q * s[:, None]
+        tl.static_assert(PACK != 3, "indexer keys (code 3) keep their scales apart: index_scale_at")
     return x
 
 
@@ -112,8 +121,9 @@ def _pow2_ceil(x):
 
 @triton.jit
 def store_entry(buf_ptr, base, v, cols, d, NOPE: tl.constexpr, ROPE: tl.constexpr, ENTRY_BYTES: tl.constexpr,
-                D: tl.constexpr, PACK: tl.constexpr):
-    """Encode one entry `v` fp32 [D] (columns `cols` = arange(D), valid below d) at byte `base`."""
+                D: tl.constexpr, PACK: tl.constexpr, scale_at=0):
+    """Encode one entry `v` fp32 [D] (columns `cols` = arange(D), valid below d) at byte `base`;
+    an indexer key's scale goes to byte `scale_at` (`index_scale_at`; unused by other codes)."""
     valid = cols < d
     if PACK == 0:
         tl.store((buf_ptr + base + 4 * cols).to(tl.pointer_type(tl.float32)), v, mask=valid)
@@ -138,4 +148,4 @@ def store_entry(buf_ptr, base, v, cols, d, NOPE: tl.constexpr, ROPE: tl.constexp
         s = amax / FP8_MAX
         q = tl.clamp(v / s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
         tl.store((buf_ptr + base + cols).to(tl.pointer_type(tl.float8e4nv)), q, mask=valid)
-        tl.store((buf_ptr + base + d).to(tl.pointer_type(tl.float32)), s)
+        tl.store((buf_ptr + scale_at).to(tl.pointer_type(tl.float32)), s)

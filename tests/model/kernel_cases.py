@@ -30,7 +30,7 @@ def fill_random(pools: KVPools, seed: int) -> None:
             width = pools.cfg.head_dim
         values = torch.randn(n, width, generator=g).to(pools.buffers[kind].device)
         raw = pools._encode(kind, values) if kind not in STATE_KINDS else values.view(torch.uint8)
-        pools.buffers[kind].copy_(raw.reshape(spec.num_pages, -1))
+        pools.buffers[kind][:, spec.page_order(raw.device)] = raw.reshape(spec.num_pages, -1)
 
 
 def random_batch(cfg: ModelConfig, pools: KVPools, shapes: list[tuple[int, int]], seed: int,
@@ -55,7 +55,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def unpack_all(pools: KVPools, kind: str) -> torch.Tensor:
     """Decoded view of a whole pool (for comparing two pools' contents)."""
     spec = pools.specs[kind]
-    raw = pools.buffers[kind].cpu().reshape(-1, spec.entry_bytes)
+    raw = pools.buffers[kind].cpu()[:, spec.page_order()].reshape(-1, spec.entry_bytes)
     if kind in STATE_KINDS or pools.format == "fp32":
         return raw.contiguous().view(torch.float32)
     if pools.format == "bf16":

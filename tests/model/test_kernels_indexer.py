@@ -147,3 +147,22 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
         assert got[2].tolist() == list(range(1, 2 * K, 2))
     with pytest.raises(ValueError, match="digit_bits"):
         indexer.top_k(base[None].to(DEVICE), K, digit_bits=3)
+
+
+def test_fp8_key_logits_hold_queries_outside_fp16_range():
+    """FP8 keys multiply in fp16 with each query scaled by a power of two: queries far above
+    fp16's largest value or below its smallest normal, and one whose heads span 2^-20..2^20,
+    score as the fp32 reference does (an unscaled fp16 query would overflow to inf or lose the
+    small queries' bits), and a query's scores scale exactly with it."""
+    _, pools, batch, q, w = indexer_inputs("fp8_pack", seed=39)
+    T = batch.input_ids.shape[0]
+    n_max = max(s.end for s in batch.segments) // 4
+    spread = torch.exp2(torch.linspace(-20, 20, q.shape[1], device=q.device))[None, :, None]
+    for qq in (q * 2.0 ** 20, q * 2.0 ** -30, (q.float() * spread).bfloat16()):
+        full = reference_scores(qq, w, batch, pools, 1)
+        got = indexer.logits(qq, w, batch, pools, 1, slice(0, T), n_max)
+        finite = full.isfinite()
+        assert torch.equal(got.isfinite(), finite)
+        assert rel_err(got[finite], full[finite]) < 1e-5
+    base = indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max)
+    assert torch.equal(indexer.logits(q * 2.0 ** 12, w, batch, pools, 1, slice(0, T), n_max), base * 2.0 ** 12)

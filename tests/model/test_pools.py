@@ -43,6 +43,47 @@ def test_write_read_round_trip(cfg, fmt):
     assert (pools.read("swa", 1, seq.pages["swa"], torch.arange(300)) == 0).all()
 
 
+def test_fp8_indexer_keys_keep_values_and_scales_in_separate_blocks(cfg):
+    """A page's layer part holds the indexer keys' FP8 values back to back, then their scales
+    (seed 001's paged indexer layout): entry e's values at e·c, its scale at EPP·c + 4e."""
+    pools = KVPools(cfg, "fp8_pack", page_size=256, max_tokens=1024, max_seqs=1)
+    spec, c = pools.specs["c4_indexer"], cfg.index_head_dim
+    assert spec.split_at == c and spec.entry_stride == c and spec.layer_bytes == spec.entries_per_page * (c + 4)
+    seq = SeqKV()
+    pools.reserve(seq, 1024)
+    layer = cfg.layers_with_ratio(4)[-1]
+    idx = torch.tensor([0, 5, 64 + 63, 3 * 64 + 17])  # slots 0, 5, 63, 17 of pages 0, 0, 1, 3
+    x = torch.randn(len(idx), c, generator=torch.Generator().manual_seed(2)) * torch.tensor([[1.0], [8.0], [0.25], [3.0]])
+    pools.write("c4_indexer", layer, seq.pages["c4_indexer"], idx, x)
+    packed = quant.pack_index_key(x)
+    part = pools._local["c4_indexer"][layer] * spec.layer_bytes
+    for i, j in enumerate(idx.tolist()):
+        page = pools.buffers["c4_indexer"][seq.pages["c4_indexer"][j // 64]]
+        slot = j % 64
+        assert torch.equal(page[part + slot * c:part + (slot + 1) * c], packed[i, :c])
+        scale_at = part + 64 * c + 4 * slot
+        assert torch.equal(page[scale_at:scale_at + 4], packed[i, c:])
+    got = pools.read("c4_indexer", layer, seq.pages["c4_indexer"], idx)
+    assert torch.equal(got, quant.unpack_index_key(packed, c))
+    # page_order lays a whole page's entries out the same way
+    order = spec.page_order()
+    assert sorted(order.tolist()) == list(range(spec.page_bytes))
+    page = pools.buffers["c4_indexer"][seq.pages["c4_indexer"][0]]
+    logical = page[order].reshape(-1, c + 4)
+    assert torch.equal(logical[pools._local["c4_indexer"][layer] * 64 + 5], packed[1])
+    # other kinds and formats keep whole entries
+    assert pools.specs["c4"].split_at == 0
+    assert KVPools(cfg, "bf16", page_size=256, max_tokens=256, max_seqs=1).specs["c4_indexer"].split_at == 0
+
+
+def test_page_encoding_names_the_indexer_layout(cfg):
+    """Peers compare it in the transfer handshake: pages of the whole-entry layout must not mix in."""
+    from cluster.kv_link import layout_of
+    fp8 = KVPools(cfg, "fp8_pack", page_size=256, max_tokens=256, max_seqs=1)
+    assert layout_of(fp8).storage_format == "fp8_pack/index-split"
+    assert layout_of(KVPools(cfg, "bf16", page_size=256, max_tokens=256, max_seqs=1)).storage_format == "bf16"
+
+
 def test_accounting_returns_to_idle(cfg):
     pools = KVPools(cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
     idle = pools.idle_free()
