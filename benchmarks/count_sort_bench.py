@@ -4,7 +4,7 @@ its other programs, the `preorder` copy of x the FP4 experts read (kernels/moe_t
 
     python benchmarks/count_sort_bench.py --out count_sort.json
 
-Each launch is timed as the mean over a CUDA graph of 50 launches (`gpu_ceilings.bench_graph`), at 1,
+Each launch is timed from replays of a CUDA graph of 50 launches (`gpu_ceilings.bench_graph`), at 1,
 2, 4 and 8 warps and, for comparison, as the sort's program alone (no copy programs).
 """
 

@@ -195,7 +195,7 @@ class KVPools:
     def page_encoding(self) -> str:
         """The storage format with its page layout: peers exchange pages only when these match
         (an `fp8_pack` page of the whole-entry indexer layout reads as garbage in this one)."""
-        return f"{self.format}/index-split" if self.format == "fp8_pack" else self.format
+        return f"{self.format}/index-split" if self.specs["c4_indexer"].split_at else self.format
 
     def kinds_for(self) -> tuple[str, ...]:
         """Kinds that actually hold layers for this model (others stay empty)."""
