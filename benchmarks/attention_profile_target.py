@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.flash_model import decode_batch, decode_pools  # noqa: E402
-from benchmarks.kernel_bench import CFG, D, H  # noqa: E402
+from benchmarks.decode_attention_sweep import attention_inputs  # noqa: E402
+from benchmarks.kernel_bench import CFG  # noqa: E402
 from model.kernels import indexer, sparse_attention  # noqa: E402
 from model.rope import Rope  # noqa: E402
 
@@ -33,11 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     B, C = args.batch, args.context
     g = torch.Generator(device="cuda").manual_seed(0)
-    pools, seqs = decode_pools(CFG, 4, B, C)
-    batch = decode_batch(seqs)
-    q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
-    sink = torch.randn(H, device="cuda", generator=g)
-    picks = torch.randint(0, (C + 1) // 4, (B, 512), device="cuda", generator=g).int()
+    pools, batch, q, sink, picks = attention_inputs(B, C, g)
     rope = Rope.for_layer(CFG, True)
     qi = torch.randn(B, 64, 128, device="cuda", generator=g).bfloat16()
     wi = torch.randn(B, 64, device="cuda", generator=g)

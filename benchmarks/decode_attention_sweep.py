@@ -42,6 +42,16 @@ LOGITS = [(64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 
 SELECT = [(None, None), (1, None), (4, None), (2, 4), (2, 8), (4, 8), (1, 8)]
 
 
+def attention_inputs(B: int, C: int, g: torch.Generator):
+    """fp8_pack pools of 4 layers for B requests of C tokens, their decode batch, and random
+    queries q [B, H, D] bf16, sinks [H] and a CSA layer's picks [B, 512] (drawn from g in that order)."""
+    pools, seqs = decode_pools(CFG, 4, B, C)
+    q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    picks = torch.randint(0, (C + 1) // 4, (B, 512), device="cuda", generator=g).int()
+    return pools, decode_batch(seqs), q, sink, picks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -53,11 +63,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for B in args.batches:
-        pools, seqs = decode_pools(CFG, 4, B, C)
-        batch = decode_batch(seqs)
-        q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
-        sink = torch.randn(H, device="cuda", generator=g)
-        picks = torch.randint(0, (C + 1) // 4, (B, 512), device="cuda", generator=g).int()
+        pools, batch, q, sink, picks = attention_inputs(B, C, g)
         rope = Rope.for_layer(CFG, True)
         for ratio, layer, pk in () if args.skip_attention else ((4, 2, picks), (128, 3, None)):
             ref = None
