@@ -39,7 +39,7 @@ from model.kernels import mhc_kernels  # noqa: E402
 
 HC, D, MIX, LAYERS = 4, 4096, 24, 30
 TAIL = "    # every partial in one load (a fixed-shape sum: deterministic)\n"
-COLLAPSE = "    # the collapse of the settled streams"
+COLLAPSE = "    _collapse(total"
 
 
 def variant_source(name: str) -> str:

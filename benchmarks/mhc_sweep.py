@@ -1,13 +1,14 @@
 """Launch-shape sweep of the mHC entry kernels at V4-Flash width (4 streams × 4096): the mixes
-kernel's tokens per program, K per step, warps, K splits, and up to 8 tokens the one-launch
-kernel's columns per program. GPU time per sub-block entry as the model runs it (`sublayer_input`:
-the pending hc_post, mixes, Sinkhorn, collapse and RMSNorm) and the bandwidth of its compulsory
+kernel's tokens per program, K per step, warps, K splits, up to 8 tokens the one-launch
+kernel's columns per program, and from 3 to 1024 tokens the two-launch batch entry's tokens and
+columns per program. GPU time per sub-block entry as the model runs it (`sublayer_input`: the
+pending hc_post, mixes, Sinkhorn, collapse and RMSNorm) and the bandwidth of its compulsory
 bytes (fn, the old streams, the sub-block output, the new streams written and read back, the
-normed row); decode sizes (up to 256 tokens) are timed from CUDA-graph replays, where a call's
+normed row); decode sizes (up to 1024 tokens) are timed from CUDA-graph replays, where a call's
 launch overhead would otherwise dominate, and also sweep K splits up to 64.
 
     python benchmarks/mhc_sweep.py --out $OUT/mhc_sweep.json --tokens 8192
-    python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 2 4 64 256
+    python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 2 4 64 256 --warps 4
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--columns", type=int, nargs="+", default=[16, 32, 64],
                     help="D columns per program of the few-token kernel (up to 8 tokens)")
     ap.add_argument("--splits", type=int, nargs="+", help="K splits (default: by token count; 0 = the heuristic)")
+    ap.add_argument("--batch-columns", type=int, nargs="+", default=[16, 32, 64, 128],
+                    help="D columns per program of the two-launch batch entry (3 to 512 tokens)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(MIX, HC * D, device="cuda", generator=g) / (HC * D) ** 0.5
@@ -57,7 +60,7 @@ def main() -> None:
         ref = entry("torch")
         nbytes = fn.numel() * 4 + T * D * 2 * (3 * HC + 2)
         default = mhc.MIX_TILES
-        decode = T <= 256
+        decode = T <= 1024
         splits = ([sp or None for sp in args.splits] if args.splits else
                   (None, 2, 4, 8, 16, 32, 64) if decode else (None, 2, 4))
         bts = args.bt or ((16, 32, 64, 128) if not decode else (16, 32, 64) if T >= 64 else (16,))
@@ -65,8 +68,13 @@ def main() -> None:
                            itertools.product(bts, args.bk, args.warps, splits)]
         if T <= 8:  # the one-launch kernel of a few tokens
             shapes += [mhc.SmallTiles(cd, nw) for cd, nw in itertools.product(args.columns, args.warps)]
+        if mhc.SMALL_TOKENS < T <= 2 * mhc.BATCH_TOKENS:  # the two-launch batch entry
+            shapes += [mhc.BatchTiles(bt, cd, nw) for bt, cd, nw in
+                       itertools.product((16, 32, 64), args.batch_columns, args.warps) if bt <= max(16, T)]
         for tiles in shapes:
-            row = {"tokens": T, "tiles": str(tiles or (mhc.SMALL_TILES if T <= mhc.SMALL_TOKENS else default)),
+            implied = (mhc.SMALL_TILES if T <= mhc.SMALL_TOKENS else mhc.BATCH_TILES if T <= mhc.BATCH_TOKENS
+                       else default)
+            row = {"tokens": T, "tiles": str(tiles or implied),
                    "default": tiles is None}
             try:
                 call = lambda: entry("triton", tiles)  # noqa: E731

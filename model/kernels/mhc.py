@@ -18,12 +18,18 @@ as ~55 small torch ops. The kernels (kernels/mhc_kernels.py):
   one token. Post and the Sinkhorn comb, which only the next entry reads, come from
   `_post_comb_kernel`, on a side stream beside the sub-block when the caller gives an
   `EntryScratch` (the block does);
-* from more tokens, `_post_kernel`, then `_mix_kernel`: the skinny mixes GEMM on the tensor cores
-  with Σx² for the RMS factor, its K split over programs when there are few tokens (one block of
-  tokens would otherwise run the whole 16K-long dot alone), then `_pre_kernel`: the partial sums
-  added in split order (deterministic), every Sinkhorn iteration in registers and the collapse,
-  and the RMSNorm. The mixes GEMM splits fn into bf16 hi + lo parts (the streams are bf16 on
-  the GPU, exact there), which keeps fp32-level accuracy at bf16 speed.
+* up to `BATCH_TOKENS` tokens (a decode batch), two launches: `_settle_mix_kernel`, whose
+  programs each own a token block and D columns of every stream, settle them and take their
+  share of the mixes on the tensor cores, then `_collapse_kernel`, a program a token: the
+  partial mixes added in one fixed-shape sum, the normed collapse, post and the Sinkhorn comb;
+* from more tokens (prefill), `_post_kernel`, then `_mix_kernel`: the skinny mixes GEMM on the
+  tensor cores with Σx² for the RMS factor, its K split over programs when there are few token
+  blocks, then `_pre_kernel`: the partial sums added in split order (deterministic), every
+  Sinkhorn iteration in registers and the collapse, and the RMSNorm.
+
+The tensor-core mixes split fn into bf16 hi + lo parts (the streams are bf16 on the GPU, exact
+there), which keeps fp32-level accuracy at bf16 speed. The three paths round differently, so
+an entry's bits depend on which one its token count selects.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import torch.nn.functional as F
 import triton
 
 from model.kernels import arrival_counter, check_impl, rmsnorm
-from model.kernels.mhc_kernels import _entry_small_kernel, _mix_kernel, _post_comb_kernel, _post_kernel, _pre_kernel
+from model.kernels.mhc_kernels import (_collapse_kernel, _entry_small_kernel, _mix_kernel, _post_comb_kernel,
+                                      _post_kernel, _pre_kernel, _settle_mix_kernel)
 from model.kernels.pdl import launch_options
 from model.side_stream import SideStream, fork, join
 
@@ -127,6 +134,29 @@ class SmallTiles:
 # the collapse in chunks) 26.9 against 20.0
 SMALL_TOKENS = 2
 SMALL_TILES = SmallTiles()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchTiles:
+    """Launch shape of a decode batch's two-launch entry (`_settle_mix_kernel`, `_collapse_kernel`):
+    tokens per program (>= 16, the tensor cores' tile), D columns per program of every stream, warps."""
+    bt: int = 64
+    columns: int = 32
+    num_warps: int = 4
+
+
+# Up to this many tokens an entry is `_settle_mix_kernel` then `_collapse_kernel` (a program a
+# token), in place of post, mixes, Sinkhorn with the collapse, and the norm. H200, graph replays of
+# the entry with a pending hc_post (benchmarks/mhc_sweep.py, the four launches' best tiles against
+# these): 3 / 16 / 64 / 256 tokens 21.1 / 22.1 / 19.7 / 25.8 µs → 9.7 / 10.3 / 11.6 / 20.0; at 512
+# 40.7 against 47.4. 16-token programs up to 16 tokens, 64 above (at 64 tokens 15.3 µs with 16).
+BATCH_TOKENS = 256
+BATCH_TILES = BatchTiles()
+
+
+def batch_tiles(tokens: int) -> BatchTiles:
+    """The default `BatchTiles` of an entry of `tokens` tokens."""
+    return BatchTiles(bt=16) if tokens <= 16 else BATCH_TILES
 
 
 class EntryScratch:
@@ -221,8 +251,8 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
            norm_eps: float = 0.0, arrivals: torch.Tensor | None = None, tiles: "MixTiles | SmallTiles | None" = None,
            scratch: "EntryScratch | None" = None):
     """The kernels' sub-block entry → (streams x, collapsed [T, D] (RMSNormed with `norm_weight`
-    when given), post, comb): one launch up to `SMALL_TOKENS` tokens, else hc_post (when pending),
-    the mixes, Sinkhorn with the collapse, and the norm (when given)."""
+    when given), post, comb): one launch up to `SMALL_TOKENS` tokens, two up to `BATCH_TOKENS`,
+    else hc_post (when pending), the mixes, Sinkhorn with the collapse, and the norm (when given)."""
     T, _, D = res.x.shape
     if hc * hc != 16:
         raise ValueError(f"the mHC kernel is written for hc_mult 4, got {hc}")
@@ -257,6 +287,9 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
                 _post_comb_kernel[(1,)](mix, base, scale, post, comb, T, hc * D, iters, hc_eps, rms_eps, HC=hc, BT=bt,
                                         NR=32, NP=16, num_warps=4, **launch_options(mix))
         return x, out, post, comb
+    if isinstance(tiles, BatchTiles) or (T <= BATCH_TOKENS and tiles is None):
+        return _enter_batch(res, xp, fn, base, scale, post, comb, out, iters, hc_eps, rms_eps, head, norm_weight,
+                            norm_eps, tiles or batch_tiles(T))
     x = hc_post(res.out, xp, res.post, res.comb, "triton") if pending else xp
     tiles = tiles or MIX_TILES
     blocks, k_steps = triton.cdiv(T, tiles.bt), triton.cdiv(hc * D, tiles.bk)
@@ -278,4 +311,28 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
         HC=hc, BT=bt, NP=16, BD=bd, SPLIT=split, HEAD=head, num_warps=4, **launch_options(x))
     if norm_weight is not None:
         out = rmsnorm.rms_norm(out, norm_weight, norm_eps, "triton")
+    return x, out, post, comb
+
+
+def _enter_batch(res: Residual, xp, fn, base, scale, post, comb, out, iters, hc_eps, rms_eps, head: bool,
+                 norm_weight, norm_eps: float, tiles: BatchTiles):
+    """`_enter` for a decode batch in two launches: settle and mixes split over token blocks and
+    D columns, then a program a token adds the partial mixes and writes the normed collapse,
+    post and comb."""
+    T, hc, D = xp.shape
+    pending = res.out is not None
+    x = torch.empty_like(xp) if pending else xp
+    o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
+                       else (xp, post, comb))  # unread without a pending output
+    split = triton.cdiv(D, tiles.columns)
+    partial = torch.empty(split, T, 32, dtype=torch.float32, device=xp.device)  # mixes | Σx², per column chunk
+    _settle_mix_kernel[(triton.cdiv(T, tiles.bt), split)](
+        x, xp, o, postp, combp, fn, partial, T, D, HC=hc, BT=tiles.bt, CD=tiles.columns, NR=32, HEAD=head,
+        POST=pending, ROUND_BF16=xp.dtype == torch.bfloat16, X_FP32=xp.dtype == torch.float32,
+        num_warps=tiles.num_warps, **launch_options(xp))
+    _collapse_kernel[(T,)](
+        x, partial, base, scale, fn if norm_weight is None else norm_weight, out, post, comb, T, D, iters, hc_eps,
+        rms_eps, norm_eps, HC=hc, NR=32, NP=16, BD=triton.next_power_of_2(D), SPLIT=split,
+        SPLIT_PAD=triton.next_power_of_2(split), HEAD=head, NORM=norm_weight is not None, num_warps=4,
+        **launch_options(xp))
     return x, out, post, comb

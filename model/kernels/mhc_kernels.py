@@ -2,9 +2,12 @@
 
 `_entry_small_kernel` is a whole sub-block entry of a few tokens in one launch: the previous
 sub-block's pending `hc_post`, the mixes, pre / post / Sinkhorn comb, the collapse and its RMSNorm.
+A decode batch's entry is `_settle_mix_kernel` (hc_post and the mixes, split over token blocks and
+D columns) and `_collapse_kernel` (a program a token: the collapse, its RMSNorm, post and comb).
 From more tokens the entry is `_post_kernel` (hc_post), `_mix_kernel` (the mixes on the tensor
 cores, K split over programs when there are few token blocks) and `_pre_kernel` (pre / post /
-Sinkhorn comb and the collapse), then the RMSNorm (kernels/rmsnorm.py).
+Sinkhorn comb and the collapse), then the RMSNorm (kernels/rmsnorm.py). The Sinkhorn chain is
+kernels/sinkhorn.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.pdl import wait
+from model.kernels.sinkhorn import entry, sinkhorn
 
 
 @triton.jit
@@ -83,6 +87,83 @@ def _mix_kernel(x_ptr, fn_ptr, out_ptr, T, D, HC: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
+def _settle(o_ptr, xp_ptr, postp_ptr, combp_ptr, t, tmask, d, D, HC: tl.constexpr, BT: tl.constexpr,
+            CD: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Columns d [CD] of every stream of tokens t [BT], the pending hc_post applied (fp32 [BT, HC, CD],
+    rounded where the reference rounds): post ⊗ out + combᵀ · x."""
+    t64 = t.to(tl.int64)
+    s = tl.arange(0, HC)
+    K = HC * D
+    dm = tmask[:, None] & (d < D)[None, :]
+    o = tl.load(o_ptr + t64[:, None] * D + d[None, :], mask=dm, other=0.0).to(tl.float32)
+    pst = _rounded(tl.load(postp_ptr + t[:, None] * HC + s[None, :], mask=tmask[:, None], other=0.0), ROUND_BF16)
+    mixed = tl.zeros((BT, HC, CD), tl.float32)
+    for j in tl.static_range(HC):  # Σⱼ comb[j, i]·xⱼ
+        xj = tl.load(xp_ptr + t64[:, None] * K + j * D + d[None, :], mask=dm, other=0.0).to(tl.float32)
+        cj = tl.load(combp_ptr + t[:, None] * (HC * HC) + j * HC + s[None, :], mask=tmask[:, None], other=0.0)
+        mixed += _rounded(cj, ROUND_BF16)[:, :, None] * xj[:, None, :]
+    scaled = pst[:, :, None] * o[:, None, :]
+    return _rounded(scaled, ROUND_BF16) + _rounded(mixed, ROUND_BF16)
+
+
+@triton.jit
+def _column_share(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, t, tmask, p, D, HC: tl.constexpr,
+                  BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, HEAD: tl.constexpr, POST: tl.constexpr,
+                  ROUND_BF16: tl.constexpr):
+    """A program's share of an entry, D columns [p·CD, (p+1)·CD) of every stream: fn's columns there
+    (rows padded to NR, [NR, HC·CD] fp32; the largest load, issued first: independent of the
+    streams) and those columns of tokens t, settled (POST, and written to x) or read ([BT, HC·CD]
+    fp32, stream-major like fn's columns)."""
+    t64 = t.to(tl.int64)
+    K = HC * D
+    s = tl.arange(0, HC)
+    d = p * CD + tl.arange(0, CD)
+    c = tl.arange(0, HC * CD)
+    r = tl.arange(0, NR)
+    n_rows = HC if HEAD else (2 + HC) * HC
+    f = tl.load(fn_ptr + r[:, None] * K + (c // CD * D + p * CD + c % CD)[None, :],
+                mask=(r < n_rows)[:, None] & ((p * CD + c % CD) < D)[None, :], other=0.0)
+    ptrs = x_ptr + t64[:, None, None] * K + s[None, :, None] * D + d[None, None, :]  # [BT, HC, CD]
+    m3 = tmask[:, None, None] & (d < D)[None, None, :]
+    if POST:
+        xs = _settle(o_ptr, xp_ptr, postp_ptr, combp_ptr, t, tmask, d, D, HC, BT, CD, ROUND_BF16)
+        xs = xs.to(x_ptr.dtype.element_ty)
+        tl.store(ptrs, xs, mask=m3)
+    else:
+        xs = tl.load(ptrs, mask=m3, other=0.0)
+    return f, tl.reshape(xs.to(tl.float32), (BT, HC * CD))
+
+
+@triton.jit
+def _collapse(total, r, t64, tmask, x_ptr, w_ptr, out_ptr, base_ptr, scale_ptr, D, hc_eps, rms_eps, norm_eps,
+              HC: tl.constexpr, BT: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+              NORM: tl.constexpr):
+    """From the full mixes total [BT, NR] (Σx² in column NR - 1) of tokens t64: pre, and the collapse
+    Σᵢ preᵢ·xᵢ of the settled streams x, rounded to x's dtype and RMSNormed with w (NORM) → out
+    [T, D]; BD >= D, whole rows: four independent stream loads in flight, the norm from registers.
+    The loads bypass L1: in a one-launch entry other programs wrote x (published before their
+    release)."""
+    K = HC * D
+    cols = tl.arange(0, NP)
+    a_pre = _group(total, r, cols, 0, HC)
+    sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
+    pre, _ = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
+    dd = tl.arange(0, BD)
+    dm = tmask[:, None] & (dd < D)[None, :]
+    acc = tl.zeros((BT, BD), tl.float32)
+    for i in tl.static_range(HC):
+        xi = tl.load(x_ptr + t64[:, None] * K + i * D + dd[None, :], mask=dm, other=0.0, cache_modifier=".cg")
+        acc += entry(pre, cols, i)[:, None] * xi.to(tl.float32)
+    col = acc.to(out_ptr.dtype.element_ty)
+    if NORM:
+        cf = col.to(tl.float32)
+        w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        scale = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + norm_eps)
+        col = (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
+
+
+@triton.jit
 def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
                         w_ptr, out_ptr, mix_ptr, T, D, hc_eps, rms_eps, norm_eps,
                         HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr,
@@ -105,33 +186,9 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     t = tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
-    K = HC * D
-    s = tl.arange(0, HC)
-    d = p * CD + tl.arange(0, CD)
-    m3 = tmask[:, None, None] & (d < D)[None, None, :]
-    ptrs = x_ptr + t64[:, None, None] * K + s[None, :, None] * D + d[None, None, :]  # [BT, HC, CD]
-    # this program's fn columns first: the largest load, independent of the streams
-    c = tl.arange(0, HC * CD)
     r = tl.arange(0, NR)
-    n_rows = HC if HEAD else (2 + HC) * HC
-    f = tl.load(fn_ptr + r[:, None] * K + (c // CD * D + p * CD + c % CD)[None, :],
-                mask=(r < n_rows)[:, None] & ((p * CD + c % CD) < D)[None, :], other=0.0)  # [NR, HC·CD]
-    if POST:
-        o = tl.load(o_ptr + t64[:, None] * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        pst = tl.load(postp_ptr + t[:, None] * HC + s[None, :], mask=tmask[:, None], other=0.0)
-        pst = _rounded(pst, ROUND_BF16)
-        mixed = tl.zeros((BT, HC, CD), tl.float32)
-        for j in tl.static_range(HC):  # Σⱼ comb[j, i]·xⱼ
-            xj = tl.load(xp_ptr + t64[:, None] * K + j * D + d[None, :], mask=tmask[:, None] & (d < D)[None, :],
-                         other=0.0).to(tl.float32)
-            cj = tl.load(combp_ptr + t[:, None] * (HC * HC) + j * HC + s[None, :], mask=tmask[:, None], other=0.0)
-            mixed += _rounded(cj, ROUND_BF16)[:, :, None] * xj[:, None, :]
-        scaled = pst[:, :, None] * o[:, None, :]
-        xs = (_rounded(scaled, ROUND_BF16) + _rounded(mixed, ROUND_BF16)).to(x_ptr.dtype.element_ty)
-        tl.store(ptrs, xs, mask=m3)
-    else:
-        xs = tl.load(ptrs, mask=m3, other=0.0)
-    xf = tl.reshape(xs.to(tl.float32), (BT, HC * CD))
+    f, xf = _column_share(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, t, tmask, p, D, HC, BT, CD, NR, HEAD,
+                          POST, ROUND_BF16)
     mixes = tl.sum(xf[:, None, :] * f[None, :, :], axis=2)  # [BT, NR]
     mixes = tl.where(r[None, :] == NR - 1, tl.sum(xf * xf, axis=1)[:, None], mixes)
     tl.store(part_ptr + p * BT * NR + t64[:, None] * NR + r[None, :], mixes, cache_modifier=".cg")  # [SPLIT, BT, NR]
@@ -147,25 +204,61 @@ def _entry_small_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part
     total = tl.sum(tl.load(rows, mask=(j < SPLIT)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
     if not HEAD:
         tl.store(mix_ptr + t64[:, None] * NR + r[None, :], total)
-    cols = tl.arange(0, NP)
-    a_pre = _group(total, r, cols, 0, HC)
-    sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
-    pre, _ = _pre_weights(a_pre, sq, K, base_ptr, scale_ptr, hc_eps, rms_eps, HC, NP)
-    # the collapse of the settled streams (every program's x, published before its release): the
-    # whole rows at once, four independent stream loads in flight, the norm from registers
-    dd = tl.arange(0, BD)
-    dm = tmask[:, None] & (dd < D)[None, :]
-    acc = tl.zeros((BT, BD), tl.float32)
-    for i in tl.static_range(HC):
-        xi = tl.load(x_ptr + t64[:, None] * K + i * D + dd[None, :], mask=dm, other=0.0, cache_modifier=".cg")
-        acc += _entry(pre, cols, i)[:, None] * xi.to(tl.float32)
-    col = acc.to(out_ptr.dtype.element_ty)
-    if NORM:
-        cf = col.to(tl.float32)
-        w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-        scale = tl.rsqrt(tl.sum(cf * cf, axis=1) / D + norm_eps)
-        col = (w[None, :] * cf * scale[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t64[:, None] * D + dd[None, :], col, mask=dm)
+    _collapse(total, r, t64, tmask, x_ptr, w_ptr, out_ptr, base_ptr, scale_ptr, D, hc_eps, rms_eps, norm_eps,
+              HC, BT, NR, NP, BD, NORM)
+
+
+@triton.jit
+def _settle_mix_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_ptr, T, D,
+                       HC: tl.constexpr, BT: tl.constexpr, CD: tl.constexpr, NR: tl.constexpr, HEAD: tl.constexpr,
+                       POST: tl.constexpr, ROUND_BF16: tl.constexpr, X_FP32: tl.constexpr, PDL: tl.constexpr = False):
+    """The first launch of a decode batch's entry. Program (b, p) owns tokens [b·BT, (b+1)·BT) and
+    D columns [p·CD, (p+1)·CD) of every stream: it settles them (POST) and writes them to x, and
+    takes their share of the mixes on the tensor cores (fn split into bf16 hi + lo as `_fn_dot`
+    does, fn rows padded to NR, Σx² in column NR - 1) → part[p, t] [NR]. One K step a program:
+    the K split is over programs, so a batch of 64 tokens has 4096 / CD of them, where a chain of
+    K steps in `_mix_kernel` kept the GPU a quarter busy."""
+    wait(PDL)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    p = tl.program_id(1)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    r = tl.arange(0, NR)
+    f, xf = _column_share(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, t, tmask, p, D, HC, BT, CD, NR, HEAD,
+                          POST, ROUND_BF16)
+    x_hi, x_lo = _split(xf)
+    f_hi, f_lo = _split(f)
+    mixes = tl.dot(x_hi, tl.trans(f_hi)) + tl.dot(x_hi, tl.trans(f_lo))  # [BT, NR]
+    if X_FP32:
+        mixes += tl.dot(x_lo, tl.trans(f_hi))
+    mixes = tl.where(r[None, :] == NR - 1, tl.sum(xf * xf, axis=1)[:, None], mixes)
+    tl.store(part_ptr + (p * T + t64)[:, None] * NR + r[None, :], mixes, mask=tmask[:, None])
+
+
+@triton.jit
+def _collapse_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps,
+                     rms_eps, norm_eps, HC: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+                     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """The second launch of a decode batch's entry, a program a token: the SPLIT partial mixes of
+    `_settle_mix_kernel` added in one fixed-shape sum (deterministic), the collapse and its
+    RMSNorm (`_collapse`), then (unless HEAD) post and the Sinkhorn comb."""
+    wait(PDL)
+    t = tl.program_id(0) + tl.arange(0, 1)
+    t64 = t.to(tl.int64)
+    tmask = t < T
+    r = tl.arange(0, NR)
+    j = tl.arange(0, SPLIT_PAD)
+    rows = part_ptr + ((j * T)[:, None, None] + t64[None, :, None]) * NR + r[None, None, :]  # [SPLIT_PAD, 1, NR]
+    total = tl.sum(tl.load(rows, mask=(j < SPLIT)[:, None, None], other=0.0), axis=0)
+    _collapse(total, r, t64, tmask, x_ptr, w_ptr, out_ptr, base_ptr, scale_ptr, D, hc_eps, rms_eps, norm_eps,
+              HC, 1, NR, NP, BD, NORM)
+    if not HEAD:
+        cols = tl.arange(0, NP)
+        sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
+        _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC),
+                         _rms_factor(sq, HC * D, rms_eps), t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters,
+                         hc_eps, HC, NP)
 
 
 @triton.jit
@@ -219,76 +312,8 @@ def _store_post_comb(a_post, a_comb, r, tok, tmask, base_ptr, scale_ptr, post_pt
                                                                           other=0.0))
     tl.store(post_ptr + tok[:, None] * HC + cols[None, :], post, mask=tmask[:, None] & (cols < HC)[None, :])
     logit = a_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cols, mask=cols < HC * HC, other=0.0)
-    tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], _sinkhorn(logit, cols, iters, hc_eps),
+    tl.store(comb_ptr + tok[:, None] * (HC * HC) + cols[None, :], sinkhorn(logit, cols, iters, hc_eps),
              mask=tmask[:, None])
-
-
-@triton.jit
-def _entry(m, cols, k: tl.constexpr):
-    """Column k of m [BT, 16] as a [BT] vector."""
-    return tl.sum(tl.where(cols[None, :] == k, m, 0.0), axis=1)
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - top), tl.exp(b - top), tl.exp(c - top), tl.exp(d - top)
-    r = 1.0 / (a + b + c + d)
-    return a * r + eps, b * r + eps, c * r + eps, d * r + eps
-
-
-@triton.jit
-def _normalize4(a, b, c, d, eps):
-    # one reciprocal and four products, not four divisions: a division is a MUFU instruction, of
-    # which an sm_90 SM partition issues one a warp every 8 cycles, and the Sinkhorn chain is the
-    # serial tail of a decode step's entry (H200: 20 iterations 4.2 → 3.3 µs, the entry 13.0 → 12.1;
-    # benchmarks/mhc_entry_parts.py)
-    r = 1.0 / (a + b + c + d + eps)
-    return a * r, b * r, c * r, d * r
-
-
-@triton.jit
-def _sinkhorn(logit, cols, iters, eps):
-    """logit [BT, 16] (4×4 row-major per token) → softmax over each row, + eps, then Sinkhorn-Knopp
-    (columns first, then rows / columns alternately, `iters` column normalisations in all).
-
-    The 16 entries are held as 16 [BT] vectors, so every step is elementwise in registers: on a
-    [BT, 4, 4] tensor each of the 40 sums of the chain would be a shuffle between threads, and
-    the chain is the longest serial stretch of a decode step's mHC entry."""
-    c00, c01, c02, c03 = _softmax4(_entry(logit, cols, 0), _entry(logit, cols, 1), _entry(logit, cols, 2),
-                                   _entry(logit, cols, 3), eps)
-    c10, c11, c12, c13 = _softmax4(_entry(logit, cols, 4), _entry(logit, cols, 5), _entry(logit, cols, 6),
-                                   _entry(logit, cols, 7), eps)
-    c20, c21, c22, c23 = _softmax4(_entry(logit, cols, 8), _entry(logit, cols, 9), _entry(logit, cols, 10),
-                                   _entry(logit, cols, 11), eps)
-    c30, c31, c32, c33 = _softmax4(_entry(logit, cols, 12), _entry(logit, cols, 13), _entry(logit, cols, 14),
-                                   _entry(logit, cols, 15), eps)
-    c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
-    for _ in range(iters - 1):
-        c00, c01, c02, c03 = _normalize4(c00, c01, c02, c03, eps)
-        c10, c11, c12, c13 = _normalize4(c10, c11, c12, c13, eps)
-        c20, c21, c22, c23 = _normalize4(c20, c21, c22, c23, eps)
-        c30, c31, c32, c33 = _normalize4(c30, c31, c32, c33, eps)
-        c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
-        c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
-        c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
-        c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
-    out = _place4(logit * 0.0, cols, 0, c00, c01, c02, c03)
-    out = _place4(out, cols, 4, c10, c11, c12, c13)
-    out = _place4(out, cols, 8, c20, c21, c22, c23)
-    return _place4(out, cols, 12, c30, c31, c32, c33)
-
-
-@triton.jit
-def _place4(m, cols, k0: tl.constexpr, a, b, c, d):
-    """m [BT, 16] with columns k0 .. k0+3 set to the [BT] vectors a, b, c, d."""
-    m = tl.where(cols[None, :] == k0, a[:, None], m)
-    m = tl.where(cols[None, :] == k0 + 1, b[:, None], m)
-    m = tl.where(cols[None, :] == k0 + 2, c[:, None], m)
-    return tl.where(cols[None, :] == k0 + 3, d[:, None], m)
 
 
 @triton.jit

@@ -38,13 +38,16 @@ def test_hc_pre_matches_reference(dtype, T):
 @pytest.mark.parametrize("tiles, T", [(mhc.MixTiles(bt=64), 70), (mhc.MixTiles(bt=32, bk=64, split=3), 70),
                                       (mhc.MixTiles(bt=16, split=2, num_warps=8, collapse_split=3), 70),
                                       (mhc.MixTiles(bt=16), 1), (mhc.SmallTiles(columns=32, num_warps=4), 2),
-                                      (mhc.SmallTiles(columns=64, num_warps=8), 7)], ids=str)
+                                      (mhc.SmallTiles(columns=64, num_warps=8), 7),
+                                      (mhc.BatchTiles(bt=16, columns=64), 70), (mhc.BatchTiles(bt=64, columns=16), 3),
+                                      (mhc.BatchTiles(bt=32, columns=32, num_warps=8), 1)], ids=str)
 def test_hc_pre_launch_shapes_agree(dtype, tiles, T):
     """Every launch shape (tokens per program, K per step, K splits, warps, D splits of the
     collapse) computes the same outputs: 70 tokens leave a partial token block, D = 200 a partial
     K step; 3 collapse splits of D = 200 give a full chunk, a partial one and an empty one. The
-    one-launch kernel of a few tokens (a partial column chunk at D = 200), and the mixes kernel
-    at one token, take what the other would."""
+    one-launch kernel of a few tokens (a partial column chunk at D = 200), the mixes kernel at one
+    token, and the two-launch batch entry (partial token blocks and column chunks) take what the
+    others would."""
     g = torch.Generator().manual_seed(45)
     hc, D = 4, 200
     x = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
@@ -127,6 +130,8 @@ def test_head_input_matches_reference():
     ref = mhc.head_input(res, fn, base, scale, w, 1e-6, 1e-6, 1e-6, impl="torch")
     got = mhc.head_input(res, fn, base, scale, w, 1e-6, 1e-6, 1e-6, impl="triton")
     assert rel_err(got, ref) < 5e-3
-    picked = mhc.head_input(res.rows(torch.tensor([4, 1], device=DEVICE)), fn, base, scale, w, 1e-6, 1e-6, 1e-6,
+    # picked rows (three: the entry kernels of the full batch, which are the same for every row; one
+    # or two rows take the one-launch kernel, whose CUDA-core mixes round otherwise)
+    picked = mhc.head_input(res.rows(torch.tensor([4, 1, 2], device=DEVICE)), fn, base, scale, w, 1e-6, 1e-6, 1e-6,
                             impl="triton")
-    assert torch.equal(picked, got[[4, 1]])
+    assert torch.equal(picked, got[[4, 1, 2]])
