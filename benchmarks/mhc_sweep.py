@@ -72,7 +72,7 @@ def main() -> None:
             shapes += [mhc.BatchTiles(bt, cd, nw) for bt, cd, nw in
                        itertools.product((16, 32, 64), args.batch_columns, args.warps) if bt <= max(16, T)]
         for tiles in shapes:
-            implied = (mhc.SMALL_TILES if T <= mhc.SMALL_TOKENS else mhc.BATCH_TILES if T <= mhc.BATCH_TOKENS
+            implied = (mhc.SMALL_TILES if T <= mhc.SMALL_TOKENS else mhc.batch_tiles(T) if T <= mhc.BATCH_TOKENS
                        else default)
             row = {"tokens": T, "tiles": str(tiles or implied),
                    "default": tiles is None}
