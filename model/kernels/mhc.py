@@ -148,8 +148,9 @@ class BatchTiles:
 # Up to this many tokens an entry is `_settle_mix_kernel` then `_collapse_kernel` (a program a
 # token), in place of post, mixes, Sinkhorn with the collapse, and the norm. H200, graph replays of
 # the entry with a pending hc_post (benchmarks/mhc_sweep.py, the four launches' best tiles against
-# these): 3 / 16 / 64 / 256 tokens 21.1 / 22.1 / 19.7 / 25.8 µs → 9.7 / 10.3 / 11.6 / 20.0; at 512
-# 40.7 against 47.4. 16-token programs up to 16 tokens, 64 above (at 64 tokens 15.3 µs with 16).
+# these; docs/benchmarks.md round v36): 3 / 16 / 64 / 256 tokens 21.2 / 22.3 / 19.7 / 25.8 µs →
+# 9.6 / 10.2 / 11.6 / 19.6; at 512 40.5 against 46.7. 16-token programs up to 16 tokens, 64 above
+# (at 64 tokens 15.9 µs with 16, 14.0 with 32).
 BATCH_TOKENS = 256
 BATCH_TILES = BatchTiles()
 
@@ -192,7 +193,7 @@ def settle(res: Residual, impl: str) -> torch.Tensor:
 
 def sublayer_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc: int, iters: int,
                    hc_eps: float, rms_eps: float, impl: str, arrivals: torch.Tensor | None = None,
-                   tiles: "MixTiles | SmallTiles | None" = None, scratch: "EntryScratch | None" = None):
+                   tiles: "MixTiles | SmallTiles | BatchTiles | None" = None, scratch: "EntryScratch | None" = None):
     """Enter a sub-block: → (streams x [T, hc, D] settled, its input rms_norm(collapsed) [T, D],
     post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: a `kernels.arrival_counter` buffer (else
     one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning).
@@ -216,7 +217,7 @@ def head_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc_
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-           hc_eps: float, rms_eps: float, impl: str, tiles: "MixTiles | SmallTiles | None" = None):
+           hc_eps: float, rms_eps: float, impl: str, tiles: "MixTiles | SmallTiles | BatchTiles | None" = None):
     """x [T, hc, D] → (collapsed [T, D] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32).
     `tiles` overrides the launch shape and the kernel (tuning)."""
     if check_impl(impl) == "torch":
@@ -248,8 +249,8 @@ def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: bool, norm_weight=None,
-           norm_eps: float = 0.0, arrivals: torch.Tensor | None = None, tiles: "MixTiles | SmallTiles | None" = None,
-           scratch: "EntryScratch | None" = None):
+           norm_eps: float = 0.0, arrivals: torch.Tensor | None = None,
+           tiles: "MixTiles | SmallTiles | BatchTiles | None" = None, scratch: "EntryScratch | None" = None):
     """The kernels' sub-block entry → (streams x, collapsed [T, D] (RMSNormed with `norm_weight`
     when given), post, comb): one launch up to `SMALL_TOKENS` tokens, two up to `BATCH_TOKENS`,
     else hc_post (when pending), the mixes, Sinkhorn with the collapse, and the norm (when given)."""
