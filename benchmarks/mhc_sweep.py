@@ -1,11 +1,13 @@
 """Launch-shape sweep of the mHC entry kernels at V4-Flash width (4 streams × 4096): the mixes
 kernel's tokens per program, K per step, warps, K splits, up to 8 tokens the one-launch
-kernel's columns per program, and from 3 to 1024 tokens the two-launch batch entry's tokens and
+kernel's columns per program, and up to 1024 tokens the two-launch batch entry's tokens and
 columns per program. GPU time per sub-block entry as the model runs it (`sublayer_input`: the
 pending hc_post, mixes, Sinkhorn, collapse and RMSNorm) and the bandwidth of its compulsory
 bytes (fn, the old streams, the sub-block output, the new streams written and read back, the
 normed row); decode sizes (up to 1024 tokens) are timed from CUDA-graph replays, where a call's
-launch overhead would otherwise dominate, and also sweep K splits up to 64.
+launch overhead would otherwise dominate, and also sweep K splits up to 64. Post and the Sinkhorn
+comb run in order here; the model runs the one-launch entry's on a side stream, off its chain
+(benchmarks/mhc_entry_parts.py times that).
 
     python benchmarks/mhc_sweep.py --out $OUT/mhc_sweep.json --tokens 8192
     python benchmarks/mhc_sweep.py --out $OUT/mhc_decode.json --tokens 1 2 4 64 256 --warps 4
@@ -68,7 +70,7 @@ def main() -> None:
                            itertools.product(bts, args.bk, args.warps, splits)]
         if T <= 8:  # the one-launch kernel of a few tokens
             shapes += [mhc.SmallTiles(cd, nw) for cd, nw in itertools.product(args.columns, args.warps)]
-        if mhc.SMALL_TOKENS < T <= 2 * mhc.BATCH_TOKENS:  # the two-launch batch entry
+        if T <= 2 * mhc.BATCH_TOKENS:  # the two-launch batch entry (from one token: against the one-launch one)
             shapes += [mhc.BatchTiles(bt, cd, nw) for bt, cd, nw in
                        itertools.product((16, 32, 64), args.batch_columns, args.warps) if bt <= max(16, T)]
         for tiles in shapes:
