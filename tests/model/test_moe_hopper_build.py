@@ -161,14 +161,15 @@ def test_pending_product_check_sees_unsettled_tiles():
     without_interpreter("check_unsettled_tiles_leave_a_product_pending()")
 
 
-def without_interpreter(call: str) -> None:
-    """Run `call` (a function of this module) in a process without Triton's interpreter."""
+def without_interpreter(call: str, module: str = "tests.model.test_moe_hopper_build") -> None:
+    """Run `call` (a function of `module`, this one by default) in a process without Triton's
+    interpreter."""
     import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"from tests.model.test_moe_hopper_build import *; {call}"
+    code = f"from {module} import *; {call}"
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
