@@ -268,9 +268,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
     fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
     if isinstance(tiles, SmallTiles) or (T <= SMALL_TOKENS and tiles is None):
         small = tiles or SMALL_TILES
-        x = torch.empty_like(xp) if pending else xp
-        o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
-                           else (xp, post, comb))  # unread without a pending output
+        x, o, postp, combp = _settle_operands(res, xp, post, comb)
         bt, split = max(2, triton.next_power_of_2(T)), triton.cdiv(D, small.columns)
         partial = torch.empty(split, bt, 32, dtype=torch.float32, device=dev)
         # the full mixes for `_post_comb_kernel`: the scratch's buffer when it runs on the side
@@ -322,9 +320,7 @@ def _enter_batch(res: Residual, xp, fn, base, scale, post, comb, out, iters, hc_
     post and comb."""
     T, hc, D = xp.shape
     pending = res.out is not None
-    x = torch.empty_like(xp) if pending else xp
-    o, postp, combp = ((res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()) if pending
-                       else (xp, post, comb))  # unread without a pending output
+    x, o, postp, combp = _settle_operands(res, xp, post, comb)
     split = triton.cdiv(D, tiles.columns)
     partial = torch.empty(split, T, 32, dtype=torch.float32, device=xp.device)  # mixes | Σx², per column chunk
     _settle_mix_kernel[(triton.cdiv(T, tiles.bt), split)](
@@ -337,3 +333,12 @@ def _enter_batch(res: Residual, xp, fn, base, scale, post, comb, out, iters, hc_
         SPLIT_PAD=triton.next_power_of_2(split), HEAD=head, NORM=norm_weight is not None, num_warps=4,
         **launch_options(xp))
     return x, out, post, comb
+
+
+def _settle_operands(res: Residual, xp, post, comb):
+    """(the settled streams' buffer, out, post, comb of the pending hc_post) for an entry kernel
+    that settles as it reads: a new buffer and res's tensors when hc_post is pending, else xp
+    itself and placeholders the kernel does not read."""
+    if res.out is None:
+        return xp, xp, post, comb
+    return torch.empty_like(xp), res.out.contiguous(), res.post.contiguous(), res.comb.contiguous()

@@ -254,11 +254,8 @@ def _collapse_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, post_
     _collapse(total, r, t64, tmask, x_ptr, w_ptr, out_ptr, base_ptr, scale_ptr, D, hc_eps, rms_eps, norm_eps,
               HC, 1, NR, NP, BD, NORM)
     if not HEAD:
-        cols = tl.arange(0, NP)
-        sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
-        _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC),
-                         _rms_factor(sq, HC * D, rms_eps), t, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters,
-                         hc_eps, HC, NP)
+        _mixes_post_comb(total, r, t, tmask, HC * D, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, rms_eps,
+                         HC, NR, NP)
 
 
 @triton.jit
@@ -271,12 +268,20 @@ def _post_comb_kernel(mix_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, K, it
     wait(PDL)
     t = tl.arange(0, BT)
     r = tl.arange(0, NR)
-    cols = tl.arange(0, NP)
     total = tl.load(mix_ptr + t[:, None] * NR + r[None, :])
+    _mixes_post_comb(total, r, t, t < T, K, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, rms_eps, HC, NR,
+                     NP)
+
+
+@triton.jit
+def _mixes_post_comb(total, r, tok, tmask, K, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, rms_eps,
+                     HC: tl.constexpr, NR: tl.constexpr, NP: tl.constexpr):
+    """`_store_post_comb` from the full mixes total [BT, NR] (Σx² in column NR - 1) of tokens tok."""
+    cols = tl.arange(0, NP)
     sq = tl.sum(tl.where(r[None, :] == NR - 1, total, 0.0), axis=1)
     _store_post_comb(_group(total, r, cols, HC, HC), _group(total, r, cols, 2 * HC, HC * HC),
-                     _rms_factor(sq, K, rms_eps), t, t < T,
-                     base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps, HC, NP)
+                     _rms_factor(sq, K, rms_eps), tok, tmask, base_ptr, scale_ptr, post_ptr, comb_ptr, iters, hc_eps,
+                     HC, NP)
 
 
 @triton.jit
