@@ -58,7 +58,7 @@ def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
     multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default, after "a8+" the
     same over the W8A8 kernel quantising its input itself (up to `INLINE_QUANT_MAX_M` rows)."""
-    if name in ("default", "dense", "a8", "a8_separate", "a8_kernel"):
+    if name in ("default", "dense", "a8", "a8_separate", "a8_kernel", "a8_scaled_mm"):
         return None
     a8 = name.startswith(("a8_kernel+", "a8+"))
     if a8:
@@ -112,6 +112,16 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
 
             def product(q, s, cfg=cfg):
                 return fp8_gemm.decode_product(codes, q, s, arrivals, cfg, out_dtype=x.dtype, x_scale=x_scale)
+        elif name == "a8_scaled_mm":
+            codes, x_scale = act_quant.quantize(x, "triton")
+            # cuBLAS's layouts: activation scales [M, K/128] with M contiguous, weight scales
+            # [K/128, N/128] with K/128 contiguous (the transpose of ours)
+            x_scales = [x_scale[:, g].t().contiguous().t() for g in range(G)]
+
+            def product(q, s):
+                outs = [torch._scaled_mm(codes[:, g], q[g * N:(g + 1) * N].t(), x_scales[g],
+                                         s[g * N // 128:(g + 1) * N // 128].t(), out_dtype=x.dtype) for g in range(G)]
+                return outs[0][:, None] if G == 1 else torch.stack(outs, 1)
         else:
             def product(q, s, cfg=cfg):
                 return fp8_gemm.decode_product(x, q, s, arrivals, cfg)
@@ -135,7 +145,7 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         t = bench(graph.replay, warmup=2, reps=10) / copies
         rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": t * 1e3, "bytes": nbytes,
                      "flops": 2 * M * G * N * K, "rel_err": err,
-                     "cfg": "dense" if name == "dense" else cfg or fp8_gemm.decode_config(M, N, K, G,
+                     "cfg": name if name in ("dense", "a8_scaled_mm") else cfg or fp8_gemm.decode_config(M, N, K, G,
                                                                                           a8=name.startswith("a8"))})
     return rows
 

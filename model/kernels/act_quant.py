@@ -32,12 +32,15 @@ def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q[..., :k], s
 
 
-def quantize(x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (unit stride along K) → (e4m3 [..., K] contiguous, fp32 scales [..., ⌈K/128⌉])."""
+def quantize(x: torch.Tensor, impl: str, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (unit stride along K) → (e4m3 [..., K] contiguous, fp32 scales [..., ⌈K/128⌉]).
+    `scales_by_column` (x 2-D): the scales [M, ⌈K/128⌉] stored column by column (strides (1, M)),
+    the layout cuBLAS's blockwise FP8 GEMM reads (`fp8_gemm.scaled_mm_product`)."""
     if check_impl(impl) == "torch":
-        return reference(x)
-    q, s = _launch(x, fake=False)
-    return q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
+        q, s = reference(x)
+        return q, (s.t().contiguous().t() if scales_by_column else s)
+    q, s = _launch(x, fake=False, scales_by_column=scales_by_column)
+    return q.view(x.shape), (s if scales_by_column else s.view(*x.shape[:-1], s.shape[-1]))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,21 +59,26 @@ def fake_quantize(x: torch.Tensor, impl: str) -> torch.Tensor:
     return _launch(x, fake=True)[0].view(x.shape)
 
 
-def _launch(x: torch.Tensor, fake: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_quantize_kernel` over x's rows: (e4m3 codes [rows, K], fp32 scales [rows, ⌈K/128⌉]), or
-    with `fake` (code × scale [rows, K] in x's dtype, None)."""
+def _launch(x: torch.Tensor, fake: bool, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_quantize_kernel` over x's rows: (e4m3 codes [rows, K], fp32 scales [rows, ⌈K/128⌉], strides
+    (1, rows) with `scales_by_column`), or with `fake` (code × scale [rows, K] in x's dtype, None)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     blocks = triton.cdiv(k, BLOCK)
     out = torch.empty(x2.shape, dtype=x.dtype if fake else torch.float8_e4m3fn, device=x.device)
-    scale = None if fake else torch.empty(x2.shape[0], blocks, dtype=torch.float32, device=x.device)
+    rows = x2.shape[0]
+    scale = None
+    if not fake:
+        scale = (torch.empty(blocks, rows, dtype=torch.float32, device=x.device).t() if scales_by_column
+                 else torch.empty(rows, blocks, dtype=torch.float32, device=x.device))
     cols = min(COLS, triton.next_power_of_2(blocks * BLOCK))
-    if x2.shape[0]:
-        _quantize_kernel[(x2.shape[0], triton.cdiv(k, cols))](x2, out, out if fake else scale, k, x2.stride(0),
-                                                              blocks, COLS=cols, BLOCK=BLOCK, FAKE=fake,
-                                                              **launch_options(x2))
+    if rows:
+        _quantize_kernel[(rows, triton.cdiv(k, cols))](x2, out, out if fake else scale, k, x2.stride(0), blocks,
+                                                       1 if fake else scale.stride(0),
+                                                       1 if fake else scale.stride(1),
+                                                       COLS=cols, BLOCK=BLOCK, FAKE=fake, **launch_options(x2))
     return out, scale
 
 
@@ -89,8 +97,8 @@ def quantize_blocks(blocks):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.constexpr, BLOCK: tl.constexpr,
-                     FAKE: tl.constexpr, PDL: tl.constexpr = False):
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, stride_sr, stride_sb, COLS: tl.constexpr,
+                     BLOCK: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr = False):
     """Codes to q_ptr and scales to s_ptr, or (FAKE) code × scale in x's dtype to q_ptr."""
     wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -104,4 +112,4 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, n_blocks, COLS: tl.conste
     else:
         tl.store(q_ptr + row * K + cols, tl.reshape(codes, (COLS,)), mask=mask)
         b = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
-        tl.store(s_ptr + row * n_blocks + b, scale, mask=b < n_blocks)
+        tl.store(s_ptr + row * stride_sr + b * stride_sb, scale, mask=b < n_blocks)

@@ -6,9 +6,10 @@ dequantised in registers (an e4m3 value times a power of two is exact in bf16) a
 the tensor cores with fp32 accumulation, so the kernel computes exactly the reference's product up
 to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic activation scheme)
 the input is quantised (`act_quant`; up to `INLINE_QUANT_MAX_M` rows inside the product kernel)
-and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at every decode size (its
-weight tiles by TMA above one token tile);
-prefill-size M multiplies the quantised-dequantised input.
+and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at decode sizes (its weight
+tiles by TMA above one token tile), except the large products of a large decode batch, which
+go to cuBLAS's blockwise FP8 GEMM (`scaled_mm_applies`); prefill-size M multiplies the
+quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
@@ -68,6 +69,15 @@ TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the 
 # kernel: every program quantises the same few rows again, which costs less than the separate
 # `act_quant` launch it replaces at batch 1 (four a layer); larger inputs are quantised once
 INLINE_QUANT_MAX_M = 16
+# W8A8 products of a decode batch from this many rows, with at least SCALED_MM_MIN_N outputs, run
+# on cuBLAS's blockwise FP8 GEMM (`torch._scaled_mm`, 1×128 activation and 128×128 weight scales,
+# the DeepSeek recipe cuBLAS implements on sm_90) instead of `_fp8_a8_kernel`, whose per-block
+# promotion waits on each K block's products. H200 (benchmarks/fp8_gemm_bench.py --variants
+# a8,a8_scaled_mm): at 256 rows wq_b 35.5 → 21.9 µs, wo_b 38.2 → 26.5, the indexer's wq_b 10.5 →
+# 7.4; at 64 rows the kernel wins (wq_b 13.7 against 14.8, wo_b 20.7 against 25.9), and below 4096
+# outputs at every size (wq_a 13.1 against 14.5 at 256 rows; cuBLAS takes ~14 µs for any small product)
+SCALED_MM_MIN_M = 128
+SCALED_MM_MIN_N = 4096
 
 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -99,7 +109,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         x3 = x
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    if act_fp8 and x3.shape[0] <= INLINE_QUANT_MAX_M:
+    if act_fp8 and groups == 1 and scaled_mm_applies(x3.shape[0], N, K, x3.device):
+        out = scaled_mm_product(x3[:, 0], weight, scale)[:, None]
+    elif act_fp8 and x3.shape[0] <= INLINE_QUANT_MAX_M:
         out = decode_product(x3, weight, scale, arrivals, out_dtype=x.dtype, quantize_x=True)
     elif act_fp8:
         codes, x_scale = act_quant.quantize(x3, impl)
@@ -107,6 +119,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     else:
         out = decode_product(x3, weight, scale, arrivals)
     return out.view(*lead, N) if lead is not None else out
+
+
+def scaled_mm_applies(M: int, N: int, K: int, device: torch.device) -> bool:
+    """Whether a W8A8 product of M rows and a weight [N, K] runs on `scaled_mm_product`: a decode
+    batch of `SCALED_MM_MIN_M`..`KERNEL_MAX_M` rows (a multiple of 4, as cuBLASLt wants), at least
+    `SCALED_MM_MIN_N` outputs in whole 128-row scale blocks, K in whole groups of four 128-blocks
+    (cuBLAS reads the weight scales with their K blocks padded to a multiple of 4), on sm_90."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and SCALED_MM_MIN_M <= M <= KERNEL_MAX_M and M % 4 == 0
+            and N >= SCALED_MM_MIN_N and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
+
+
+def scaled_mm_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 · weight e4m3 [N, K] (fp32 128×128 scales [N/128, K/128]) → [M, N] bf16: x
+    quantised per 128 along K (`act_quant`, the same codes as `_fp8_a8_kernel`'s), then cuBLAS's
+    blockwise FP8 GEMM, fp32 sums of the scaled 128-blocks (their order cuBLAS's)."""
+    codes, x_scale = act_quant.quantize(x, "triton", scales_by_column=True)
+    return torch._scaled_mm(codes, weight.t(), x_scale, scale.float().t(), out_dtype=x.dtype)
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:

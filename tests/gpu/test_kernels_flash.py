@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import quant
-from model.kernels import compressor, fp8_gemm, indexer, mhc, sparse_attention
+from model.kernels import act_quant, compressor, fp8_gemm, indexer, mhc, sparse_attention
 from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
@@ -123,6 +123,33 @@ def test_fp8_gemm(M, N, K, G):
     ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G)
     out = fp8_gemm.fp8_linear(x, q, s, "triton", G)
     assert rel_err(out, ref) < 6e-3
+
+
+@pytest.mark.parametrize("M", [128, 256])
+@pytest.mark.parametrize("N,K", [(40960, 1024), (4096, 8192)])
+def test_w8a8_large_batch_on_cublas_blockwise(M, N, K):
+    """A decode batch's large W8A8 products go to cuBLAS's blockwise FP8 GEMM: the reference of the
+    same codes within one bf16 rounding, the W8A8 kernel's result within the two sum orders, the
+    same bits again and in a CUDA graph's replay."""
+    assert fp8_gemm.scaled_mm_applies(M, N, K, torch.device(DEV))
+    g = torch.Generator(device=DEV).manual_seed(M + K)
+    q, s = quant.fp8_quantize_weight(block_weights(N, K, g, DEV) / K ** 0.5)
+    s = s.float()
+    x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
+    out = fp8_gemm.fp8_linear(x, q, s, "triton", act_fp8=True)
+    ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", act_fp8=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert rel_err(out, ref) < 6e-3
+    codes, x_scale = act_quant.quantize(x[:, None], "triton")
+    kernel = fp8_gemm.decode_product(codes, q, s, None, out_dtype=torch.float32, x_scale=x_scale)[:, 0]
+    assert rel_err(out, kernel) < 6e-3
+    assert torch.equal(fp8_gemm.fp8_linear(x, q, s, "triton", act_fp8=True), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fp8_gemm.fp8_linear(x, q, s, "triton", act_fp8=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
 
 
 @pytest.mark.parametrize("T", [1, 256, 4096])

@@ -52,6 +52,38 @@ def test_quantize_zero_block_and_strided_input():
                        act_quant.quantize(view.contiguous(), "triton")[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_quantize_scales_by_column_are_the_same_scales_transposed_in_memory(impl):
+    """`scales_by_column`: the codes and scale values of the default layout, the scales stored
+    column by column (strides (1, M)), as cuBLAS's blockwise GEMM reads them."""
+    g = torch.Generator().manual_seed(11)
+    x = spread_rows((6, 640), g)
+    q, s = act_quant.quantize(x, impl)
+    qc, sc = act_quant.quantize(x, impl, scales_by_column=True)
+    assert torch.equal(qc.view(torch.uint8), q.view(torch.uint8))
+    assert sc.shape == s.shape == (6, 5) and sc.stride() == (1, 6)
+    assert torch.equal(sc, s)
+
+
+def test_scaled_mm_route_takes_large_decode_batches_of_large_products(monkeypatch):
+    """Which W8A8 products go to cuBLAS's blockwise GEMM: sm_90 only, decode batches from
+    `SCALED_MM_MIN_M` rows in multiples of 4, whole 128-row blocks from `SCALED_MM_MIN_N`
+    outputs, K in groups of four 128-blocks; never on the CPU."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    m, n = fp8_gemm.SCALED_MM_MIN_M, fp8_gemm.SCALED_MM_MIN_N
+    applies = fp8_gemm.scaled_mm_applies
+    assert applies(m, n, 1024, cuda) and applies(fp8_gemm.KERNEL_MAX_M, 40960, 8192, cuda)
+    assert not applies(m - 4, n, 1024, cuda)  # below the batch size
+    assert not applies(fp8_gemm.KERNEL_MAX_M + 4, n, 1024, cuda)  # prefill size: dequantised weights
+    assert not applies(m + 2, n, 1024, cuda)  # rows not a multiple of 4
+    assert not applies(m, n - 128, 1024, cuda) and not applies(m, n + 64, 1024, cuda)
+    assert not applies(m, n, 1024 + 128, cuda)  # K blocks not a multiple of 4
+    assert not applies(m, n, 1024, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not applies(m, n, 1024, cuda)
+
+
 def test_ue8m0_scale_rounds_up_just_above_a_power_of_two():
     """amax / 448 one ulp above 2^k needs 2^(k+1) (else the largest value overflows the code
     range); a float log2 rounds that quotient's log down to k for large k."""
