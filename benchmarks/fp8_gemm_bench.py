@@ -58,7 +58,7 @@ def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
     multiplies SPLIT_K by F), after "a8_kernel+" over the W8A8 kernel's default, after "a8+" the
     same over the W8A8 kernel quantising its input itself (up to `INLINE_QUANT_MAX_M` rows)."""
-    if name in ("default", "dense", "a8", "a8_separate", "a8_kernel", "a8_scaled_mm"):
+    if name in ("default", "dense", "a8", "a8_separate", "a8_kernel", "a8_scaled_mm", "a8_dense"):
         return None
     a8 = name.startswith(("a8_kernel+", "a8+"))
     if a8:
@@ -112,6 +112,10 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
 
             def product(q, s, cfg=cfg):
                 return fp8_gemm.decode_product(codes, q, s, arrivals, cfg, out_dtype=x.dtype, x_scale=x_scale)
+        elif name == "a8_dense":
+            def product(q, s):
+                xq = act_quant.fake_quantize(x, "triton")
+                return fp8_gemm.dense_product(xq if G > 1 else xq[:, 0], q, s, G).reshape(M, G, N)
         elif name == "a8_scaled_mm":
             codes, x_scale = act_quant.quantize(x, "triton")
             # cuBLAS's layouts: activation scales [M, K/128] with M contiguous, weight scales
@@ -145,7 +149,7 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
         t = bench(graph.replay, warmup=2, reps=10) / copies
         rows.append({"variant": name, "M": M, "N": N, "K": K, "G": G, "ms": t * 1e3, "bytes": nbytes,
                      "flops": 2 * M * G * N * K, "rel_err": err,
-                     "cfg": name if name in ("dense", "a8_scaled_mm") else cfg or fp8_gemm.decode_config(M, N, K, G,
+                     "cfg": name if name in ("dense", "a8_dense", "a8_scaled_mm") else cfg or fp8_gemm.decode_config(M, N, K, G,
                                                                                           a8=name.startswith("a8"))})
     return rows
 

@@ -5,7 +5,7 @@ inference code quantises each projection's input on the fly (`act_quant(x, 128, 
 multiplies FP8 by FP8 (W8A8). The scale of a block is `2^ceil(log2(amax / 448))` (amax floored at
 1e-4), so every code times its scale is exact in bf16: `fake_quantize` (the dequantised values)
 multiplied by bf16 weights gives the W8A8 product up to the order of the fp32 sums, which is how
-prefill-size products run it on cuBLAS.
+prefill-size products that cuBLAS's FP8 GEMM does not take run it (`fp8_gemm.scaled_mm_applies`).
 
 K need not be a multiple of 128: the last block is shorter (its scale from its own values).
 """

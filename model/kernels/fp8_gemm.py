@@ -7,9 +7,9 @@ the tensor cores with fp32 accumulation, so the kernel computes exactly the refe
 to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic activation scheme)
 the input is quantised (`act_quant`; up to `INLINE_QUANT_MAX_M` rows inside the product kernel)
 and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at decode sizes (its weight
-tiles by TMA above one token tile), except the large products of a large decode batch, which
-go to cuBLAS's blockwise FP8 GEMM (`scaled_mm_applies`); prefill-size M multiplies the
-quantised-dequantised input.
+tiles by TMA above one token tile). On sm_90 the large products of a large decode batch and all
+of prefill's go to cuBLAS's blockwise FP8 GEMM instead (`scaled_mm_applies`); elsewhere
+prefill-size M multiplies the quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
 x [M, G, K] multiplies group g by rows [g·N, (g+1)·N): y [M, G, N]. G = 1 is a plain linear.
@@ -26,7 +26,7 @@ Decode-size M (up to `KERNEL_MAX_M` rows) runs one of two kernels (`decode_confi
   the two run alike.
 Both split K over programs when a product has few output tiles (fp32 partials summed in split
 order by the last program of each output tile: deterministic, one launch). Prefill-size M
-dequantises once and uses cuBLAS.
+without the FP8 GEMM (W8A16, or not on sm_90) dequantises once and uses cuBLAS's bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -97,10 +97,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     rows = x.numel() // x.shape[-1] // (groups if groups > 1 else 1)
     if check_impl(impl) == "torch":
         return reference(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
+    K = weight.shape[1]
+    N = weight.shape[0] // groups
+    if act_fp8 and scaled_mm_applies(rows, N, K, x.device, groups):
+        out = scaled_mm_product(x.reshape(rows, groups * K), weight, scale, groups)
+        return out.view(*x.shape[:-1], N) if groups == 1 else out
     if rows > KERNEL_MAX_M:
         return dense_product(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
-    rows, K = weight.shape
-    N = rows // groups
     if groups == 1:
         lead = x.shape[:-1]
         x3 = x.reshape(-1, 1, K)
@@ -109,9 +112,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         x3 = x
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    if act_fp8 and groups == 1 and scaled_mm_applies(x3.shape[0], N, K, x3.device):
-        out = scaled_mm_product(x3[:, 0], weight, scale)[:, None]
-    elif act_fp8 and x3.shape[0] <= INLINE_QUANT_MAX_M:
+    if act_fp8 and x3.shape[0] <= INLINE_QUANT_MAX_M:
         out = decode_product(x3, weight, scale, arrivals, out_dtype=x.dtype, quantize_x=True)
     elif act_fp8:
         codes, x_scale = act_quant.quantize(x3, impl)
@@ -121,22 +122,32 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     return out.view(*lead, N) if lead is not None else out
 
 
-def scaled_mm_applies(M: int, N: int, K: int, device: torch.device) -> bool:
-    """Whether a W8A8 product of M rows and a weight [N, K] runs on `scaled_mm_product`: a decode
-    batch of `SCALED_MM_MIN_M`..`KERNEL_MAX_M` rows (a multiple of 4, as cuBLASLt wants), at least
-    `SCALED_MM_MIN_N` outputs in whole 128-row scale blocks, K in whole groups of four 128-blocks
-    (cuBLAS reads the weight scales with their K blocks padded to a multiple of 4), on sm_90."""
+def scaled_mm_applies(M: int, N: int, K: int, device: torch.device, groups: int = 1) -> bool:
+    """Whether a W8A8 product of M rows and a weight of `groups` × [N, K] runs on
+    `scaled_mm_product`: M a multiple of 4 (as cuBLASLt wants), prefill-size M (above
+    `KERNEL_MAX_M`) or a plain product of a decode batch from `SCALED_MM_MIN_M` rows with at least
+    `SCALED_MM_MIN_N` outputs (a call a group costs ~14 µs at decode sizes); whole 128-row scale
+    blocks, K in whole groups of four 128-blocks (cuBLAS reads the weight scales with their K
+    blocks padded to a multiple of 4); sm_90 (where cuBLAS implements this recipe)."""
+    decode_batch = groups == 1 and M >= SCALED_MM_MIN_M and N >= SCALED_MM_MIN_N
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and SCALED_MM_MIN_M <= M <= KERNEL_MAX_M and M % 4 == 0
-            and N >= SCALED_MM_MIN_N and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
+            and M % 4 == 0 and (M > KERNEL_MAX_M or decode_batch)
+            and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
 
 
-def scaled_mm_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 · weight e4m3 [N, K] (fp32 128×128 scales [N/128, K/128]) → [M, N] bf16: x
-    quantised per 128 along K (`act_quant`, the same codes as `_fp8_a8_kernel`'s), then cuBLAS's
-    blockwise FP8 GEMM, fp32 sums of the scaled 128-blocks (their order cuBLAS's)."""
+def scaled_mm_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [M, G·K] bf16 · weight e4m3 [G·N, K] (fp32 128×128 scales [G·N/128, K/128]) → [M, N] bf16
+    ([M, G, N] grouped: group g's K columns times rows [g·N, (g+1)·N)): x quantised per 128 along
+    K (`act_quant`, the same codes as `_fp8_a8_kernel`'s; 128-blocks never straddle groups), then
+    cuBLAS's blockwise FP8 GEMM per group, fp32 sums of the scaled 128-blocks in cuBLAS's order."""
+    K = weight.shape[1]
+    N, kb, nb = weight.shape[0] // groups, K // BLOCK, weight.shape[0] // groups // BLOCK
     codes, x_scale = act_quant.quantize(x, "triton", scales_by_column=True)
-    return torch._scaled_mm(codes, weight.t(), x_scale, scale.float().t(), out_dtype=x.dtype)
+    scale = scale.float()
+    outs = [torch._scaled_mm(codes[:, g * K:(g + 1) * K], weight[g * N:(g + 1) * N].t(),
+                             x_scale[:, g * kb:(g + 1) * kb], scale[g * nb:(g + 1) * nb].t(), out_dtype=x.dtype)
+            for g in range(groups)]
+    return outs[0] if groups == 1 else torch.stack(outs, 1)
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
