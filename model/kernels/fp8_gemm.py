@@ -75,7 +75,9 @@ INLINE_QUANT_MAX_M = 16
 # promotion waits on each K block's products. H200 (benchmarks/fp8_gemm_bench.py --variants
 # a8,a8_scaled_mm): at 256 rows wq_b 35.5 → 21.9 µs, wo_b 38.2 → 26.5, the indexer's wq_b 10.5 →
 # 7.4; at 64 rows the kernel wins (wq_b 13.7 against 14.8, wo_b 20.7 against 25.9), and below 4096
-# outputs at every size (wq_a 13.1 against 14.5 at 256 rows; cuBLAS takes ~14 µs for any small product)
+# outputs at every size (wq_a 13.1 against 14.5 at 256 rows; cuBLAS takes ~14 µs for any small
+# product). Prefill-size products of every shape take it too, in place of the bf16 GEMM on
+# dequantised operands (8192 rows: a CSA layer's six, the grouped wo_a a call a group, 2958 → 2006 µs)
 SCALED_MM_MIN_M = 128
 SCALED_MM_MIN_N = 4096
 
@@ -124,30 +126,33 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
 
 def scaled_mm_applies(M: int, N: int, K: int, device: torch.device, groups: int = 1) -> bool:
     """Whether a W8A8 product of M rows and a weight of `groups` × [N, K] runs on
-    `scaled_mm_product`: M a multiple of 4 (as cuBLASLt wants), prefill-size M (above
-    `KERNEL_MAX_M`) or a plain product of a decode batch from `SCALED_MM_MIN_M` rows with at least
-    `SCALED_MM_MIN_N` outputs (a call a group costs ~14 µs at decode sizes); whole 128-row scale
-    blocks, K in whole groups of four 128-blocks (cuBLAS reads the weight scales with their K
-    blocks padded to a multiple of 4); sm_90 (where cuBLAS implements this recipe)."""
+    `scaled_mm_product`: prefill-size M (above `KERNEL_MAX_M`), or a plain product of a decode
+    batch from `SCALED_MM_MIN_M` rows with at least `SCALED_MM_MIN_N` outputs (a call a group
+    costs ~14 µs at decode sizes); whole 128-row scale blocks, K in whole groups of four
+    128-blocks (cuBLAS reads the weight scales with their K blocks padded to a multiple of 4);
+    sm_90, where cuBLAS implements this recipe."""
     decode_batch = groups == 1 and M >= SCALED_MM_MIN_M and N >= SCALED_MM_MIN_N
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and M % 4 == 0 and (M > KERNEL_MAX_M or decode_batch)
-            and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
+    return ((M > KERNEL_MAX_M or decode_batch) and N % BLOCK == 0 and K % (4 * BLOCK) == 0
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def scaled_mm_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """x [M, G·K] bf16 · weight e4m3 [G·N, K] (fp32 128×128 scales [G·N/128, K/128]) → [M, N] bf16
     ([M, G, N] grouped: group g's K columns times rows [g·N, (g+1)·N)): x quantised per 128 along
     K (`act_quant`, the same codes as `_fp8_a8_kernel`'s; 128-blocks never straddle groups), then
-    cuBLAS's blockwise FP8 GEMM per group, fp32 sums of the scaled 128-blocks in cuBLAS's order."""
-    K = weight.shape[1]
+    cuBLAS's blockwise FP8 GEMM per group, fp32 sums of the scaled 128-blocks in cuBLAS's order.
+    cuBLASLt takes rows in multiples of 4: up to 3 zero rows are added and their outputs dropped."""
+    M, K = x.shape[0], weight.shape[1]
     N, kb, nb = weight.shape[0] // groups, K // BLOCK, weight.shape[0] // groups // BLOCK
+    if M % 4:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -M % 4))
     codes, x_scale = act_quant.quantize(x, "triton", scales_by_column=True)
     scale = scale.float()
     outs = [torch._scaled_mm(codes[:, g * K:(g + 1) * K], weight[g * N:(g + 1) * N].t(),
                              x_scale[:, g * kb:(g + 1) * kb], scale[g * nb:(g + 1) * nb].t(), out_dtype=x.dtype)
             for g in range(groups)]
-    return outs[0] if groups == 1 else torch.stack(outs, 1)
+    out = outs[0] if groups == 1 else torch.stack(outs, 1)
+    return out[:M]
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:

@@ -126,13 +126,13 @@ def test_fp8_gemm(M, N, K, G):
 
 
 @pytest.mark.parametrize("M,N,K,G", [(128, 40960, 1024, 1), (256, 40960, 1024, 1), (128, 4096, 8192, 1),
-                                     (256, 4096, 8192, 1), (1024, 512, 4096, 1), (1024, 4096, 8192, 1),
-                                     (1024, 1024, 4096, 8)])
+                                     (254, 4096, 8192, 1), (1024, 512, 4096, 1), (1021, 4096, 8192, 1),
+                                     (1024, 1024, 4096, 8), (1023, 1024, 4096, 8)])
 def test_w8a8_large_batch_on_cublas_blockwise(M, N, K, G):
     """A decode batch's large W8A8 products and prefill's (the grouped wo_a too) go to cuBLAS's
-    blockwise FP8 GEMM: the reference of the same codes within one bf16 rounding, the W8A8
-    kernel's result (decode sizes) within the two sum orders, the same bits again and in a CUDA
-    graph's replay."""
+    blockwise FP8 GEMM (rows not a multiple of 4 padded): the reference of the same codes within one
+    bf16 rounding, the W8A8 kernel's result (decode sizes) within the two sum orders, the same bits
+    again and in a CUDA graph's replay."""
     assert fp8_gemm.scaled_mm_applies(M, N, K, torch.device(DEV), G)
     g = torch.Generator(device=DEV).manual_seed(M + K + G)
     q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)

@@ -66,10 +66,9 @@ def test_quantize_scales_by_column_are_the_same_scales_transposed_in_memory(impl
 
 
 def test_scaled_mm_route_takes_large_batches_of_large_products_and_prefill(monkeypatch):
-    """Which W8A8 products go to cuBLAS's blockwise GEMM: sm_90 only, rows in multiples of 4,
-    plain products of decode batches from `SCALED_MM_MIN_M` rows with `SCALED_MM_MIN_N` outputs,
-    every product of prefill size (grouped too), whole 128-row blocks, K in groups of four
-    128-blocks; never on the CPU."""
+    """Which W8A8 products go to cuBLAS's blockwise GEMM: sm_90 only, plain products of decode
+    batches from `SCALED_MM_MIN_M` rows with `SCALED_MM_MIN_N` outputs, every product of prefill
+    size (grouped too), whole 128-row blocks, K in groups of four 128-blocks; never on the CPU."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     m, n = fp8_gemm.SCALED_MM_MIN_M, fp8_gemm.SCALED_MM_MIN_N
@@ -80,8 +79,7 @@ def test_scaled_mm_route_takes_large_batches_of_large_products_and_prefill(monke
     assert applies(fp8_gemm.KERNEL_MAX_M + 4, 512, 4096, cuda)  # prefill: every product
     assert applies(fp8_gemm.KERNEL_MAX_M + 4, 1024, 4096, cuda, groups=8)
     assert not applies(fp8_gemm.KERNEL_MAX_M, n, 4096, cuda, groups=8)  # a decode batch: a call a group
-    assert not applies(8190, 512, 4096, cuda)
-    assert not applies(m + 2, n, 1024, cuda)  # rows not a multiple of 4
+    assert applies(8191, 512, 4096, cuda) and applies(m + 1, n, 1024, cuda)  # rows padded to a multiple of 4
     assert not applies(m, n - 128, 1024, cuda) and not applies(m, n + 64, 1024, cuda)
     assert not applies(m, n, 1024 + 128, cuda)  # K blocks not a multiple of 4
     assert not applies(m, n, 1024, torch.device("cpu"))
