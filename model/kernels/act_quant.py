@@ -5,7 +5,7 @@ inference code quantises each projection's input on the fly (`act_quant(x, 128, 
 multiplies FP8 by FP8 (W8A8). The scale of a block is `2^ceil(log2(amax / 448))` (amax floored at
 1e-4), so every code times its scale is exact in bf16: `fake_quantize` (the dequantised values)
 multiplied by bf16 weights gives the W8A8 product up to the order of the fp32 sums, which is how
-prefill-size products that cuBLAS's FP8 GEMM does not take run it (`fp8_gemm.scaled_mm_applies`).
+prefill-size products that cuBLAS's FP8 GEMM does not take run it (`fp8_cublas.applies`).
 
 K need not be a multiple of 128: the last block is shorter (its scale from its own values).
 """
@@ -35,7 +35,7 @@ def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize(x: torch.Tensor, impl: str, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (unit stride along K) → (e4m3 [..., K] contiguous, fp32 scales [..., ⌈K/128⌉]).
     `scales_by_column` (x 2-D): the scales [M, ⌈K/128⌉] stored column by column (strides (1, M)),
-    the layout cuBLAS's blockwise FP8 GEMM reads (`fp8_gemm.scaled_mm_product`)."""
+    the layout cuBLAS's blockwise FP8 GEMM reads (`fp8_cublas.product`)."""
     if check_impl(impl) == "torch":
         q, s = reference(x)
         return q, (s.t().contiguous().t() if scales_by_column else s)

@@ -8,7 +8,7 @@ to the order of the fp32 sums. With `act_fp8` (W8A8, the checkpoint's dynamic ac
 the input is quantised (`act_quant`; up to `INLINE_QUANT_MAX_M` rows inside the product kernel)
 and `_fp8_a8_kernel` multiplies the codes on the FP8 tensor cores at decode sizes (its weight
 tiles by TMA above one token tile). On sm_90 the large products of a large decode batch and all
-of prefill's go to cuBLAS's blockwise FP8 GEMM instead (`scaled_mm_applies`); elsewhere
+of prefill's go to cuBLAS's blockwise FP8 GEMM instead (`fp8_cublas`); elsewhere
 prefill-size M multiplies the quantised-dequantised input.
 
 Grouped form (the grouped low-rank O projection `wo_a`): W holds G groups of N rows each and
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from model.kernels import act_quant, check_impl
+from model.kernels import act_quant, check_impl, fp8_cublas
 from model.kernels.act_quant import quantize_blocks
 from model.kernels.fp4 import fp8_to_bf16
 from model.kernels.pdl import launch_options, wait
@@ -69,17 +69,6 @@ TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the 
 # kernel: every program quantises the same few rows again, which costs less than the separate
 # `act_quant` launch it replaces at batch 1 (four a layer); larger inputs are quantised once
 INLINE_QUANT_MAX_M = 16
-# W8A8 products of a decode batch from this many rows, with at least SCALED_MM_MIN_N outputs, run
-# on cuBLAS's blockwise FP8 GEMM (`torch._scaled_mm`, 1×128 activation and 128×128 weight scales,
-# the DeepSeek recipe cuBLAS implements on sm_90) instead of `_fp8_a8_kernel`, whose per-block
-# promotion waits on each K block's products. H200 (benchmarks/fp8_gemm_bench.py --variants
-# a8,a8_scaled_mm): at 256 rows wq_b 35.5 → 21.9 µs, wo_b 38.2 → 26.5, the indexer's wq_b 10.5 →
-# 7.4; at 64 rows the kernel wins (wq_b 13.7 against 14.8, wo_b 20.7 against 25.9), and below 4096
-# outputs at every size (wq_a 13.1 against 14.5 at 256 rows; cuBLAS takes ~14 µs for any small
-# product). Prefill-size products of every shape take it too, in place of the bf16 GEMM on
-# dequantised operands (8192 rows: a CSA layer's six, the grouped wo_a a call a group, 2958 → 2006 µs)
-SCALED_MM_MIN_M = 128
-SCALED_MM_MIN_N = 4096
 
 
 def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -101,8 +90,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
         return reference(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
     K = weight.shape[1]
     N = weight.shape[0] // groups
-    if act_fp8 and scaled_mm_applies(rows, N, K, x.device, groups):
-        out = scaled_mm_product(x.reshape(rows, groups * K), weight, scale, groups)
+    if act_fp8 and fp8_cublas.applies(rows, N, K, x.device, groups, prefill=rows > KERNEL_MAX_M):
+        out = fp8_cublas.product(x.reshape(rows, groups * K), weight, scale, groups)
         return out.view(*x.shape[:-1], N) if groups == 1 else out
     if rows > KERNEL_MAX_M:
         return dense_product(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
@@ -122,37 +111,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     else:
         out = decode_product(x3, weight, scale, arrivals)
     return out.view(*lead, N) if lead is not None else out
-
-
-def scaled_mm_applies(M: int, N: int, K: int, device: torch.device, groups: int = 1) -> bool:
-    """Whether a W8A8 product of M rows and a weight of `groups` × [N, K] runs on
-    `scaled_mm_product`: prefill-size M (above `KERNEL_MAX_M`), or a plain product of a decode
-    batch from `SCALED_MM_MIN_M` rows with at least `SCALED_MM_MIN_N` outputs (a call a group
-    costs ~14 µs at decode sizes); whole 128-row scale blocks, K in whole groups of four
-    128-blocks (cuBLAS reads the weight scales with their K blocks padded to a multiple of 4);
-    sm_90, where cuBLAS implements this recipe."""
-    decode_batch = groups == 1 and M >= SCALED_MM_MIN_M and N >= SCALED_MM_MIN_N
-    return ((M > KERNEL_MAX_M or decode_batch) and N % BLOCK == 0 and K % (4 * BLOCK) == 0
-            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
-
-
-def scaled_mm_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """x [M, G·K] bf16 · weight e4m3 [G·N, K] (fp32 128×128 scales [G·N/128, K/128]) → [M, N] bf16
-    ([M, G, N] grouped: group g's K columns times rows [g·N, (g+1)·N)): x quantised per 128 along
-    K (`act_quant`, the same codes as `_fp8_a8_kernel`'s; 128-blocks never straddle groups), then
-    cuBLAS's blockwise FP8 GEMM per group, fp32 sums of the scaled 128-blocks in cuBLAS's order.
-    cuBLASLt takes rows in multiples of 4: up to 3 zero rows are added and their outputs dropped."""
-    M, K = x.shape[0], weight.shape[1]
-    N, kb, nb = weight.shape[0] // groups, K // BLOCK, weight.shape[0] // groups // BLOCK
-    if M % 4:
-        x = torch.nn.functional.pad(x, (0, 0, 0, -M % 4))
-    codes, x_scale = act_quant.quantize(x, "triton", scales_by_column=True)
-    scale = scale.float()
-    outs = [torch._scaled_mm(codes[:, g * K:(g + 1) * K], weight[g * N:(g + 1) * N].t(),
-                             x_scale[:, g * kb:(g + 1) * kb], scale[g * nb:(g + 1) * nb].t(), out_dtype=x.dtype)
-            for g in range(groups)]
-    out = outs[0] if groups == 1 else torch.stack(outs, 1)
-    return out[:M]
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:

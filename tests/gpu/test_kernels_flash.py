@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import quant
-from model.kernels import act_quant, compressor, fp8_gemm, indexer, mhc, sparse_attention
+from model.kernels import act_quant, compressor, fp8_cublas, fp8_gemm, indexer, mhc, sparse_attention
 from model.kernels import rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
@@ -133,7 +133,7 @@ def test_w8a8_large_batch_on_cublas_blockwise(M, N, K, G):
     blockwise FP8 GEMM (rows not a multiple of 4 padded): the reference of the same codes within one
     bf16 rounding, the W8A8 kernel's result (decode sizes) within the two sum orders, the same bits
     again and in a CUDA graph's replay."""
-    assert fp8_gemm.scaled_mm_applies(M, N, K, torch.device(DEV), G)
+    assert fp8_cublas.applies(M, N, K, torch.device(DEV), G, prefill=M > fp8_gemm.KERNEL_MAX_M)
     g = torch.Generator(device=DEV).manual_seed(M + K + G)
     q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
     s = s.float()

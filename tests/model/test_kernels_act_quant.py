@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import quant
-from model.kernels import act_quant, fp8_gemm
+from model.kernels import act_quant, fp8_cublas, fp8_gemm
 from model.quantized import Fp8Linear
 from tests.model.kernel_cases import block_weights, rel_err
 
@@ -67,17 +67,21 @@ def test_quantize_scales_by_column_are_the_same_scales_transposed_in_memory(impl
 
 def test_scaled_mm_route_takes_large_batches_of_large_products_and_prefill(monkeypatch):
     """Which W8A8 products go to cuBLAS's blockwise GEMM: sm_90 only, plain products of decode
-    batches from `SCALED_MM_MIN_M` rows with `SCALED_MM_MIN_N` outputs, every product of prefill
+    batches from `fp8_cublas.MIN_M` rows with `MIN_N` outputs, every product of prefill
     size (grouped too), whole 128-row blocks, K in groups of four 128-blocks; never on the CPU."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    m, n = fp8_gemm.SCALED_MM_MIN_M, fp8_gemm.SCALED_MM_MIN_N
-    applies = fp8_gemm.scaled_mm_applies
+    m, n = fp8_cublas.MIN_M, fp8_cublas.MIN_N
+    big = fp8_gemm.KERNEL_MAX_M + 4
+
+    def applies(M, N, K, device, groups=1):
+        return fp8_cublas.applies(M, N, K, device, groups, prefill=M > fp8_gemm.KERNEL_MAX_M)
+
     assert applies(m, n, 1024, cuda) and applies(fp8_gemm.KERNEL_MAX_M, 40960, 8192, cuda)
     assert not applies(m - 4, n, 1024, cuda)  # below the batch size
     assert not applies(fp8_gemm.KERNEL_MAX_M, n - 128, 1024, cuda)  # a decode batch's small product
-    assert applies(fp8_gemm.KERNEL_MAX_M + 4, 512, 4096, cuda)  # prefill: every product
-    assert applies(fp8_gemm.KERNEL_MAX_M + 4, 1024, 4096, cuda, groups=8)
+    assert applies(big, 512, 4096, cuda)  # prefill: every product
+    assert applies(big, 1024, 4096, cuda, groups=8)
     assert not applies(fp8_gemm.KERNEL_MAX_M, n, 4096, cuda, groups=8)  # a decode batch: a call a group
     assert applies(8191, 512, 4096, cuda) and applies(m + 1, n, 1024, cuda)  # rows padded to a multiple of 4
     assert not applies(m, n - 128, 1024, cuda) and not applies(m, n + 64, 1024, cuda)
