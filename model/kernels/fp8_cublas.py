@@ -26,6 +26,8 @@ from model.kernels import act_quant
 BLOCK = act_quant.BLOCK  # activation scales per 128 along K; weight scales per 128 × 128
 MIN_M = 128  # a decode batch's products from this many rows ...
 MIN_N = 4096  # ... with at least this many outputs
+# cuBLAS has the blockwise recipe from CUDA 12.9 (torch calls it from 2.9, the floor pyproject.toml sets)
+BUILD_SUPPORTS = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 9)
 
 
 def applies(M: int, N: int, K: int, device: torch.device, groups: int = 1, prefill: bool = False) -> bool:
@@ -33,9 +35,9 @@ def applies(M: int, N: int, K: int, device: torch.device, groups: int = 1, prefi
     prefill-size product, or a plain product of a decode batch from `MIN_M` rows with at least
     `MIN_N` outputs; whole 128-row scale blocks, K in whole groups of four 128-blocks (cuBLAS reads
     the weight scales with their K blocks padded to a multiple of 4); sm_90, where cuBLAS
-    implements the recipe."""
+    implements the recipe, under a CUDA build that has it (`BUILD_SUPPORTS`)."""
     decode_batch = groups == 1 and M >= MIN_M and N >= MIN_N
-    return ((prefill or decode_batch) and N % BLOCK == 0 and K % (4 * BLOCK) == 0
+    return ((prefill or decode_batch) and N % BLOCK == 0 and K % (4 * BLOCK) == 0 and BUILD_SUPPORTS
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 

@@ -71,6 +71,7 @@ def test_scaled_mm_route_takes_large_batches_of_large_products_and_prefill(monke
     size (grouped too), whole 128-row blocks, K in groups of four 128-blocks; never on the CPU."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8_cublas, "BUILD_SUPPORTS", True)
     m, n = fp8_cublas.MIN_M, fp8_cublas.MIN_N
     big = fp8_gemm.KERNEL_MAX_M + 4
 
@@ -87,6 +88,9 @@ def test_scaled_mm_route_takes_large_batches_of_large_products_and_prefill(monke
     assert not applies(m, n - 128, 1024, cuda) and not applies(m, n + 64, 1024, cuda)
     assert not applies(m, n, 1024 + 128, cuda)  # K blocks not a multiple of 4
     assert not applies(m, n, 1024, torch.device("cpu"))
+    monkeypatch.setattr(fp8_cublas, "BUILD_SUPPORTS", False)  # a CUDA build without the recipe
+    assert not applies(m, n, 1024, cuda)
+    monkeypatch.setattr(fp8_cublas, "BUILD_SUPPORTS", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert not applies(m, n, 1024, cuda)
 
