@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
 from model import quant  # noqa: E402
-from model.kernels import act_quant, fp8_gemm  # noqa: E402
+from model.kernels import act_quant, fp8_cublas, fp8_gemm  # noqa: E402
 from model.tiny import flash_config  # noqa: E402
 
 CFG = flash_config(4)
@@ -51,8 +51,11 @@ def variant(name: str, M: int, N: int, K: int, G: int) -> dict | None:
     """Tile config of a named variant (None: `decode_config`'s choice). Names: default; a8 (W8A8
     as `fp8_linear` runs it: up to `INLINE_QUANT_MAX_M` rows `_fp8_a8_kernel` quantises its
     input itself, above the input is quantised first); a8_separate (always quantised first, in a
-    launch of its own); a8_kernel (the W8A8 kernel alone, on codes quantised once); dense (the
-    weight dequantised, then cuBLAS: the path above `KERNEL_MAX_M` rows); tokens_m (the
+    launch of its own); a8_kernel (the W8A8 kernel alone, on codes quantised once); a8_scaled_mm
+    (cuBLAS's blockwise FP8 GEMMs, `fp8_cublas.gemm`, on codes quantised once, as a8_kernel; a call
+    a group); a8_dense (the quantised-dequantised input times the dequantised weight on cuBLAS's
+    bf16 GEMM, the prefill path where the FP8 GEMM does not apply); dense (the weight
+    dequantised, then cuBLAS: the path above `KERNEL_MAX_M` rows, W8A16); tokens_m (the
     tokens-as-M kernel at every row count, with the tiles it had before the weights-as-M kernel:
     16 / 64 / 128 token rows up to 16 / 64 / 256 tokens, the last with 128-row weight tiles and 8
     warps); or key=value pairs joined by '+' over the default (BLOCK_T=64+num_stages=4; split=xF
@@ -116,16 +119,11 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
             def product(q, s):
                 xq = act_quant.fake_quantize(x, "triton")
                 return fp8_gemm.dense_product(xq if G > 1 else xq[:, 0], q, s, G).reshape(M, G, N)
-        elif name == "a8_scaled_mm":
-            codes, x_scale = act_quant.quantize(x, "triton")
-            # cuBLAS's layouts: activation scales [M, K/128] with M contiguous, weight scales
-            # [K/128, N/128] with K/128 contiguous (the transpose of ours)
-            x_scales = [x_scale[:, g].t().contiguous().t() for g in range(G)]
+        elif name == "a8_scaled_mm":  # cuBLAS's GEMMs alone, on codes quantised once
+            codes, x_scale = act_quant.quantize(x.reshape(M, G * K), "triton", scales_by_column=True)
 
             def product(q, s):
-                outs = [torch._scaled_mm(codes[:, g], q[g * N:(g + 1) * N].t(), x_scales[g],
-                                         s[g * N // 128:(g + 1) * N // 128].t(), out_dtype=x.dtype) for g in range(G)]
-                return outs[0][:, None] if G == 1 else torch.stack(outs, 1)
+                return fp8_cublas.gemm(codes, x_scale, q, s, G, x.dtype).reshape(M, G, N)
         else:
             def product(q, s, cfg=cfg):
                 return fp8_gemm.decode_product(x, q, s, arrivals, cfg)

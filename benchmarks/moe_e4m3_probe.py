@@ -168,9 +168,11 @@ def e4m3_tile_inputs(E: int, D: int, I: int, BT: int, device, seed: int = 0):
     return (x8.to(device), xs.to(device), wq.to(device), sq.to(device)), w, xq
 
 
-def run_e4m3(inputs, E: int, D: int, I: int, BT: int, BN: int = 64) -> torch.Tensor:
+def run_e4m3(inputs, E: int, D: int, I: int, BT: int, BN: int = 64, h: torch.Tensor | None = None) -> torch.Tensor:
+    """`_e4m3_gateup_kernel` over E tiles: inputs (x8, xs, wq, sq) → h [E·BT, I] bf16 (into `h` when given)."""
     x8, xs, wq, sq = inputs
-    h = torch.empty(E * BT, I, dtype=torch.bfloat16, device=x8.device)
+    if h is None:
+        h = torch.empty(E * BT, I, dtype=torch.bfloat16, device=x8.device)
     _e4m3_gateup_kernel[(E, I // BN)](x8, xs, wq, sq, h, wq[0].numel(), sq[0].numel(), D=D, I=I, BN=BN, BT=BT,
                                       num_warps=4, num_stages=3)
     return h
@@ -213,8 +215,7 @@ def main() -> None:
         x8 = x16.to(torch.float8_e4m3fn)
         xs = torch.ones(tiles * BT, device=device)
         w13, s13 = ex.w13, ex.w13_scale
-        e4m3_ms, _ = graph_ms([lambda: _e4m3_gateup_kernel[(tiles, I // BN)](
-            x8, xs, w13, s13, h, w13[0].numel(), s13[0].numel(), D=D, I=I, BN=BN, BT=BT, num_warps=4, num_stages=3)])
+        e4m3_ms, _ = graph_ms([lambda: run_e4m3((x8, xs, w13, s13), tiles, D, I, BT, BN, h)])
         bf16_ms, _ = graph_ms([lambda: _bf16_gateup_kernel[(tiles, I // BN)](
             x16, w13, s13, h, w13[0].numel(), s13[0].numel(), D=D, I=I, WKB=ex.kb13, BN=BN, BT=BT, BK=128,
             num_warps=4, num_stages=3)])

@@ -47,15 +47,23 @@ def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
     K in one launch (128-blocks never straddle groups), its scales stored column by column as
     cuBLAS reads them, then a GEMM per group. cuBLASLt takes rows in multiples of 4 only: up to 3
     zero rows are added and their outputs dropped."""
-    M, K = x.shape[0], weight.shape[1]
-    N = weight.shape[0] // groups
-    kb, nb = K // BLOCK, N // BLOCK
+    M = x.shape[0]
     if M % 4:
         x = torch.nn.functional.pad(x, (0, 0, 0, -M % 4))
     codes, x_scale = act_quant.quantize(x, "triton", scales_by_column=True)
+    return gemm(codes, x_scale, weight, scale, groups, x.dtype)[:M]
+
+
+def gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+         out_dtype: torch.dtype) -> torch.Tensor:
+    """`product` on quantised rows: codes e4m3 [M, G·K] (M a multiple of 4) with their scales
+    [M, G·K/128] stored column by column (`act_quant.quantize(..., scales_by_column=True)`) →
+    [M, N] (grouped [M, G, N]) in `out_dtype`, a cuBLAS call a group."""
+    K = weight.shape[1]
+    N = weight.shape[0] // groups
+    kb, nb = K // BLOCK, N // BLOCK
     scale = scale.float()
     outs = [torch._scaled_mm(codes[:, g * K:(g + 1) * K], weight[g * N:(g + 1) * N].t(),
-                             x_scale[:, g * kb:(g + 1) * kb], scale[g * nb:(g + 1) * nb].t(), out_dtype=x.dtype)
+                             x_scale[:, g * kb:(g + 1) * kb], scale[g * nb:(g + 1) * nb].t(), out_dtype=out_dtype)
             for g in range(groups)]
-    out = outs[0] if groups == 1 else torch.stack(outs, 1)
-    return out[:M]
+    return outs[0] if groups == 1 else torch.stack(outs, 1)
