@@ -2,7 +2,8 @@
 
     score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k_j) / √c      for j < (pos_t + 1) / 4
 
-keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32), q [T, n_I, c] roped
+keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32; with FP8 keys q is
+taken in FP8 too, `scoring_query`), q [T, n_I, c] roped
 (or rotated here, given the `Rope`: by the logits kernel, as it loads each query, rather than by a
 launch of its own), w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
 entries of the longest request), -1 where a query sees fewer than K entries.
@@ -26,11 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
+from model import quant
 from model.kernels import check_impl, num_sms
+from model.kernels.act_quant import quantize_blocks
 from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import alignment, entry_base, index_scale_at, load_entries, pack_code
 from model.kernels.rope import rotate_pairs
 from model.rope import Rope
+
+
+def scoring_query(q: torch.Tensor, pools) -> torch.Tensor:
+    """q [T, n_I, c] → float32 [T, n_I, c], the query the scores see. With FP8 keys (the
+    `fp8_pack` pools) the query is FP8 too, as seed 001's `fp8_mqa_logits(q_fp8, kv_fp8, ...)`
+    takes it: e4m3 codes with a UE8M0 scale per head (`quant.fp8_quantize_rows`, a block of c),
+    so the logits are one e4m3 × e4m3 product on the tensor cores; other pools keep q as is."""
+    if pools.format != "fp8_pack":
+        return q.float()
+    c = q.shape[-1]
+    return quant.fp8_dequantize_rows(*quant.fp8_quantize_rows(q.float(), c), c)
 
 
 def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
@@ -38,10 +52,11 @@ def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
     max_end = max(s.end for s in batch.segments)
     K = min(topk, max_end // 4)
     picks = torch.full((T, K), -1, dtype=torch.int32, device=q.device)
+    q = scoring_query(q, pools)
     for seg in batch.segments:
         n = seg.end // 4
         keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
-        scores = torch.einsum("shc,tc->sht", q[seg.rows].float(), keys).relu() * c ** -0.5
+        scores = torch.einsum("shc,tc->sht", q[seg.rows], keys).relu() * c ** -0.5
         scores = (scores * w[seg.rows].float().unsqueeze(-1)).sum(dim=1)  # [S, n]
         picks[seg.rows, : min(topk, n)] = select(scores, batch.positions[seg.rows], topk).int()
     return picks
@@ -57,24 +72,28 @@ def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Te
 
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
-           block_n: int = 64, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None,
+           block_n: int | None = None, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None,
            w_scale: float = 1.0) -> torch.Tensor:
     """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end;
     `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
     (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
     the bits of scaling w first, without that element-wise launch).
-    A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 that still leaves two
-    waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py --skip-attention: batch
-    64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch 1, 2 blocks, 4.8 µs
-    against 13.9 with 8)."""
+    A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 blocks of 64 that still
+    leaves two waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py
+    --skip-attention: batch 64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch
+    1, 2 blocks, 4.8 µs against 13.9 with 8), and from 256 keys a program those keys in blocks of
+    128: half the loop bodies, each MMA twice as tall (H200, FP8 query: batch 64 / 256 at 32K 34.3
+    / 110.8 → 28.2 / 100.6 µs, at 8K 8.7 / 34.2 → 8.4 / 28.2; batch 1 keeps 2 blocks of 64)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    bn, nb = block_n, blocks or 2
+    bn, nb = block_n or 64, blocks or 2
     while blocks is None and nb < 8 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * num_sms(q.device):
         nb *= 2
+    if block_n is None and blocks is None and nb >= 4:
+        bn, nb = 128, nb // 2
     qs, ws = q[rows], w[rows]
     _logits_kernel[(T, triton.cdiv(n_max, bn * nb))](
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
@@ -83,7 +102,7 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_stride, n_max, n_heads, c, c ** -0.5, w_scale,
         rope.inv_freq_on(q.device) if rope is not None else qs, ROPE=rope.dim if rope is not None else 0,
         EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
-        C=triton.next_power_of_2(c), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
+        C=max(32, triton.next_power_of_2(c)), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
         **launch_options(qs))
     return out
 
@@ -181,20 +200,6 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
 
 
 @triton.jit
-def _fp16_query(q):
-    """q [NH, C] (bf16 values) → (fp16 q · 2^k, 2^-k) with the largest |q| · 2^k in [2^14, 2^15).
-    Exact for every element above 2^-29 of the largest (bf16's 8 significant bits fit fp16's 11
-    wherever fp16 is normal); smaller ones round to fp16 subnormals, an error below 2^-39 of the
-    largest, far under the fp32 sum's own rounding."""
-    qf = q.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(qf), axis=1), axis=0), 1e-30)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
-    up = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - 14 + e) << 23).to(tl.float32, bitcast=True)
-    return (qf * up).to(tl.float16), down
-
-
-@triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
                    buf, table, tstride, page_bytes, layer_off, entry_stride, n_max, n_heads, c, scale, w_scale,
                    inv_freq_ptr,
@@ -206,12 +211,11 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
     batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`). ROPE > 0:
     the query's trailing ROPE channels are rotated here first.
 
-    FP8 keys multiply in fp16, not bf16: e4m3 → fp16 is one exact conversion a pair (bf16 took
-    three instructions an element, through fp32), and q is scaled into fp16 by a power of two
-    (`_fp16_query`). Each key's scale and the query's unscale multiply its score once, after the
-    head sum: relu commutes with a positive factor, and √c rides on w (H200, batch 64 / 256 at 32K:
-    48.2 / 175.1 → 39.2 / 142.2 µs, the scores equal to 1.5e-7 of their largest; docs/benchmarks.md
-    round v35)."""
+    FP8 keys (PACK 3) multiply an FP8 query (`scoring_query`): the head's e4m3 codes and UE8M0
+    scale as `act_quant.quantize_blocks` makes them, the raw keys as they lie in the pool, one
+    e4m3 × e4m3 wgmma with no conversion of the keys. Each key's scale multiplies its score once,
+    after the head sum, and each head's scale rides on its weight, as √c does: relu commutes with
+    a positive factor."""
     wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -225,11 +229,12 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
         even, odd = tl.split(tl.reshape(q.to(tl.float32), (NH, C // 2, 2)))
         even, odd = rotate_pairs(even, odd, 0, pos, inv_freq_ptr, c, ROPE, False)
         q = tl.reshape(tl.join(even, odd), (NH, C)).to(q_ptr.dtype.element_ty)
-    if PACK == 3:
-        q, unscale = _fp16_query(q)
-    else:
-        q, unscale = q.to(tl.bfloat16), 1.0
     w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32) * w_scale * scale
+    if PACK == 3:
+        q, q_scale = quantize_blocks(q.to(tl.float32))  # [NH, C] e4m3, [NH] (zeros past c: same amax)
+        w = w * q_scale
+    else:
+        q = q.to(tl.bfloat16)
     for b in tl.static_range(NB):
         j0 = (tl.program_id(1) * NB + b) * BN
         j = j0 + tl.arange(0, BN)
@@ -238,12 +243,11 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
         else:
             valid = j < n_vis
             base = entry_base(table, tstride, seq, j, valid, EPP, page_bytes, layer_off, entry_stride, ALIGN)
-            if PACK == 3:  # FP8 keys: the raw e4m3 values (exact in fp16), each key's scale after the sum
-                raw = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
-                              mask=valid[:, None] & (cols < c)[None, :], other=0.0)
-                k = raw.to(tl.float16)
+            if PACK == 3:  # FP8 keys: the raw e4m3 values, each key's scale after the sum
+                k = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
+                            mask=valid[:, None] & (cols < c)[None, :], other=0.0)
                 factor = tl.load((buf + index_scale_at(base, j, EPP, c)).to(tl.pointer_type(tl.float32)),
-                                 mask=valid, other=0.0) * unscale
+                                 mask=valid, other=0.0)
             else:
                 k = load_entries(buf + base, valid, 0, C, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
                 factor = tl.full((BN,), 1.0, tl.float32)

@@ -20,10 +20,11 @@ def reference_scores(q, w, batch, pools, layer):
     """Full [T, N] reference scores, -inf past each query's causal end."""
     n_max = max(s.end for s in batch.segments) // 4
     out = torch.full((q.shape[0], n_max), float("-inf"), device=q.device)
+    qs = indexer.scoring_query(q, pools)
     for seg in batch.segments:
         n = seg.end // 4
         keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
-        s = (torch.einsum("shc,tc->sht", q[seg.rows].float(), keys).relu() * q.shape[2] ** -0.5)
+        s = (torch.einsum("shc,tc->sht", qs[seg.rows], keys).relu() * q.shape[2] ** -0.5)
         s = (s * w[seg.rows].float().unsqueeze(-1)).sum(1)
         vis = (batch.positions[seg.rows] + 1) // 4
         s = s.masked_fill(torch.arange(n, device=q.device) >= vis.unsqueeze(1), float("-inf"))
@@ -149,11 +150,13 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
         indexer.top_k(base[None].to(DEVICE), K, digit_bits=3)
 
 
-def test_fp8_key_logits_hold_queries_outside_fp16_range():
-    """FP8 keys multiply in fp16 with each query scaled by a power of two: queries far above
-    fp16's largest value or below its smallest normal, and one whose heads span 2^-20..2^20,
-    score as the fp32 reference does (an unscaled fp16 query would overflow to inf or lose the
-    small queries' bits), and a query's scores scale exactly with it."""
+def test_fp8_key_logits_hold_queries_outside_e4m3_range():
+    """FP8 keys multiply an FP8 query, a UE8M0 scale per head: queries far above e4m3's largest
+    value or below its smallest normal, and one whose heads span 2^-20..2^20, score as the
+    reference does (an unscaled e4m3 query would saturate or flush the small heads), and a
+    query's scores scale exactly with it. The products are exact; Hopper's e4m3 MMA keeps about
+    14 bits of its running sum (DeepSeek-V3 report, §3.3.2; 7.5e-5 measured on an H200), hence
+    2e-4 rather than fp32's order-of-summation bound."""
     _, pools, batch, q, w = indexer_inputs("fp8_pack", seed=39)
     T = batch.input_ids.shape[0]
     n_max = max(s.end for s in batch.segments) // 4
@@ -163,6 +166,6 @@ def test_fp8_key_logits_hold_queries_outside_fp16_range():
         got = indexer.logits(qq, w, batch, pools, 1, slice(0, T), n_max)
         finite = full.isfinite()
         assert torch.equal(got.isfinite(), finite)
-        assert rel_err(got[finite], full[finite]) < 1e-5
+        assert rel_err(got[finite], full[finite]) < 2e-4
     base = indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max)
     assert torch.equal(indexer.logits(q * 2.0 ** 12, w, batch, pools, 1, slice(0, T), n_max), base * 2.0 ** 12)
