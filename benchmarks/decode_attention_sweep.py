@@ -39,7 +39,7 @@ SMALL = [(16, 64, 8, 4, 2), (16, 64, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 32,
 # (block_n, blocks, num_warps); None = the heuristic's
 LOGITS = [(None, None, 4), (64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8), (256, 1, 8)]
 # (digit_bits, num_warps) of the select kernel; None = the default's
-SELECT = [(None, None), (1, None), (4, None), (2, 4), (2, 8), (4, 8), (1, 8)]
+SELECT = [(None, None), (1, None), (2, None), (4, None), (8, None), (2, 4), (2, 8), (4, 4), (4, 8), (1, 8)]
 
 
 def attention_inputs(B: int, C: int, g: torch.Generator):
@@ -97,7 +97,7 @@ def main() -> None:
             print(row, flush=True)
         scores, ref = ref, None  # the heuristic's logits: -inf past each causal end, as the step's
         for bits, nw in SELECT:
-            fn = lambda: indexer.top_k(scores, 512, nw, bits or indexer.SELECT_DIGIT_BITS)  # noqa: E731
+            fn = lambda: indexer.top_k(scores, 512, nw, bits)  # noqa: E731
             row = {"kernel": "indexer select", "batch": B, "context": C, "digit_bits": bits, "num_warps": nw}
             out = fn()
             ref = out if ref is None else ref

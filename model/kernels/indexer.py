@@ -9,11 +9,12 @@ launch of its own), w [T, n_I] the head weights (already scaled by n_I^-½). pic
 entries of the longest request), -1 where a query sees fewer than K entries.
 
 `_select_kernel` takes a row's top k in one program: it finds the k-th largest score by
-bisecting on its bits (32 counts over the row held in registers; floats made order-preserving
-as integers), keeps the entries above it and, of those equal to it, the lowest first, compacts
-those k to a scratch row and sorts only them, as (score, entry) packed into int64 keys (ties:
-the lower entry first). The bitonic sort of the whole row that it replaced costs the row times
-log² of it, against the row times 32 here plus the k's own sort.
+deciding its bits from the top (counts or histograms over the row held in registers; floats made
+order-preserving as integers), keeps the entries above it and, of those equal to it, the lowest
+first, and writes them in entry order (a prefix sum places each), -1 after them. Picks are a set
+to the attention, so no sort: entry order is what the reference gives too (`select`), and it
+walks the pages in order. The bitonic sort of the whole row that it replaced cost the row times
+log² of it.
 
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
@@ -63,12 +64,20 @@ def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)], -1 where a
-    query has fewer than k causal entries (entry j is causal for p iff j < (p+1)/4)."""
+    """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)] in entry
+    order, -1 after them where a query has fewer than k causal entries (entry j is causal for p
+    iff j < (p+1)/4)."""
+    n = scores.shape[1]
     visible = (positions + 1) // 4
-    future = torch.arange(scores.shape[1], device=scores.device) >= visible.unsqueeze(1)
-    top = scores.masked_fill(future, float("-inf")).topk(min(topk, scores.shape[1]), dim=-1).indices
-    return torch.where(top >= visible.unsqueeze(1), -1, top)
+    future = torch.arange(n, device=scores.device) >= visible.unsqueeze(1)
+    top = scores.masked_fill(future, float("-inf")).topk(min(topk, n), dim=-1).indices
+    return _in_entry_order(torch.where(top >= visible.unsqueeze(1), -1, top), n)
+
+
+def _in_entry_order(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids [R, K] (-1 = none) → the same ids ascending, the -1s last."""
+    ordered = torch.where(ids < 0, n, ids).sort(dim=-1).values
+    return torch.where(ordered == n, -1, ordered)
 
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
@@ -137,35 +146,81 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 # The select kernel holds a row in registers: up to 8192 entries (a 32K-token context); longer
 # rows go to torch's multi-block radix select.
 TOPK_KERNEL_MAX_N = 8192
-# Bits of the K-th score the select kernel decides a pass: a batch-1 step runs one program a row,
-# whose passes are serial reductions (H200, 8K, batch 1: 2 bits 11.1 µs, 1 bit 14.3, 4 bits 13.1-14.3;
-# benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v33)
-SELECT_DIGIT_BITS = 2
+# Bits of the K-th score the select kernel decides a pass: 2 by comparisons below 4096 entries, 4
+# by histograms from there. A step of few tokens runs one program a row, whose passes are serial
+# (H200, benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v38:
+# 8192 entries, batch 1 / 64 / 256, 21.7 / 22.0 / 43.3 µs with 2 bits, 19.4 / 19.6 / 38.5 with 4;
+# 2048 entries 9.1 / 8.9 / 12.3 against 9.1 / 9.2 / 13.3)
+SELECT_HISTOGRAM_MIN_N = 4096
 
 
-def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits: int = SELECT_DIGIT_BITS
+def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits: int | None = None
           ) -> torch.Tensor:
-    """scores [R, n] float32 (-inf = not causal) → the K best entry ids [R, K] int32 by descending
-    score (ties: the lower entry first), -1 where fewer than K scores are finite. `num_warps`
-    and `digit_bits` (1, 2 or 4: the K-th score's bits decided per pass) override the select
-    kernel's (tuning); every choice gives the same ids."""
-    if digit_bits not in (1, 2, 4):
-        raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
+    """scores [R, n] float32 (-inf = not causal) → the K best entry ids [R, K] int32 in entry order
+    (ties at the K-th score: the lower entries), -1 after them where fewer than K scores are
+    finite. `num_warps` and `digit_bits` (the K-th score's bits decided per pass: 1 or 2 by
+    comparisons, 4 or 8 by histograms) override the select kernel's (tuning); every choice gives
+    the same ids."""
+    if digit_bits not in (None, 1, 2, 4, 8):
+        raise ValueError(f"digit_bits must be 1, 2, 4 or 8, got {digit_bits}")
     R, n = scores.shape
     if n > TOPK_KERNEL_MAX_N:
         values, idx = scores.topk(K, dim=-1)
-        return torch.where(values == float("-inf"), -1, idx).int()
+        return _in_entry_order(torch.where(values == float("-inf"), -1, idx), n).int()
     out = torch.empty(R, K, dtype=torch.int32, device=scores.device)
     KP = triton.next_power_of_2(K)
-    scratch = torch.empty(R, KP, dtype=torch.int64, device=scores.device)
     N = triton.next_power_of_2(n)
-    _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), scratch, n, K, N=N, KP=KP, BITS=digit_bits,
+    bits = digit_bits or (4 if N >= SELECT_HISTOGRAM_MIN_N else 2)
+    _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), n, K, N=N, KP=KP, BITS=bits,
                          num_warps=num_warps or (8 if N >= 4096 else 4), **launch_options(scores))
     return out
 
 
 @triton.jit
-def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.constexpr, KP: tl.constexpr,
+def _kth_by_counts(u, K, BITS: tl.constexpr):
+    """The K-th largest of u [N] uint32, BITS bits a pass from the top: one reduction of
+    [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr (all N are >= 0,
+    and K <= n), so digit 0 always qualifies, and the counts fall as the digit grows: the largest
+    qualifying digit is how many qualify, less one."""
+    thr = tl.zeros([], dtype=tl.uint32)
+    shift = tl.full([], 32, dtype=tl.uint32)
+    digits = tl.arange(0, 2 ** BITS).to(tl.uint32)
+    for _ in range(32 // BITS):
+        shift -= BITS
+        counts = tl.sum((u[:, None] >= (thr | (digits << shift))[None, :]).to(tl.int32), 0)
+        thr = thr | ((tl.sum((counts >= K).to(tl.int32), 0) - 1).to(tl.uint32) << shift)
+    return thr
+
+
+@triton.jit
+def _kth_by_histogram(u, K, BITS: tl.constexpr):
+    """The K-th largest of u [N] uint32, BITS bits a pass from the top: a histogram of the next
+    digit over the entries that match the bits decided so far (`tl.histogram`: ballots within a
+    warp, one shared-memory sum across warps): 4 bits a pass cost less than two passes of 2-bit
+    comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453). Invariant: `rank` (>= 1) entries of the matching ones are still to be
+    passed over to reach the K-th, and at least `rank` match; the chosen digit is the largest
+    whose suffix count reaches `rank`, and `rank` drops by the count above it."""
+    B: tl.constexpr = 2 ** BITS
+    thr = tl.zeros([], dtype=tl.uint32)
+    decided = tl.zeros([], dtype=tl.uint32)  # the bits of thr fixed so far (a shift by 32 is undefined)
+    rank = K
+    shift = tl.full([], 32, dtype=tl.uint32)
+    bins = tl.arange(0, B)
+    for _ in range(32 // BITS):
+        shift -= BITS
+        match = ((u ^ thr) & decided) == 0
+        h = tl.histogram(((u >> shift) & (B - 1)).to(tl.int32), B, mask=match)
+        below = tl.cumsum(h, 0) - h  # entries of a smaller digit
+        suffix = tl.sum(h, 0) - below  # of this digit or a larger one
+        d = tl.sum((suffix >= rank).to(tl.int32), 0) - 1
+        rank -= tl.sum(tl.where(bins == d, suffix - h, 0), 0)
+        thr = thr | (d.to(tl.uint32) << shift)
+        decided = decided | ((B - 1) << shift).to(tl.uint32)
+    return thr
+
+
+@triton.jit
+def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP: tl.constexpr,
                    BITS: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -174,29 +229,20 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, tmp_ptr, n, K, N: tl.cons
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped → signed int order
     u = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order as unsigned
     # the K-th largest u: the largest x with at least K entries >= x, decided BITS bits a pass from
-    # the top. Invariant: at least K entries are >= thr (all N are >= 0, and K <= n), so digit 0
-    # always qualifies, and the counts fall as the digit grows: the largest qualifying digit is
-    # how many qualify, less one. One reduction of [N, 2^BITS] a pass, 32 / BITS passes.
-    thr = tl.zeros([], dtype=tl.uint32)
-    shift = tl.full([], 32, dtype=tl.uint32)
-    digits = tl.arange(0, 2 ** BITS).to(tl.uint32)
-    for _ in range(32 // BITS):
-        shift -= BITS
-        counts = tl.sum((u[:, None] >= (thr | (digits << shift))[None, :]).to(tl.int32), 0)
-        thr = thr | ((tl.sum((counts >= K).to(tl.int32), 0) - 1).to(tl.uint32) << shift)
+    # the top, 32 / BITS passes
+    if BITS <= 2:
+        thr = _kth_by_counts(u, K, BITS)
+    else:
+        thr = _kth_by_histogram(u, K, BITS)
     above = u > thr
     tie = u == thr
     take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0)))  # exactly K
-    pos = tl.cumsum(take.to(tl.int32), 0) - 1
-    row = tmp_ptr + t * KP
-    tl.store(row + pos, (key.to(tl.int64) << 32) | (N - 1 - j).to(tl.int64), mask=take)
-    tl.debug_barrier()  # the K keys stored by all threads before any reads them back
+    real = take & (bits != -8388608)  # -inf's bits: fewer than K causal entries leave -1s instead
+    pos = tl.cumsum(real.to(tl.int32), 0) - 1
+    row = out_ptr + t * stride_o
+    tl.store(row + pos, j, mask=real)
     r = tl.arange(0, KP)
-    top = tl.sort(tl.load(row + r, mask=r < K, other=-9223372036854775807 - 1), descending=True)
-    key = (top >> 32).to(tl.int32)
-    value = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the map is its own inverse
-    idx = (N - 1) - (top & 0xFFFFFFFF).to(tl.int32)
-    tl.store(out_ptr + t * stride_o + r, tl.where(value == float("-inf"), -1, idx), mask=r < K)
+    tl.store(row + r, tl.full((KP,), -1, tl.int32), mask=(r >= tl.sum(real.to(tl.int32), 0)) & (r < K))
 
 
 @triton.jit

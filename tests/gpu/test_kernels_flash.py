@@ -15,6 +15,7 @@ from model.rope import Rope
 from model.tiny import flash_config
 from tests.model.kernel_cases import (block_weights, fill_random, mhc_inputs, random_batch, random_picks,
                                       rel_err, unpack_all)
+from tests.model.test_kernels_indexer import topk_in_entry_order
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -87,13 +88,12 @@ def test_indexer(pools):
 @pytest.mark.parametrize("n", [2048, 8192])
 def test_top_k_rows(n, R):
     """Decode and 8K prefill rows (2048 entries at 8K tokens, 8192 at 32K): the kernel picks exactly
-    what torch.topk picks, in its order, causal tails -1."""
+    what torch.topk picks, in entry order, causal tails -1."""
     g = torch.Generator(device=DEV).manual_seed(n + R)
     scores = torch.randn(R, n, device=DEV, generator=g)
     visible = n - (torch.arange(R, device=DEV) * n) // R  # row 0 sees all n
     scores = scores.masked_fill(torch.arange(n, device=DEV)[None, :] >= visible[:, None], float("-inf"))
-    values, idx = scores.topk(512, dim=-1)
-    assert torch.equal(indexer.top_k(scores, 512), torch.where(values == float("-inf"), -1, idx).int())
+    assert torch.equal(indexer.top_k(scores, 512), topk_in_entry_order(scores, 512))
 
 
 def test_store_kv_and_q_rope(pools):
