@@ -39,7 +39,7 @@ def main() -> None:
     wi = torch.randn(B, 64, device="cuda", generator=g)
     for _ in range(3):
         sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton")
-        indexer.logits(qi, wi, batch, pools, 2, slice(0, B), batch.meta.max_end // 4)
+        indexer.logits(qi, wi, batch, pools, 2, slice(0, B), batch.meta.max_end // 4, fp8_query=True)
     torch.cuda.synchronize()
 
 

@@ -87,7 +87,8 @@ def main() -> None:
         n_max = batch.meta.max_end // 4
         ref = None
         for bn, nb, nw in LOGITS:
-            fn = lambda: indexer.logits(qi, wi, batch, pools, 2, slice(0, B), n_max, bn, nb, nw)  # noqa: E731
+            fn = lambda: indexer.logits(qi, wi, batch, pools, 2, slice(0, B), n_max, bn, nb, nw,  # noqa: E731
+                                        fp8_query=True)  # a W8A8 model's (the official checkpoints')
             row = {"kernel": "indexer logits", "batch": B, "context": C, "block_n": bn, "blocks": nb, "num_warps": nw}
             out = fn()
             ref = out if ref is None else ref

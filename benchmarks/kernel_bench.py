@@ -94,14 +94,14 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
     qi = torch.randn(B, 64, 128, device="cuda", generator=g).bfloat16()
     wi = torch.randn(B, 64, device="cuda", generator=g)
     out.append((f"indexer decode B={B} ctx={C}",
-                {impl: (lambda impl=impl: indexer.indexer_topk(qi, wi, dbatch, dpools, 2, 512, impl))
+                {impl: (lambda impl=impl: indexer.indexer_topk(qi, wi, dbatch, dpools, 2, 512, impl, fp8_query=True))
                  for impl in ("triton", "torch")},
                 B * n_vis * IDX_ENTRY, B * n_vis * 64 * 128 * 2))
     qip = torch.randn(T, 64, 128, device="cuda", generator=g).bfloat16()
     wip = torch.randn(T, 64, device="cuda", generator=g)
     tri = (((pos + 1) // 4).sum()).item()
     out.append((f"indexer prefill T={T}", {"triton": lambda: indexer.indexer_topk(qip, wip, pbatch, ppools, 2, 512,
-                                                                                  "triton")},
+                                                                                  "triton", fp8_query=True)},
                 tri * IDX_ENTRY, tri * 64 * 128 * 2))
 
     # compressor (C4 main, prefill): proj read once, entries written

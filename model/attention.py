@@ -103,6 +103,9 @@ class Indexer(nn.Module):
         self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg, layer, 4, cfg.index_head_dim, "c4_indexer", "state_c4_indexer", impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
+        # FP8 queries against FP8 keys (`indexer.scoring_query`): set with the W8A8 projections
+        # (`quantize_model(..., act_fp8=True)`, `dummy_block`), as the checkpoint's recipe runs them
+        self.fp8_query = False
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """The products of the attention's inputs (`Attention.forward` runs them, fused where it can,
@@ -111,7 +114,7 @@ class Indexer(nn.Module):
         → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
         q = q.view(q.shape[0], self.n_heads, self.head_dim)  # roped by the top-k's logits launch
         return indexer.indexer_topk(q, weights, batch, pools, self.layer, self.topk, self.impl, rope=self.rope,
-                                    w_scale=self.n_heads ** -0.5)
+                                    w_scale=self.n_heads ** -0.5, fp8_query=self.fp8_query)
 
 
 # ---------------------------------------------------------------------------------------

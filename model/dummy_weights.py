@@ -57,15 +57,17 @@ def dummy_model(cfg: ModelConfig, impl: str, device: torch.device | str, act_fp8
 
 def dummy_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,
                 act_fp8: bool = False, fuse: bool = True, defer_experts: bool = False) -> Block:
-    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections;
-    `fuse`: products of one input as one, `Attention.fuse_products`, as `quantize_model` does). On
-    the meta device it gives shapes only (for counting bytes)."""
+    """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections
+    and FP8 indexer queries; `fuse`: products of one input as one, `Attention.fuse_products`, as
+    `quantize_model` does). On the meta device it gives shapes only (for counting bytes)."""
     meta = torch.device(device).type == "meta"
     with torch.device("meta"):
         block = Block(_without_experts(cfg), layer, cfg.compress_ratios[layer], impl)
     block.cfg = cfg
     g = None if meta else torch.Generator(device=device).manual_seed(seed)
     for name, module in list(block.named_modules()):
+        if hasattr(module, "fp8_query"):
+            module.fp8_query = act_fp8
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
                 if meta:

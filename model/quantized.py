@@ -88,12 +88,15 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",
                    dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False, fuse: bool = True) -> nn.Module:
     """Convert a float model (on its target device) to the device format (table above), in place;
-    `act_fp8`: the FP8 projections quantise their inputs (W8A8, `Fp8Linear`); `fuse`: products of
-    one input run as one (`Attention.fuse_products`; off only to compare against)."""
+    `act_fp8`: the FP8 projections quantise their inputs (W8A8, `Fp8Linear`) and the indexers
+    their queries against FP8 keys (`Indexer.fp8_query`); `fuse`: products of one input run as one
+    (`Attention.fuse_products`; off only to compare against)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in FP8_LINEARS and _is_projection(name):
                 setattr(module, child_name, Fp8Linear.from_linear(child, impl, act_fp8))
+        if hasattr(module, "fp8_query"):
+            module.fp8_query = act_fp8
     for module in model.modules():
         if hasattr(module, "pack_experts"):
             module.pack_experts(expert_format)

@@ -2,8 +2,8 @@
 
     score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k_j) / √c      for j < (pos_t + 1) / 4
 
-keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32; with FP8 keys q is
-taken in FP8 too, `scoring_query`), q [T, n_I, c] roped
+keys from the C4-indexer pool (FP8 + fp32 scale per key, or bf16 / fp32; with FP8 keys and
+`fp8_query`, a W8A8 model's, q is taken in FP8 too: `scoring_query`), q [T, n_I, c] roped
 (or rotated here, given the `Rope`: by the logits kernel, as it loads each query, rather than by a
 launch of its own), w [T, n_I] the head weights (already scaled by n_I^-½). picks [T, K] int32, K = min(topk,
 entries of the longest request), -1 where a query sees fewer than K entries.
@@ -37,23 +37,26 @@ from model.kernels.rope import rotate_pairs
 from model.rope import Rope
 
 
-def scoring_query(q: torch.Tensor, pools) -> torch.Tensor:
-    """q [T, n_I, c] → float32 [T, n_I, c], the query the scores see. With FP8 keys (the
-    `fp8_pack` pools) the query is FP8 too, as seed 001's `fp8_mqa_logits(q_fp8, kv_fp8, ...)`
-    takes it: e4m3 codes with a UE8M0 scale per head (`quant.fp8_quantize_rows`, a block of c),
-    so the logits are one e4m3 × e4m3 product on the tensor cores; other pools keep q as is."""
-    if pools.format != "fp8_pack":
+def scoring_query(q: torch.Tensor, pools, fp8_query: bool) -> torch.Tensor:
+    """q [T, n_I, c] → float32 [T, n_I, c], the query the scores see. `fp8_query` (a model whose
+    projections run W8A8: `quantize_model(..., act_fp8=True)`) against FP8 keys (the `fp8_pack`
+    pools): the query is FP8 too, as seed 001's `fp8_mqa_logits(q_fp8, kv_fp8, ...)` takes it,
+    e4m3 codes with a UE8M0 scale per head (`quant.fp8_quantize_rows`, a block of c), so the
+    logits are one e4m3 × e4m3 product on the tensor cores. Otherwise q as it is: like W8A8's
+    activations, the codes turn last-bit differences of q (another batch shape's sums) into
+    whole-step ones, which a model with exact activations does not have."""
+    if not (fp8_query and pools.format == "fp8_pack"):
         return q.float()
     c = q.shape[-1]
     return quant.fp8_dequantize_rows(*quant.fp8_quantize_rows(q.float(), c), c)
 
 
-def reference(q, w, batch, pools, layer: int, topk: int) -> torch.Tensor:
+def reference(q, w, batch, pools, layer: int, topk: int, fp8_query: bool = False) -> torch.Tensor:
     T, n_heads, c = q.shape
     max_end = max(s.end for s in batch.segments)
     K = min(topk, max_end // 4)
     picks = torch.full((T, K), -1, dtype=torch.int32, device=q.device)
-    q = scoring_query(q, pools)
+    q = scoring_query(q, pools, fp8_query)
     for seg in batch.segments:
         n = seg.end // 4
         keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
@@ -82,11 +85,11 @@ def _in_entry_order(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
            block_n: int | None = None, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None,
-           w_scale: float = 1.0) -> torch.Tensor:
+           w_scale: float = 1.0, fp8_query: bool = False) -> torch.Tensor:
     """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end;
     `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
     (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
-    the bits of scaling w first, without that element-wise launch).
+    the bits of scaling w first, without that element-wise launch); `fp8_query`: `scoring_query`'s.
     A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 blocks of 64 that still
     leaves two waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py
     --skip-attention: batch 64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch
@@ -110,21 +113,23 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
         pools.buffers["c4_indexer"], meta.tables["c4_indexer"], meta.tables["c4_indexer"].stride(0), spec.page_bytes,
         pools._local["c4_indexer"][layer] * spec.layer_bytes, spec.entry_stride, n_max, n_heads, c, c ** -0.5, w_scale,
         rope.inv_freq_on(q.device) if rope is not None else qs, ROPE=rope.dim if rope is not None else 0,
-        EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), NH=max(16, triton.next_power_of_2(n_heads)),
+        EPP=spec.entries_per_page, PACK=pack_code(pools, "c4_indexer"), Q8=fp8_query,
+        NH=max(16, triton.next_power_of_2(n_heads)),
         C=max(32, triton.next_power_of_2(c)), BN=bn, NB=nb, ALIGN=alignment(pools, "c4_indexer"), num_warps=num_warps,
         **launch_options(qs))
     return out
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, topk: int, impl: str,
-                 max_logit_bytes: int = 1 << 28, rope: Rope | None = None, w_scale: float = 1.0) -> torch.Tensor:
+                 max_logit_bytes: int = 1 << 28, rope: Rope | None = None, w_scale: float = 1.0,
+                 fp8_query: bool = False) -> torch.Tensor:
     """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring); `rope`: q is not
     roped yet (the kernels rotate it in the logits launch); the head weights are w · `w_scale`
-    (float32; the kernels scale them in the logits launch)."""
+    (float32; the kernels scale them in the logits launch); `fp8_query`: `scoring_query`'s."""
     if check_impl(impl) == "torch":
         if rope is not None:
             q = rope.apply(q, batch.positions)
-        return reference(q, w * w_scale if w_scale != 1.0 else w, batch, pools, layer, topk)
+        return reference(q, w * w_scale if w_scale != 1.0 else w, batch, pools, layer, topk, fp8_query)
     T = q.shape[0]
     n_max = batch.meta.max_end // 4
     K = min(topk, n_max)
@@ -132,7 +137,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
         return torch.empty(T, K, dtype=torch.int32, device=q.device)
 
     def pick(rows: slice) -> torch.Tensor:
-        return top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale), K)
+        return top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale,
+                            fp8_query=fp8_query), K)
 
     chunk = max(1, max_logit_bytes // (4 * n_max))
     if chunk >= T:  # one chunk (every decode step): the picks as top_k makes them, without a copy
@@ -197,9 +203,10 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
     """The K-th largest of u [N] uint32, BITS bits a pass from the top: a histogram of the next
     digit over the entries that match the bits decided so far (`tl.histogram`: ballots within a
     warp, one shared-memory sum across warps): 4 bits a pass cost less than two passes of 2-bit
-    comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453). Invariant: `rank` (>= 1) entries of the matching ones are still to be
-    passed over to reach the K-th, and at least `rank` match; the chosen digit is the largest
-    whose suffix count reaches `rank`, and `rank` drops by the count above it."""
+    comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453).
+    Invariant: `rank` (>= 1) entries of the matching ones are still to be passed over to reach
+    the K-th, and at least `rank` match; the chosen digit is the largest whose suffix count
+    reaches `rank`, and `rank` drops by the count above it."""
     B: tl.constexpr = 2 ** BITS
     thr = tl.zeros([], dtype=tl.uint32)
     decided = tl.zeros([], dtype=tl.uint32)  # the bits of thr fixed so far (a shift by 32 is undefined)
@@ -246,10 +253,25 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP
 
 
 @triton.jit
+def _fp16_query(q):
+    """q [NH, C] (bf16 values) → (fp16 q · 2^k, 2^-k) with the largest |q| · 2^k in [2^14, 2^15).
+    Exact for every element above 2^-29 of the largest (bf16's 8 significant bits fit fp16's 11
+    wherever fp16 is normal); smaller ones round to fp16 subnormals, an error below 2^-39 of the
+    largest, far under the fp32 sum's own rounding."""
+    qf = q.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(qf), axis=1), axis=0), 1e-30)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+    up = ((127 + 14 - e) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - 14 + e) << 23).to(tl.float32, bitcast=True)
+    return (qf * up).to(tl.float16), down
+
+
+@triton.jit
 def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, stride_ot, seq_ptr, pos_ptr,
                    buf, table, tstride, page_bytes, layer_off, entry_stride, n_max, n_heads, c, scale, w_scale,
                    inv_freq_ptr,
-                   ROPE: tl.constexpr, EPP: tl.constexpr, PACK: tl.constexpr, NH: tl.constexpr, C: tl.constexpr,
+                   ROPE: tl.constexpr, EPP: tl.constexpr, PACK: tl.constexpr, Q8: tl.constexpr, NH: tl.constexpr,
+                   C: tl.constexpr,
                    BN: tl.constexpr, NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
     (they weigh more than a block of FP8 keys). Keys are the MMA's M side and heads its N side,
@@ -257,11 +279,14 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
     batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`). ROPE > 0:
     the query's trailing ROPE channels are rotated here first.
 
-    FP8 keys (PACK 3) multiply an FP8 query (`scoring_query`): the head's e4m3 codes and UE8M0
-    scale as `act_quant.quantize_blocks` makes them, the raw keys as they lie in the pool, one
-    e4m3 × e4m3 wgmma with no conversion of the keys. Each key's scale multiplies its score once,
-    after the head sum, and each head's scale rides on its weight, as √c does: relu commutes with
-    a positive factor."""
+    FP8 keys (PACK 3) with Q8 multiply an FP8 query (`scoring_query`): the head's e4m3 codes and
+    UE8M0 scale as `act_quant.quantize_blocks` makes them, the raw keys as they lie in the pool,
+    one e4m3 × e4m3 wgmma with no conversion of the keys (H200, batch 64 / 256 at 32K: 39.0 /
+    141.3 → 34.3 / 110.8 µs; docs/benchmarks.md round v38). Without Q8 they multiply in fp16:
+    e4m3 → fp16 is one exact conversion a pair, and q is scaled into fp16 by a power of two
+    (`_fp16_query`; round v35). Either way each key's scale multiplies its score once, after the
+    head sum (with the fp16 query's unscale), and the FP8 query's scales ride on the head
+    weights, as √c does: relu commutes with a positive factor."""
     wait(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -276,9 +301,12 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
         even, odd = rotate_pairs(even, odd, 0, pos, inv_freq_ptr, c, ROPE, False)
         q = tl.reshape(tl.join(even, odd), (NH, C)).to(q_ptr.dtype.element_ty)
     w = tl.load(w_ptr + t * stride_wt + heads, mask=heads < n_heads, other=0.0).to(tl.float32) * w_scale * scale
-    if PACK == 3:
+    unscale = 1.0
+    if PACK == 3 and Q8:
         q, q_scale = quantize_blocks(q.to(tl.float32))  # [NH, C] e4m3, [NH] (zeros past c: same amax)
         w = w * q_scale
+    elif PACK == 3:
+        q, unscale = _fp16_query(q)
     else:
         q = q.to(tl.bfloat16)
     for b in tl.static_range(NB):
@@ -289,11 +317,13 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
         else:
             valid = j < n_vis
             base = entry_base(table, tstride, seq, j, valid, EPP, page_bytes, layer_off, entry_stride, ALIGN)
-            if PACK == 3:  # FP8 keys: the raw e4m3 values, each key's scale after the sum
+            if PACK == 3:  # FP8 keys: the raw e4m3 values (exact in fp16), each key's scale after the sum
                 k = tl.load((buf + base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv)),
                             mask=valid[:, None] & (cols < c)[None, :], other=0.0)
+                if not Q8:
+                    k = k.to(tl.float16)
                 factor = tl.load((buf + index_scale_at(base, j, EPP, c)).to(tl.pointer_type(tl.float32)),
-                                 mask=valid, other=0.0)
+                                 mask=valid, other=0.0) * unscale
             else:
                 k = load_entries(buf + base, valid, 0, C, c, 0, 0, PACK).to(tl.bfloat16)  # [BN, C]
                 factor = tl.full((BN,), 1.0, tl.float32)

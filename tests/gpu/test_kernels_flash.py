@@ -67,7 +67,8 @@ def test_compressor(pools, layer, ratio, kind):
     assert rel_err(out, ref) < 1e-5
 
 
-def test_indexer(pools):
+@pytest.mark.parametrize("fp8_query", [False, True])
+def test_indexer(pools, fp8_query):
     base = copy.deepcopy(pools)
     batch = random_batch(CFG, base, DECODE + [(2048, 512)], seed=7, device=DEV)
     T = batch.input_ids.shape[0]
@@ -75,8 +76,8 @@ def test_indexer(pools):
     g = torch.Generator(device=DEV).manual_seed(8)
     q = torch.randn(T, 64, 128, device=DEV, generator=g).bfloat16()
     w = torch.randn(T, 64, device=DEV, generator=g) / 8
-    ref = indexer.indexer_topk(q, w, batch, base, 2, 512, "torch")
-    out = indexer.indexer_topk(q, w, batch, base, 2, 512, "triton")
+    ref = indexer.indexer_topk(q, w, batch, base, 2, 512, "torch", fp8_query=fp8_query)
+    out = indexer.indexer_topk(q, w, batch, base, 2, 512, "triton", fp8_query=fp8_query)
     assert torch.equal(out < 0, ref < 0)
     # same selection up to near-ties: overlap of the two top-512 sets
     overlap = [len(set(o[o >= 0].tolist()) & set(r[r >= 0].tolist())) / max(1, int((r >= 0).sum()))

@@ -16,7 +16,7 @@ from cluster.options import WorkerOptions
 from cluster.replica import load_replica
 from model.batch import ForwardBatch
 from model.checkpoint import fp8_activations, load_checkpoint, read_config
-from model.dummy_weights import dummy_model, materialize_experts
+from model.dummy_weights import dummy_block, dummy_model, materialize_experts
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.tiny import flash_config
@@ -33,6 +33,11 @@ def test_dummy_model_has_the_device_format_of_a_loaded_checkpoint(tiny_official_
     assert _layout(dummy) == _layout(loaded)
     fp8 = [m for m in dummy.modules() if type(m).__name__ == "Fp8Linear"]
     assert fp8 and all(m.act_fp8 for m in fp8)  # the official config declares dynamic activations
+    for model in (dummy, loaded):  # and with them the indexers' FP8 queries
+        flags = [m.fp8_query for m in model.modules() if type(m).__name__ == "Indexer"]
+        assert flags and all(flags)
+    plain = dummy_block(cfg, cfg.compress_ratios.index(4), "torch", "meta")  # bf16 activations: exact queries
+    assert plain.attn.indexer.fp8_query is False
 
 
 def test_dummy_model_is_seeded_and_runs(tiny_ckpt_cfg):

@@ -16,11 +16,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(0, 37), (300, 1), (517, 9), (3, 1), (1, 1)]
 
 
-def reference_scores(q, w, batch, pools, layer):
+def reference_scores(q, w, batch, pools, layer, fp8_query=False):
     """Full [T, N] reference scores, -inf past each query's causal end."""
     n_max = max(s.end for s in batch.segments) // 4
     out = torch.full((q.shape[0], n_max), float("-inf"), device=q.device)
-    qs = indexer.scoring_query(q, pools)
+    qs = indexer.scoring_query(q, pools, fp8_query)
     for seg in batch.segments:
         n = seg.end // 4
         keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
@@ -48,23 +48,25 @@ def indexer_inputs(fmt: str, seed: int):
     return cfg, pools, batch, q, w
 
 
-@pytest.mark.parametrize("fmt,topk", [("fp8_pack", 16), ("fp8_pack", 64), ("bf16", 16),
-                                      pytest.param("fp32", 16, marks=pytest.mark.slow),
-                                      pytest.param("bf16", 64, marks=pytest.mark.slow),
-                                      pytest.param("fp32", 64, marks=pytest.mark.slow)])
-def test_indexer_matches_reference(fmt, topk):
+@pytest.mark.parametrize("fmt,topk,fp8_query", [("fp8_pack", 16, True), ("fp8_pack", 64, False), ("bf16", 16, False),
+                                                pytest.param("fp8_pack", 16, False, marks=pytest.mark.slow),
+                                                pytest.param("fp8_pack", 64, True, marks=pytest.mark.slow),
+                                                pytest.param("fp32", 16, False, marks=pytest.mark.slow),
+                                                pytest.param("bf16", 64, False, marks=pytest.mark.slow),
+                                                pytest.param("fp32", 64, False, marks=pytest.mark.slow)])
+def test_indexer_matches_reference(fmt, topk, fp8_query):
     _, pools, batch, q, w = indexer_inputs(fmt, seed=30)
     T = batch.input_ids.shape[0]
     layer = 1
-    full = reference_scores(q, w, batch, pools, layer)
+    full = reference_scores(q, w, batch, pools, layer, fp8_query)
     n_max = full.shape[1]
-    got = indexer.logits(q, w, batch, pools, layer, slice(0, T), n_max)
+    got = indexer.logits(q, w, batch, pools, layer, slice(0, T), n_max, fp8_query=fp8_query)
     finite = full.isfinite()
     assert torch.equal(got.isfinite(), finite)
     assert rel_err(got[finite], full[finite]) < 1e-2
 
-    ref = indexer.indexer_topk(q, w, batch, pools, layer, topk, impl="torch")
-    out = indexer.indexer_topk(q, w, batch, pools, layer, topk, impl="triton")
+    ref = indexer.indexer_topk(q, w, batch, pools, layer, topk, impl="torch", fp8_query=fp8_query)
+    out = indexer.indexer_topk(q, w, batch, pools, layer, topk, impl="triton", fp8_query=fp8_query)
     assert out.shape == ref.shape == (T, min(topk, n_max))
     assert torch.equal(out < 0, ref < 0)  # same count of real picks per query
     for t in range(T):
@@ -157,22 +159,38 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
         indexer.top_k(base[None].to(DEVICE), K, digit_bits=3)
 
 
-def test_fp8_key_logits_hold_queries_outside_e4m3_range():
-    """FP8 keys multiply an FP8 query, a UE8M0 scale per head: queries far above e4m3's largest
-    value or below its smallest normal, and one whose heads span 2^-20..2^20, score as the
-    reference does (an unscaled e4m3 query would saturate or flush the small heads), and a
-    query's scores scale exactly with it. The products are exact; Hopper's e4m3 MMA keeps about
-    14 bits of its running sum (DeepSeek-V3 report, §3.3.2; 7.5e-5 measured on an H200), hence
-    2e-4 rather than fp32's order-of-summation bound."""
+@pytest.mark.parametrize("fp8_query", [False, True])
+def test_fp8_key_logits_hold_queries_outside_the_query_format_range(fp8_query):
+    """FP8 keys multiply an fp16 query scaled by a power of two, or (`fp8_query`) an FP8 query with
+    a UE8M0 scale per head: queries far above the format's largest value or below its smallest
+    normal, and one whose heads span 2^-20..2^20, score as the reference does (an unscaled query
+    would overflow to inf, saturate, or lose the small heads' bits), and a query's scores scale
+    exactly with it. The FP8 query's products are exact, but Hopper's e4m3 MMA keeps about 14
+    bits of its running sum (DeepSeek-V3 report, §3.3.2; 7.5e-5 measured on an H200), hence 2e-4
+    there against fp32's order-of-summation bound."""
     _, pools, batch, q, w = indexer_inputs("fp8_pack", seed=39)
     T = batch.input_ids.shape[0]
     n_max = max(s.end for s in batch.segments) // 4
     spread = torch.exp2(torch.linspace(-20, 20, q.shape[1], device=q.device))[None, :, None]
     for qq in (q * 2.0 ** 20, q * 2.0 ** -30, (q.float() * spread).bfloat16()):
-        full = reference_scores(qq, w, batch, pools, 1)
-        got = indexer.logits(qq, w, batch, pools, 1, slice(0, T), n_max)
+        full = reference_scores(qq, w, batch, pools, 1, fp8_query)
+        got = indexer.logits(qq, w, batch, pools, 1, slice(0, T), n_max, fp8_query=fp8_query)
         finite = full.isfinite()
         assert torch.equal(got.isfinite(), finite)
-        assert rel_err(got[finite], full[finite]) < 2e-4
-    base = indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max)
-    assert torch.equal(indexer.logits(q * 2.0 ** 12, w, batch, pools, 1, slice(0, T), n_max), base * 2.0 ** 12)
+        assert rel_err(got[finite], full[finite]) < (2e-4 if fp8_query else 1e-5)
+    base = indexer.logits(q, w, batch, pools, 1, slice(0, T), n_max, fp8_query=fp8_query)
+    assert torch.equal(indexer.logits(q * 2.0 ** 12, w, batch, pools, 1, slice(0, T), n_max, fp8_query=fp8_query),
+                       base * 2.0 ** 12)
+
+
+def test_fp8_query_is_the_codes_of_act_quant():
+    """The FP8 query is each head's e4m3 codes and UE8M0 scale as the W8A8 activations get them
+    (a block of c), and only against FP8 keys: other pools, or the flag off, keep q exact."""
+    _, pools, batch, q, w = indexer_inputs("fp8_pack", seed=40)
+    scale = torch.exp2(torch.ceil(torch.log2(q.float().abs().amax(-1, keepdim=True) / 448)))  # per head
+    want = (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(indexer.scoring_query(q, pools, True), want)
+    assert not torch.equal(want, q.float())
+    assert torch.equal(indexer.scoring_query(q, pools, False), q.float())
+    bf16_pools = KVPools(tiny_config(), "bf16", max_tokens=64, max_seqs=1, device=DEVICE)
+    assert torch.equal(indexer.scoring_query(q, bf16_pools, True), q.float())
