@@ -95,7 +95,8 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     --skip-attention: batch 64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch
     1, 2 blocks, 4.8 µs against 13.9 with 8), and from 256 keys a program those keys in blocks of
     128: half the loop bodies, each MMA twice as tall (H200, FP8 query: batch 64 / 256 at 32K 34.3
-    / 110.8 → 28.2 / 100.6 µs, at 8K 8.7 / 34.2 → 8.4 / 28.2; batch 1 keeps 2 blocks of 64)."""
+    / 110.8 → 28.2 / 100.6 µs, at 8K 8.7 / 34.2 → 8.4 / 28.2; fp16 query at 32K: 39.0 / 141.3 →
+    38.8 / 132.0; batch 1 keeps 2 blocks of 64)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
