@@ -153,12 +153,13 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 # The select kernel holds a row in registers: up to 8192 entries (a 32K-token context); longer
 # rows go to torch's multi-block radix select.
 TOPK_KERNEL_MAX_N = 8192
-# Bits of the K-th score the select kernel decides a pass: 2 by comparisons below 4096 entries, 4
-# by histograms from there. A step of few tokens runs one program a row, whose passes are serial
-# (H200, benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v38:
-# 8192 entries, batch 1 / 64 / 256, 21.7 / 22.0 / 43.3 µs with 2 bits, 19.4 / 19.6 / 38.5 with 4;
-# 2048 entries 9.1 / 8.9 / 12.3 against 9.1 / 9.2 / 13.3)
-SELECT_HISTOGRAM_MIN_N = 4096
+# Bits of the K-th score the select kernel decides a pass: 2 by comparisons below 2048 entries, 4
+# by histograms from there, with 8 warps. A step of few tokens runs one program a row, whose
+# passes are serial; since they stop early (`_kth_by_histogram`) the histograms win at 2048 too
+# (H200, benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v39,
+# batch 1 / 64 / 256: 2048 entries 6.8 / 8.6 / 11.4 µs with 2 bits and 4 warps, 5.4 / 7.0 / 10.3
+# with 4 bits and 8 warps; 8192 entries 15.7 / 17.0 / 30.8 against 14.5 / 16.6 / 30.2)
+SELECT_HISTOGRAM_MIN_N = 2048
 
 
 def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits: int | None = None
@@ -179,7 +180,7 @@ def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits
     N = triton.next_power_of_2(n)
     bits = digit_bits or (4 if N >= SELECT_HISTOGRAM_MIN_N else 2)
     _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), n, K, N=N, KP=KP, BITS=bits,
-                         num_warps=num_warps or (8 if N >= 4096 else 4), **launch_options(scores))
+                         num_warps=num_warps or (8 if N >= SELECT_HISTOGRAM_MIN_N else 4), **launch_options(scores))
     return out
 
 
@@ -188,14 +189,23 @@ def _kth_by_counts(u, K, BITS: tl.constexpr):
     """The K-th largest of u [N] uint32, BITS bits a pass from the top: one reduction of
     [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr (all N are >= 0,
     and K <= n), so digit 0 always qualifies, and the counts fall as the digit grows: the largest
-    qualifying digit is how many qualify, less one."""
+    qualifying digit is how many qualify, less one. Stops early where exactly K entries reach the
+    chosen digit: their smallest is the K-th."""
     thr = tl.zeros([], dtype=tl.uint32)
     shift = tl.full([], 32, dtype=tl.uint32)
     digits = tl.arange(0, 2 ** BITS).to(tl.uint32)
+    open_ = tl.full([], 1, dtype=tl.int32)  # 0 once thr is decided before its last bits
     for _ in range(32 // BITS):
-        shift -= BITS
-        counts = tl.sum((u[:, None] >= (thr | (digits << shift))[None, :]).to(tl.int32), 0)
-        thr = thr | ((tl.sum((counts >= K).to(tl.int32), 0) - 1).to(tl.uint32) << shift)
+        if open_ != 0:
+            shift -= BITS
+            counts = tl.sum((u[:, None] >= (thr | (digits << shift))[None, :]).to(tl.int32), 0)
+            d = tl.sum((counts >= K).to(tl.int32), 0) - 1
+            thr = thr | (d.to(tl.uint32) << shift)
+            if tl.sum(tl.where(digits == d.to(tl.uint32), counts, 0), 0) == K:
+                # exactly K entries from the chosen digit's start: the K-th is their smallest
+                # (`_kth_by_histogram`'s early stop)
+                thr = tl.min(tl.where(u >= thr, u, 0xFFFFFFFF), 0)
+                open_ = 0
     return thr
 
 
@@ -207,23 +217,32 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
     comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453).
     Invariant: `rank` (>= 1) entries of the matching ones are still to be passed over to reach
     the K-th, and at least `rank` match; the chosen digit is the largest whose suffix count
-    reaches `rank`, and `rank` drops by the count above it."""
+    reaches `rank`, and `rank` drops by the count above it. Stops early where the chosen digit's
+    bucket holds exactly `rank` entries: their smallest is the K-th."""
     B: tl.constexpr = 2 ** BITS
     thr = tl.zeros([], dtype=tl.uint32)
     decided = tl.zeros([], dtype=tl.uint32)  # the bits of thr fixed so far (a shift by 32 is undefined)
     rank = K
     shift = tl.full([], 32, dtype=tl.uint32)
     bins = tl.arange(0, B)
+    open_ = tl.full([], 1, dtype=tl.int32)  # 0 once thr is decided before its last bits
     for _ in range(32 // BITS):
-        shift -= BITS
-        match = ((u ^ thr) & decided) == 0
-        h = tl.histogram(((u >> shift) & (B - 1)).to(tl.int32), B, mask=match)
-        below = tl.cumsum(h, 0) - h  # entries of a smaller digit
-        suffix = tl.sum(h, 0) - below  # of this digit or a larger one
-        d = tl.sum((suffix >= rank).to(tl.int32), 0) - 1
-        rank -= tl.sum(tl.where(bins == d, suffix - h, 0), 0)
-        thr = thr | (d.to(tl.uint32) << shift)
-        decided = decided | ((B - 1) << shift).to(tl.uint32)
+        if open_ != 0:
+            shift -= BITS
+            match = ((u ^ thr) & decided) == 0
+            h = tl.histogram(((u >> shift) & (B - 1)).to(tl.int32), B, mask=match)
+            below = tl.cumsum(h, 0) - h  # entries of a smaller digit
+            suffix = tl.sum(h, 0) - below  # of this digit or a larger one
+            d = tl.sum((suffix >= rank).to(tl.int32), 0) - 1
+            rank -= tl.sum(tl.where(bins == d, suffix - h, 0), 0)
+            thr = thr | (d.to(tl.uint32) << shift)
+            decided = decided | ((B - 1) << shift).to(tl.uint32)
+            if tl.sum(tl.where(bins == d, h, 0), 0) == rank:
+                # every entry of the chosen bucket is taken: the K-th is its smallest, and the
+                # passes over the bits left would only spell that out (on continuous scores the
+                # bucket is down to a few entries after 16-20 bits of 32)
+                thr = tl.min(tl.where(match & (((u >> shift) & (B - 1)) == d.to(tl.uint32)), u, 0xFFFFFFFF), 0)
+                open_ = 0
     return thr
 
 

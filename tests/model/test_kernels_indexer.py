@@ -159,6 +159,25 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
         indexer.top_k(base[None].to(DEVICE), K, digit_bits=3)
 
 
+def test_top_k_kernel_decides_the_kth_score_early_where_its_bucket_is_taken_whole():
+    """The passes stop once every entry of the K-th's bucket is taken (continuous scores after
+    16-20 of 32 bits): the K-th is then the bucket's smallest. Rows of 5000 entries (the
+    histogram regime) over several binades, with the K-th score held by two entries that are both
+    taken, by one, and a row where a tie crosses K (no early stop: 8 passes)."""
+    g = torch.Generator().manual_seed(92)
+    R, n, K = 4, 5000, 512
+    scores = torch.randn(R, n, generator=g).exp() * 10.0 ** torch.randint(-3, 3, (R, n), generator=g)
+    top = scores[1].topk(K).values
+    scores[1, scores[1] == top[-2]] = top[-1]  # the K-1-th and K-th equal: both taken
+    scores[2, :] = scores[2].clamp(max=scores[2].topk(K + 5).values[-1])  # K + 5 entries tie for K places
+    scores = scores.to(DEVICE)
+    # torch.topk leaves the order of ties open; a stable sort takes the lowest entries of a tie
+    ref = torch.sort(-scores.cpu(), dim=-1, stable=True).indices[:, :K].sort(dim=-1).values.int().to(DEVICE)
+    assert torch.equal(ref[2], torch.arange(n, device=DEVICE)[scores[2] == scores[2].max()][:K].int())
+    for bits in (1, 2, 4, 8):  # the comparison passes stop early alike
+        assert torch.equal(indexer.top_k(scores, K, digit_bits=bits), ref), bits
+
+
 @pytest.mark.parametrize("fp8_query", [False, True])
 def test_fp8_key_logits_hold_queries_outside_the_query_format_range(fp8_query):
     """FP8 keys multiply an fp16 query scaled by a power of two, or (`fp8_query`) an FP8 query with
