@@ -239,8 +239,8 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
             decided = decided | ((B - 1) << shift).to(tl.uint32)
             if tl.sum(tl.where(bins == d, h, 0), 0) == rank:
                 # every entry of the chosen bucket is taken: the K-th is its smallest, and the
-                # passes over the bits left would only spell that out (on continuous scores the
-                # bucket is down to a few entries after 16-20 bits of 32)
+                # passes over the bits left would only spell that out (indexer-like scores stop
+                # after 5-6 of 8 four-bit passes)
                 thr = tl.min(tl.where(match & (((u >> shift) & (B - 1)) == d.to(tl.uint32)), u, 0xFFFFFFFF), 0)
                 open_ = 0
     return thr

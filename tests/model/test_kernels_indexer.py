@@ -160,8 +160,8 @@ def test_top_k_kernel_ties_at_the_kth_score_take_the_lowest_entries():
 
 
 def test_top_k_kernel_decides_the_kth_score_early_where_its_bucket_is_taken_whole():
-    """The passes stop once every entry of the K-th's bucket is taken (continuous scores after
-    16-20 of 32 bits): the K-th is then the bucket's smallest. Rows of 5000 entries (the
+    """The passes stop once every entry of the K-th's bucket is taken (indexer-like scores after
+    5-6 of 8 four-bit passes): the K-th is then the bucket's smallest. Rows of 5000 entries (the
     histogram regime) over several binades, with the K-th score held by two entries that are both
     taken, by one, and a row where a tie crosses K (no early stop: 8 passes)."""
     g = torch.Generator().manual_seed(92)
