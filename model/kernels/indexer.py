@@ -90,20 +90,22 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
     (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
     the bits of scaling w first, without that element-wise launch); `fp8_query`: `scoring_query`'s.
-    A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8 blocks of 64 that still
-    leaves two waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py
+    A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8, 16 blocks of 64 that
+    still leaves two waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py
     --skip-attention: batch 64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch
     1, 2 blocks, 4.8 µs against 13.9 with 8), and from 256 keys a program those keys in blocks of
     128: half the loop bodies, each MMA twice as tall (H200, FP8 query: batch 64 / 256 at 32K 34.3
     / 110.8 → 28.2 / 100.6 µs, at 8K 8.7 / 34.2 → 8.4 / 28.2; fp16 query at 32K: 39.0 / 141.3 →
-    38.8 / 132.0; batch 1 keeps 2 blocks of 64)."""
+    38.8 / 132.0; batch 1 keeps 2 blocks of 64). 1024 keys a program (8 of 128) where that still
+    leaves two waves: batch 64 / 256 at 32K 28.3 / 100.9 → 27.0 / 96.4 µs, batch 256 at 8K 28.4 →
+    27.1 (H200, docs/benchmarks.md round v39)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
     bn, nb = block_n or 64, blocks or 2
-    while blocks is None and nb < 8 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * num_sms(q.device):
+    while blocks is None and nb < 16 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * num_sms(q.device):
         nb *= 2
     if block_n is None and blocks is None and nb >= 4:
         bn, nb = 128, nb // 2
@@ -186,8 +188,8 @@ def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits
 
 @triton.jit
 def _kth_by_counts(u, K, BITS: tl.constexpr):
-    """The K-th largest of u [N] uint32, BITS bits a pass from the top: one reduction of
-    [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr (all N are >= 0,
+    """(the K-th largest of u [N] uint32, 1 unless it stopped early), BITS bits a pass from the
+    top: one reduction of [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr (all N are >= 0,
     and K <= n), so digit 0 always qualifies, and the counts fall as the digit grows: the largest
     qualifying digit is how many qualify, less one. Stops early where exactly K entries reach the
     chosen digit: their smallest is the K-th."""
@@ -206,13 +208,13 @@ def _kth_by_counts(u, K, BITS: tl.constexpr):
                 # (`_kth_by_histogram`'s early stop)
                 thr = tl.min(tl.where(u >= thr, u, 0xFFFFFFFF), 0)
                 open_ = 0
-    return thr
+    return thr, open_
 
 
 @triton.jit
 def _kth_by_histogram(u, K, BITS: tl.constexpr):
-    """The K-th largest of u [N] uint32, BITS bits a pass from the top: a histogram of the next
-    digit over the entries that match the bits decided so far (`tl.histogram`: ballots within a
+    """(the K-th largest of u [N] uint32, 1 unless it stopped early), BITS bits a pass from the
+    top: a histogram of the next digit over the entries that match the bits decided so far (`tl.histogram`: ballots within a
     warp, one shared-memory sum across warps): 4 bits a pass cost less than two passes of 2-bit
     comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453).
     Invariant: `rank` (>= 1) entries of the matching ones are still to be passed over to reach
@@ -243,7 +245,7 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
                 # after 5-6 of 8 four-bit passes)
                 thr = tl.min(tl.where(match & (((u >> shift) & (B - 1)) == d.to(tl.uint32)), u, 0xFFFFFFFF), 0)
                 open_ = 0
-    return thr
+    return thr, open_
 
 
 @triton.jit
@@ -258,12 +260,15 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP
     # the K-th largest u: the largest x with at least K entries >= x, decided BITS bits a pass from
     # the top, 32 / BITS passes
     if BITS <= 2:
-        thr = _kth_by_counts(u, K, BITS)
+        thr, ties = _kth_by_counts(u, K, BITS)
     else:
-        thr = _kth_by_histogram(u, K, BITS)
-    above = u > thr
-    tie = u == thr
-    take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0)))  # exactly K
+        thr, ties = _kth_by_histogram(u, K, BITS)
+    if ties != 0:  # exactly K: of the entries equal to the K-th, the lowest as many as needed
+        above = u > thr
+        tie = u == thr
+        take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0)))
+    else:  # stopped early: the K-th's bucket, all entries equal to it included, is taken whole
+        take = u >= thr
     real = take & (bits != -8388608)  # -inf's bits: fewer than K causal entries leave -1s instead
     pos = tl.cumsum(real.to(tl.int32), 0) - 1
     row = out_ptr + t * stride_o
