@@ -40,7 +40,8 @@ SMALL = [(16, 64, 8, 4, 2), (16, 64, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 32,
 LOGITS = [(None, None, 4), (64, None, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 4), (128, 4, 4), (128, 8, 4),
           (128, 2, 8), (128, 4, 8), (256, 1, 8), (256, 2, 8)]
 # (digit_bits, num_warps) of the select kernel; None = the default's
-SELECT = [(None, None), (1, None), (2, None), (4, None), (8, None), (2, 4), (2, 8), (4, 4), (4, 8), (1, 8)]
+SELECT = [(None, None), (1, None), (2, None), (4, None), (8, None), (2, 4), (2, 8), (4, 4), (4, 8), (1, 8), (4, 16),
+          (8, 16)]
 
 
 def attention_inputs(B: int, C: int, g: torch.Generator):
