@@ -182,17 +182,18 @@ def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits
     N = triton.next_power_of_2(n)
     bits = digit_bits or (4 if N >= SELECT_HISTOGRAM_MIN_N else 2)
     _select_kernel[(R,)](scores, scores.stride(0), out, out.stride(0), n, K, N=N, KP=KP, BITS=bits,
-                         num_warps=num_warps or (8 if N >= SELECT_HISTOGRAM_MIN_N else 4), **launch_options(scores))
+                         num_warps=num_warps or (8 if N >= SELECT_HISTOGRAM_MIN_N else 4),
+                         **launch_options(scores))
     return out
 
 
 @triton.jit
 def _kth_by_counts(u, K, BITS: tl.constexpr):
     """(the K-th largest of u [N] uint32, 1 unless it stopped early), BITS bits a pass from the
-    top: one reduction of [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr (all N are >= 0,
-    and K <= n), so digit 0 always qualifies, and the counts fall as the digit grows: the largest
-    qualifying digit is how many qualify, less one. Stops early where exactly K entries reach the
-    chosen digit: their smallest is the K-th."""
+    top: one reduction of [N, 2^BITS] comparisons a pass. Invariant: at least K entries are >= thr
+    (all N are >= 0, and K <= n), so digit 0 always qualifies, and the counts fall as the digit
+    grows: the largest qualifying digit is how many qualify, less one. Stops early where exactly K
+    entries reach the chosen digit: their smallest is the K-th."""
     thr = tl.zeros([], dtype=tl.uint32)
     shift = tl.full([], 32, dtype=tl.uint32)
     digits = tl.arange(0, 2 ** BITS).to(tl.uint32)
@@ -214,9 +215,10 @@ def _kth_by_counts(u, K, BITS: tl.constexpr):
 @triton.jit
 def _kth_by_histogram(u, K, BITS: tl.constexpr):
     """(the K-th largest of u [N] uint32, 1 unless it stopped early), BITS bits a pass from the
-    top: a histogram of the next digit over the entries that match the bits decided so far (`tl.histogram`: ballots within a
-    warp, one shared-memory sum across warps): 4 bits a pass cost less than two passes of 2-bit
-    comparisons (built for sm_90 at 8192 entries, 789 instructions a thread against 2 × 453).
+    top: a histogram of the next digit over the entries that match the bits decided so far
+    (`tl.histogram`: ballots within a warp, one shared-memory sum across warps): 4 bits a pass
+    cost less than two passes of 2-bit comparisons (built for sm_90 at 8192 entries, 789
+    instructions a thread against 2 × 453).
     Invariant: `rank` (>= 1) entries of the matching ones are still to be passed over to reach
     the K-th, and at least `rank` match; the chosen digit is the largest whose suffix count
     reaches `rank`, and `rank` drops by the count above it. Stops early where the chosen digit's
@@ -260,10 +262,10 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP
     # the K-th largest u: the largest x with at least K entries >= x, decided BITS bits a pass from
     # the top, 32 / BITS passes
     if BITS <= 2:
-        thr, ties = _kth_by_counts(u, K, BITS)
+        thr, full = _kth_by_counts(u, K, BITS)
     else:
-        thr, ties = _kth_by_histogram(u, K, BITS)
-    if ties != 0:  # exactly K: of the entries equal to the K-th, the lowest as many as needed
+        thr, full = _kth_by_histogram(u, K, BITS)
+    if full != 0:  # every pass ran: of the entries equal to the K-th, the lowest as many as needed
         above = u > thr
         tie = u == thr
         take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0)))
