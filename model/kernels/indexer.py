@@ -10,8 +10,8 @@ entries of the longest request), -1 where a query sees fewer than K entries.
 
 `_select_kernel` takes a row's top k in one program: it finds the k-th largest score by
 deciding its bits from the top (counts or histograms over the row held in registers; floats made
-order-preserving as integers; the passes stop once every entry left in the k-th's bucket is
-taken, which is then the k-th's whole bucket), keeps the entries above it and, of those equal
+order-preserving as integers; the passes stop early once the k-th's bucket is to be taken
+whole, its smallest entry then being the k-th), keeps the entries above it and, of those equal
 to it, the lowest first, and writes them in entry order (a prefix sum places each), -1 after
 them. Picks are a set
 to the attention, so no sort: entry order is what the reference gives too (`select`), and it
