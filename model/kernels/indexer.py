@@ -13,10 +13,9 @@ deciding its bits from the top (counts or histograms over the row held in regist
 order-preserving as integers; the passes stop early once the k-th's bucket is to be taken
 whole, its smallest entry then being the k-th), keeps the entries above it and, of those equal
 to it, the lowest first, and writes them in entry order (a prefix sum places each), -1 after
-them. Picks are a set
-to the attention, so no sort: entry order is what the reference gives too (`select`), and it
-walks the pages in order. The bitonic sort of the whole row that it replaced cost the row times
-log² of it.
+them. Picks are a set to the attention, so no sort: entry order is what the reference gives too
+(`select`), and it walks the pages in order. The bitonic sort of the whole row that it replaced
+cost the row times log² of it.
 
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
@@ -236,7 +235,8 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
         if open_ != 0:
             shift -= BITS
             match = ((u ^ thr) & decided) == 0
-            h = tl.histogram(((u >> shift) & (B - 1)).to(tl.int32), B, mask=match)
+            digit = (u >> shift) & (B - 1)
+            h = tl.histogram(digit.to(tl.int32), B, mask=match)
             below = tl.cumsum(h, 0) - h  # entries of a smaller digit
             suffix = tl.sum(h, 0) - below  # of this digit or a larger one
             d = tl.sum((suffix >= rank).to(tl.int32), 0) - 1
@@ -247,7 +247,7 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
                 # every entry of the chosen bucket is taken: the K-th is its smallest, and the
                 # passes over the bits left would only spell that out (indexer-like scores stop
                 # after 5-6 of 8 four-bit passes)
-                thr = tl.min(tl.where(match & (((u >> shift) & (B - 1)) == d.to(tl.uint32)), u, 0xFFFFFFFF), 0)
+                thr = tl.min(tl.where(match & (digit == d.to(tl.uint32)), u, 0xFFFFFFFF), 0)
                 open_ = 0
     return thr, open_
 
