@@ -1,4 +1,4 @@
-"""Launch-option sweep of the sparse-attention kernel on the prefill shape (one V4-Flash CSA layer:
+"""Launch-option sweep of the sparse-attention kernels on the prefill shape (one V4-Flash CSA layer:
 8K tokens, 64 heads × 512, 128 window + 512 picks per token, fp8_pack pools), GPU time per call.
 
     python benchmarks/attention_sweep.py --out $OUT/attention_sweep.json
@@ -45,7 +45,10 @@ def main() -> None:
     flops = H * vis * D * 4
     ref = sparse_attention.attend(q, batch, pools, 2, 4, picks, sink, 128, rope, "triton", out_dtype=torch.bfloat16)
     rows = []
-    for bh, bn, warps, stages in itertools.product(args.block_h, args.block_n, args.warps, args.stages):
+    # the first row is the default launch (on sm_90 `sparse_attention_wgmma`'s kernel), the others
+    # the Triton kernel's launch options
+    for bh, bn, warps, stages in [(None,) * 4] + list(itertools.product(args.block_h, args.block_n, args.warps,
+                                                                       args.stages)):
         if bh == 32 and warps == 16:
             continue
         row = {"block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages}

@@ -26,10 +26,12 @@ from benchmarks.kernel_bench import CFG, D, H  # noqa: E402
 from model.kernels import indexer, sparse_attention  # noqa: E402
 from model.rope import Rope  # noqa: E402
 
-# (block_h, block_n, splits, num_warps, num_stages); None = the heuristic's. The second and third
-# rows are what the heuristic chose before 64-entry steps (32-head programs when there are at most
-# half as many tokens as SMs, else 64-head ones; 32 entries a step)
-ATTENTION = [(None, None, None, None, None), (32, 32, None, 4, 2), (64, 32, None, 8, 2),
+# (block_h, block_n, splits, num_warps, num_stages); None = the heuristic's. The first row is the
+# default launch (`sparse_attention_wgmma`'s kernel on sm_90), the second the Triton kernel's
+# default launch; the third and fourth what the Triton kernel's heuristic chose before 64-entry
+# steps (32-head programs when there are at most half as many tokens as SMs, else 64-head ones;
+# 32 entries a step). Any launch option given runs the Triton kernel.
+ATTENTION = [(None, None, None, None, None), (64, 64, None, 8, 2), (32, 32, None, 4, 2), (64, 32, None, 8, 2),
              (64, 64, 1, 8, 2), (64, 64, 4, 8, 2), (64, 64, 8, 8, 2), (64, 64, None, 8, 3), (64, 64, None, 4, 2),
              (32, 64, None, 4, 2), (64, 128, None, 8, 2)]
 # small batches (up to 4 tokens) add programs of fewer heads and more entry splits, empty splits
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--skip-attention", action="store_true", help="the indexer's logits only")
+    ap.add_argument("--skip-indexer", action="store_true", help="the sparse attention only")
+    ap.add_argument("--attention-rows", type=int, default=None, help="only the first N attention launches")
     args = ap.parse_args()
     C = args.context
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -69,7 +73,7 @@ def main() -> None:
         rope = Rope.for_layer(CFG, True)
         for ratio, layer, pk in () if args.skip_attention else ((4, 2, picks), (128, 3, None)):
             ref = None
-            for bh, bn, sp, nw, ns in ATTENTION + (SMALL if B <= 4 else []):
+            for bh, bn, sp, nw, ns in (ATTENTION + (SMALL if B <= 4 else []))[:args.attention_rows]:
                 fn = lambda: sparse_attention.attend(q, batch, pools, layer, ratio, pk, sink, 128, rope,  # noqa: E731
                                                      "triton", block_h=bh, block_n=bn, splits=sp, num_warps=nw,
                                                      num_stages=ns)
@@ -84,6 +88,8 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 print(row, flush=True)
+        if args.skip_indexer:
+            continue
         qi = torch.randn(B, 64, 128, device="cuda", generator=g).bfloat16()
         wi = torch.randn(B, 64, device="cuda", generator=g)
         n_max = batch.meta.max_end // 4

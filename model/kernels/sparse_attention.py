@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels import check_impl, num_sms
+from model.kernels import check_impl, num_sms, sparse_attention_wgmma
 from model.kernels.pdl import launch_options, wait
 from model.kernels.pool_io import alignment, entry_base, load_entries, pack_code
 from model.kernels.rope import rotate_pairs
@@ -75,12 +75,14 @@ def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int,
 def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
            window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None,
            block_n: int | None = None, out_dtype: torch.dtype = torch.float32, num_warps: int | None = None,
-           num_stages: int | None = None) -> torch.Tensor:
+           num_stages: int | None = None, wgmma: bool | None = None) -> torch.Tensor:
     """q [T, H, d] (roped) → [T, H, d] de-rotated attention output in `out_dtype` (fp32 inside;
     the kernel stores the rounded result itself, which saves a pass over [T, H, d] in prefill).
 
     picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
-    the launch heuristics (tests and tuning), as do `block_n` (entries per step) and the launch options."""
+    the launch heuristics (tests and tuning), as do `block_n` (entries per step) and the launch options.
+    `wgmma`: run `sparse_attention_wgmma`'s kernel (None: wherever it applies and no launch option
+    of this kernel is given; it has its own)."""
     if check_impl(impl) == "torch":
         return reference(q, batch, pools, layer, ratio, picks, sink, window, rope).to(out_dtype)
     T, H, d = q.shape
@@ -116,6 +118,16 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     else:
         partial = torch.empty(splits, T, H, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
+    if wgmma is None:
+        wgmma = (block_h, block_n, num_warps, num_stages) == (None,) * 4 and sparse_attention_wgmma.supported(
+            q, d, rope.dim, pack_code(pools, "swa"), pack_code(pools, kind))
+    if wgmma:
+        sparse_attention_wgmma.launch(q, out, partial, ml, meta, pools, layer, kind, picks, sink, window, ratio, n_comp,
+                                      rope, splits, d ** -0.5 * LOG2E, alignment(pools, "swa"), alignment(pools, kind),
+                                      bool(launch_options(q)))
+        if splits > 1:
+            combine(partial, ml, meta.positions, rope, out)
+        return out
     picks_arg = picks if picks is not None else meta.token_seq
     _sparse_attn_kernel[(T, triton.cdiv(H, bh), splits)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,

@@ -48,6 +48,29 @@ def test_sparse_attention(pools, shapes, layer, ratio):
     assert bool(out.isfinite().all()) and rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("shapes", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("layer,ratio", [(0, 0), (2, 4), (3, 128)])
+@pytest.mark.parametrize("splits", [None, 1, 2, 16])
+def test_sparse_attention_wgmma_kernel_matches_the_triton_kernel(pools, shapes, layer, ratio, splits):
+    """sparse_attention_wgmma (sm_90, fp8_pack) against the Triton kernel at the same split count:
+    the same bf16 operands, so only the order of the fp32 sums differs."""
+    if pools.format != "fp8_pack" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel reads fp8_pack pools on sm_90")
+    pools_ = copy.deepcopy(pools)
+    batch = random_batch(CFG, pools_, shapes, seed=4, device=DEV)
+    T = batch.input_ids.shape[0]
+    g = torch.Generator(device=DEV).manual_seed(5)
+    q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(64, device=DEV, generator=g)
+    picks = random_picks(batch, 512, 4, DEV) if ratio == 4 else None
+    args = (q, batch, pools_, layer, ratio, picks, sink, 128, Rope.for_layer(CFG, ratio > 0), "triton")
+    out = sparse_attention.attend(*args, splits=splits, wgmma=True)
+    triton_kernel = sparse_attention.attend(*args, splits=splits, wgmma=False)
+    ref = sparse_attention.attend(*args[:-1], impl="torch")
+    assert bool(out.isfinite().all())
+    assert rel_err(out, triton_kernel) < 1e-4 and rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("layer,ratio,kind", [(2, 4, "c4"), (3, 128, "c128"), (2, 4, "c4_indexer")])
 def test_compressor(pools, layer, ratio, kind):
     base = copy.deepcopy(pools)
