@@ -15,6 +15,11 @@ reaches an exponent. With one split the kernel also de-rotates and writes the fi
 with several (decode with few tokens, to fill the GPU) it writes partial (acc, m, l) that
 `_combine_kernel` merges and de-rotates in one more launch (`combine_reference` in torch: a
 dozen launches and as many passes over the partials, which at batch 64 are 4 × the output).
+
+On sm_90 with `fp8_pack` pools `attend` runs `sparse_attention_wgmma`'s kernel instead (Gluon:
+each block decoded once into shared memory, asynchronous wgmma; same grid, splits and combine;
+1.5× faster at batch 64 / 256, docs/benchmarks.md round v40); this Triton kernel serves other
+GPUs, bf16 and fp32 pools, the interpreter, and any call that names its launch options.
 """
 
 from __future__ import annotations

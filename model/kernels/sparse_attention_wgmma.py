@@ -10,9 +10,12 @@ several write partials for `_combine_kernel`), built differently where the Trito
   every block twice (a quarter of the head dim at a time, to keep registers) and was bound by
   those instructions and their loads: ~2,000 instructions a warp a block, 8.8 cycles each
   (`ncu_sparse_attn_B64_32K_h200_v35.txt`);
-* the next block's bytes are loaded into registers while the current block's products run, and
-  the block after that has its entry addresses (picks → page table) loaded as well, so a block
-  never waits on a dependent chain of global loads;
+* two buffers of decoded blocks: block i's products run as asynchronous wgmma while the warps
+  decode block i + 1 into the other buffer, half during S and half during P·k. Both products are
+  awaited within the iteration (one left in flight across the back edge made ptxas serialise
+  every wgmma, tests/model/test_sparse_attention_hopper_build.py);
+* the address chain (picks → page table → entry bytes) runs an iteration ahead of its use, so a
+  block's loads never wait on the load before them;
 * 8 warps as two warpgroups: S's 64 entries split 32 + 32 between them and P·k's 512 columns
   256 + 256 (wgmma layout [4, 2]); the softmax's row reductions cross the two through shared
   memory, and P reaches both as the register operand of P·k.
@@ -21,7 +24,8 @@ Decoding: an e4m3 code placed as bf16 bits `s << 15 | magnitude << 4` reads as i
 2^-120, so value × 2^(scale - 127) = bits × 2^(scale - 7), one bf16 multiply per pair (exact, as
 `fp4.fp8_to_bf16`). q is rounded to bf16 as the Triton kernel rounds it.
 
-Shared memory: q [64, 512] and the decoded block [64, 512], bf16 with 128-byte swizzle (128 KB).
+Shared memory: q [64, 512] and two decoded blocks [2, 64, 512], bf16 with 128-byte swizzle
+(192 KB of Hopper's 227).
 """
 
 from __future__ import annotations
