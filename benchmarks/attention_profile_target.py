@@ -5,7 +5,8 @@
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
         python3 benchmarks/attention_profile_target.py --batch 64
 
-(`-k regex:_logits_kernel` for the logits; `--section SourceCounters --page source --print-source
+(`-k regex:_sparse_attn_wgmma_kernel` for the kernel sm_90 runs with these pools,
+`-k regex:_logits_kernel` for the logits; `--section SourceCounters --page source --print-source
 sass --csv` for per-instruction stall samples.) The inputs are those of
 benchmarks/decode_attention_sweep.py: random picks, random queries and head weights.
 """
