@@ -81,6 +81,19 @@ def test_sink_dominates_when_scores_are_low():
     assert out.abs().max() < 1e-6
 
 
+def test_wgmma_kernel_is_refused_where_it_does_not_apply():
+    """`wgmma=True` outside what the Gluon kernel reads (sm_90, fp8_pack, 448 + 64 columns) is an
+    error naming the conditions, never a launch over entries it would misread."""
+    cfg = tiny_config()
+    pools = KVPools(cfg, "bf16", max_tokens=512, max_seqs=2, device=DEVICE)
+    batch = random_batch(cfg, pools, [(100, 1)], seed=2, device=DEVICE)
+    q = torch.randn(1, cfg.num_attention_heads, cfg.head_dim).to(DEVICE, torch.bfloat16)
+    sink = torch.zeros(cfg.num_attention_heads, device=DEVICE)
+    with pytest.raises(ValueError, match="fp8_pack pools of 448 \\+ 64-column entries on sm_90; got bf16 pools"):
+        sparse_attention.attend(q, batch, pools, 0, 0, None, sink, cfg.sliding_window, Rope.for_layer(cfg, False),
+                                impl="triton", wgmma=True)
+
+
 @pytest.mark.parametrize("splits,heads,d", [(2, 4, 128), (5, 6, 96), (16, 64, 512)])
 def test_split_combine_matches_reference(splits, heads, d):
     """The merge of KV-split partials: random accumulators and (m, l) per split, one split per row
