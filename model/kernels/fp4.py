@@ -198,6 +198,21 @@ def ue8m0_to_f32(byte):
     return (byte.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
 
 
+# four e4m3 bytes $2 and their factors 2^(s-7) as bf16 pairs $3, $4 → bf16 pairs $0, $1: each code's
+# magnitude placed at bf16 bits 4.. and its sign at bit 15, then one multiply a pair (pack=4)
+FP8_PTX = tl.constexpr("""
+{
+.reg .b32 u0, u1, a, b;
+prmt.b32 u0, $2, 0, 0x4140;
+prmt.b32 u1, $2, 0, 0x4342;
+shl.b32 a, u0, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u0, 8; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 $0, a, $3;
+shl.b32 a, u1, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u1, 8; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 $1, a, $4;
+}
+""")  # a constexpr: kernels may only read constexpr globals
+
+
 @triton.jit
 def fp8_to_bf16(q, row_scale, ASM: tl.constexpr):
     """q e4m3 [R, C], row_scale uint8 [R] (UE8M0 of each row's current 128×128 block) → bf16 [R, C]."""
@@ -207,18 +222,7 @@ def fp8_to_bf16(q, row_scale, ASM: tl.constexpr):
         f = ((row_scale.to(tl.uint16) + 120) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^(s-7)
         f = tl.broadcast_to(f[:, None], [R, C])
         return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 u0, u1, a, b;
-            prmt.b32 u0, $2, 0, 0x4140;
-            prmt.b32 u1, $2, 0, 0x4342;
-            shl.b32 a, u0, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u0, 8; and.b32 b, b, 0x80008000;
-            or.b32 a, a, b; mul.rn.bf16x2 $0, a, $3;
-            shl.b32 a, u1, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u1, 8; and.b32 b, b, 0x80008000;
-            or.b32 a, a, b; mul.rn.bf16x2 $1, a, $4;
-            }
-            """,
-            constraints="=r,=r,r,r,r", args=[q.to(tl.uint8, bitcast=True), f], dtype=tl.bfloat16,
+            asm=FP8_PTX, constraints="=r,=r,r,r,r", args=[q.to(tl.uint8, bitcast=True), f], dtype=tl.bfloat16,
             is_pure=True, pack=4)
     return (q.to(tl.float32) * ue8m0_to_f32(row_scale)[:, None]).to(tl.bfloat16)
 

@@ -130,29 +130,36 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
         raise ValueError(f"the wgmma sparse-attention kernel reads fp8_pack pools of {sparse_attention_wgmma.NOPE.value} "
                          f"+ {sparse_attention_wgmma.ROPE.value}-column entries on sm_90; got {pools.format} pools, "
                          f"d={d}, rope {rope.dim}, on {q.device}")
+    args = _launch_args(q, out, partial, ml, meta, pools, layer, kind, picks, sink, rope, n_comp)
+    consts = dict(WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
+                  C_EPP=comp.entries_per_page, SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
+                  C_ALIGN=alignment(pools, kind))
     if wgmma:
-        sparse_attention_wgmma.launch(q, out, partial, ml, meta, pools, layer, kind, picks, sink, window, ratio, n_comp,
-                                      rope, splits, d ** -0.5 * LOG2E, alignment(pools, "swa"), alignment(pools, kind),
-                                      bool(launch_options(q)))
+        sparse_attention_wgmma.launch(args, T, H, d ** -0.5 * LOG2E, consts, bool(launch_options(q)))
     else:
-        picks_arg = picks if picks is not None else meta.token_seq
         _sparse_attn_kernel[(T, triton.cdiv(H, bh), splits)](
-            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,
+            *args, H, d, d ** -0.5 * LOG2E, **consts, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
+            BH=bh, BN=bn, D=triton.next_power_of_2(d), num_warps=num_warps or (8 if bh >= 64 else 4),
+            num_stages=num_stages or 2, **launch_options(q))
+    if splits > 1:
+        combine(partial, ml, meta.positions, rope, out)
+    return out
+
+
+def _launch_args(q, out, partial, ml, meta, pools, layer: int, kind: str, picks, sink, rope: Rope, n_comp: int) -> tuple:
+    """The arguments both attention kernels take first, in their order: q and out with their token
+    and head strides, the partials, the batch's rows, the sink and RoPE, each pool's buffer, page
+    table, page bytes, layer offset and entry bytes (window, then compressed), the picks (the
+    token rows as a placeholder on other layers) and how many a row holds."""
+    swa, comp = pools.specs["swa"], pools.specs[kind]
+    picks_arg = picks if picks is not None else meta.token_seq
+    return (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,
             meta.token_seq, meta.positions, sink, rope.inv_freq_on(q.device),
             pools.buffers["swa"], meta.tables["swa"], meta.tables["swa"].stride(0), swa.page_bytes,
             pools._local["swa"][layer] * swa.layer_bytes, swa.entry_bytes,
             pools.buffers[kind], meta.tables[kind], meta.tables[kind].stride(0), comp.page_bytes,
             pools._local[kind].get(layer, 0) * comp.layer_bytes, comp.entry_bytes,
-            picks_arg, picks_arg.stride(0) if picks is not None else 0, n_comp,
-            H, d, d ** -0.5 * LOG2E,
-            WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
-            C_EPP=comp.entries_per_page, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
-            BH=bh, BN=bn, D=triton.next_power_of_2(d), SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
-            C_ALIGN=alignment(pools, kind),
-            num_warps=num_warps or (8 if bh >= 64 else 4), num_stages=num_stages or 2, **launch_options(q))
-    if splits > 1:
-        combine(partial, ml, meta.positions, rope, out)
-    return out
+            picks_arg, picks_arg.stride(0) if picks is not None else 0, n_comp)
 
 
 def combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope, out: torch.Tensor) -> None:

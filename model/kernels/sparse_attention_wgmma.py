@@ -21,8 +21,8 @@ several write partials for `_combine_kernel`), built differently where the Trito
   memory, and P reaches both as the register operand of P·k.
 
 Decoding: an e4m3 code placed as bf16 bits `s << 15 | magnitude << 4` reads as its value times
-2^-120, so value × 2^(scale - 127) = bits × 2^(scale - 7), one bf16 multiply per pair (exact, as
-`fp4.fp8_to_bf16`). q is rounded to bf16 as the Triton kernel rounds it.
+2^-120, so value × 2^(scale - 127) = bits × 2^(scale - 7), one bf16 multiply per pair (exact;
+`fp4.FP8_PTX`, as `fp4.fp8_to_bf16` runs it). q is rounded to bf16 as the Triton kernel rounds it.
 
 Shared memory: q [64, 512] and two decoded blocks [2, 64, 512], bf16 with 128-byte swizzle
 (192 KB of Hopper's 227).
@@ -34,6 +34,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from model.kernels.fp4 import FP8_PTX
 
 BH = gl.constexpr(64)  # heads a program: the wgmma M side of one warpgroup
 BN = gl.constexpr(64)  # entries a block
@@ -133,19 +135,8 @@ def _decode_chunk(codes, scales, j: gl.constexpr, k_smem):
     e = ((scales >> (8 * j)) & 0xFF).to(gl.uint16)
     f = ((e + 120) << 7).to(gl.bfloat16, bitcast=True)  # 2^(e - 7)
     f = gl.broadcast(f[:, None], codes)[0]
-    x = gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 u0, u1, a, b;
-        prmt.b32 u0, $2, 0, 0x4140;
-        prmt.b32 u1, $2, 0, 0x4342;
-        shl.b32 a, u0, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u0, 8; and.b32 b, b, 0x80008000;
-        or.b32 a, a, b; mul.rn.bf16x2 $0, a, $3;
-        shl.b32 a, u1, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, u1, 8; and.b32 b, b, 0x80008000;
-        or.b32 a, a, b; mul.rn.bf16x2 $1, a, $4;
-        }
-        """,
-        constraints="=r,=r,r,r,r", args=[codes, f], dtype=gl.bfloat16, is_pure=True, pack=4)
+    x = gl.inline_asm_elementwise(asm=FP8_PTX, constraints="=r,=r,r,r,r", args=[codes, f], dtype=gl.bfloat16,
+                                  is_pure=True, pack=4)
     k_smem.slice(64 * j, 64, dim=1).store(x)
 
 
@@ -301,20 +292,8 @@ def _sparse_attn_wgmma_kernel(
         gl.store(ml_ptr + row_s * 2 + 1, l, mask=heads_s < H)
 
 
-def launch(q, out, partial, ml, meta, pools, layer: int, kind: str, picks, sink, window: int, ratio: int,
-           n_comp: int, rope, splits: int, scale_log2: float, swa_align: int, c_align: int, pdl: bool) -> None:
-    """`sparse_attention.attend`'s launch on this kernel (its arguments as that launch computes them)."""
-    T, H, d = q.shape
-    swa, comp = pools.specs["swa"], pools.specs[kind]
-    picks_arg = picks if picks is not None else meta.token_seq
-    _sparse_attn_wgmma_kernel[(T, -(-H // BH), splits)](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,
-        meta.token_seq, meta.positions, sink, rope.inv_freq_on(q.device),
-        pools.buffers["swa"], meta.tables["swa"], meta.tables["swa"].stride(0), swa.page_bytes,
-        pools._local["swa"][layer] * swa.layer_bytes, swa.entry_bytes,
-        pools.buffers[kind], meta.tables[kind], meta.tables[kind].stride(0), comp.page_bytes,
-        pools._local[kind].get(layer, 0) * comp.layer_bytes, comp.entry_bytes,
-        picks_arg, picks_arg.stride(0) if picks is not None else 0, n_comp, H, scale_log2,
-        WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
-        C_EPP=comp.entries_per_page, SPLITS=splits, SWA_ALIGN=swa_align, C_ALIGN=c_align, PDL=pdl,
-        num_warps=NUM_WARPS, launch_pdl=pdl)
+def launch(args: tuple, T: int, H: int, scale_log2: float, consts: dict, pdl: bool) -> None:
+    """`sparse_attention.attend`'s launch on this kernel: `args` the launch arguments both kernels
+    take first (through n_comp; `sparse_attention._launch_args`), `consts` the constexprs they share."""
+    _sparse_attn_wgmma_kernel[(T, -(-H // BH), consts["SPLITS"])](*args, H, scale_log2, **consts, PDL=pdl,
+                                                                   num_warps=NUM_WARPS, launch_pdl=pdl)
