@@ -38,10 +38,10 @@ def host_ms(fn, reps: int = 20) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def bench_graph(fn, calls: int = 10, reps: int = 10) -> float:
-    """Median seconds per call of `fn()` replayed from a CUDA graph of `calls` back-to-back calls:
-    GPU time without the host's launch overhead (how decode steps run, and what a kernel costs)."""
-    fn()  # compile and allocate outside the capture
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back calls of `fn()` (run first outside the capture, on a
+    side stream as capture wants, to compile and allocate)."""
+    fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -52,7 +52,13 @@ def bench_graph(fn, calls: int = 10, reps: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return bench(graph.replay, warmup=2, reps=reps) / calls
+    return graph
+
+
+def bench_graph(fn, calls: int = 10, reps: int = 10) -> float:
+    """Median seconds per call of `fn()` replayed from a CUDA graph of `calls` back-to-back calls:
+    GPU time without the host's launch overhead (how decode steps run, and what a kernel costs)."""
+    return bench(capture(fn, calls).replay, warmup=2, reps=reps) / calls
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:

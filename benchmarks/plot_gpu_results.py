@@ -17,6 +17,37 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS, IMG = ROOT / "docs" / "results", ROOT / "docs" / "img"
 
 
+def power() -> None:
+    """SM clock and board power on both cards (benchmarks/power_probe.py), the loops' windows side by
+    side (the model building between them left out): the MoE layers and the batch-256 step hold
+    the 700 W cap on both."""
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6))
+    for ax, card in zip(axes, ("h200", "h100")):
+        r = json.loads((RESULTS / f"power_probe_{card}_v41.json").read_text())
+        clock = ax.twinx()
+        offset = 0.0
+        for i, w in enumerate(r["windows"]):
+            part = [s for s in r["samples"] if w["start"] - 0.3 <= s[0] <= w["end"]]
+            t = [s[0] - w["start"] + offset for s in part]
+            ax.plot(t, [s[2] for s in part], color="tab:red", label="board power" if i == 0 else None)
+            clock.plot(t, [s[1] for s in part], color="tab:blue", label="SM clock" if i == 0 else None)
+            end = offset + w["end"] - w["start"]
+            ax.axvspan(offset, end, color="grey", alpha=0.06 + 0.06 * (i % 2))
+            ax.text((offset + end) / 2, 30, f"{w['label']}\n{w['ms']:.2f} ms a call\n{w['power_w']:.0f} W, "
+                    f"{w['clock_mhz']:.0f} MHz", ha="center", fontsize=6.5)
+            offset = end + 0.6
+        ax.axhline(700, color="tab:red", linestyle=":", linewidth=0.8)
+        ax.set_ylabel("board power (W)", color="tab:red")
+        ax.set_ylim(0, 760)
+        clock.set_ylabel("SM clock (MHz)", color="tab:blue")
+        clock.set_ylim(1300, 2050)
+        ax.set_xticks([])
+        ax.set_title(r["device"], fontsize=9)
+    fig.suptitle("Power and SM clock while decode work loops (docs/benchmarks.md, round v41)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(IMG / "power_decode_h200_h100.png", dpi=110)
+
+
 def decode_step() -> None:
     r = json.loads((RESULTS / "decode_step_h100_v21.json").read_text())
     rows = r["decode"]
@@ -91,3 +122,4 @@ if __name__ == "__main__":
     decode_step()
     kv_transfer()
     serve_flash()
+    power()
