@@ -69,6 +69,9 @@ class DecodeEngine:
     def __init__(self, model: Transformer, pools: KVPools, tokenizer, worker_id: str,
                  config: DecodeConfig = DecodeConfig(), graphs: DecodeGraphs | None = None):
         self.model, self.pools, self.tokenizer, self.worker_id, self.config = model, pools, tokenizer, worker_id, config
+        # a step carries the running requests' tokens and up to the budget of local prefill
+        model.check_step_tokens(config.max_running + config.prefill_token_budget,
+                                "max_running + the prefill token budget")
         self.graphs = graphs
         self.eos_id = model.cfg.eos_token_id
         self.waiting: deque[Running] = deque()

@@ -90,6 +90,13 @@ class MTPBlock(Block):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
+def kernel_step_limit(cfg: ModelConfig) -> int:
+    """The most tokens in one step of the Triton kernels: they address a step's tensors with 32-bit
+    element offsets, and the widest per token is the attention query [T, heads, head_dim] (64 × 512
+    at V4 shapes: 65535 tokens)."""
+    return (2**31 - 1) // (cfg.num_attention_heads * cfg.head_dim)
+
+
 class Transformer(nn.Module):
     """The whole model. `forward` runs one mixed prefill/decode batch over the pools.
 
@@ -111,6 +118,19 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
 
+    def max_step_tokens(self) -> int | None:
+        """The most tokens one `forward` may carry (`kernel_step_limit`), None for no limit: the torch
+        reference has none."""
+        return kernel_step_limit(self.cfg) if self.impl == "triton" else None
+
+    def check_step_tokens(self, tokens: int, what: str) -> None:
+        """Refuse a step size the kernels cannot address (`max_step_tokens`), naming `what` set it."""
+        limit = self.max_step_tokens()
+        if limit is not None and tokens > limit:
+            raise ValueError(f"{what} = {tokens} tokens in one step is more than the Triton kernels address with "
+                             f"32-bit offsets ({limit} tokens: {self.cfg.num_attention_heads} heads × "
+                             f"{self.cfg.head_dim} query columns each); chunk the prefill into smaller steps")
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = False,
                 return_streams: bool = False):
@@ -119,6 +139,7 @@ class Transformer(nn.Module):
         Writes the batch's KV into `pools`; the caller then calls `batch.commit()`.
         With `return_streams` also returns the final residual streams [T, hc, D] (the MTP input).
         """
+        self.check_step_tokens(batch.input_ids.shape[0], "the batch")
         x = self.embed(batch.input_ids)
         res = mhc.Residual(x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous())
         for layer in self.layers:

@@ -71,6 +71,7 @@ class PrefillEngine:
     def __init__(self, model: Transformer, pools: KVPools, worker_id: str, config: PrefillConfig = PrefillConfig(),
                  store: PrefixStore | None = None):
         self.model, self.pools, self.worker_id, self.config, self.store = model, pools, worker_id, config, store
+        model.check_step_tokens(config.token_budget, "the prefill token budget")
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self.computed_tokens = 0  # lifetime counter: prompt tokens run through the model

@@ -73,3 +73,27 @@ def test_modules_built_with_an_impl_all_take_it():
         impls = {name: m.impl for name, m in module.named_modules() if hasattr(m, "impl")}
         assert impls and all(v == "triton" for v in impls.values()), \
             {k: v for k, v in impls.items() if v != "triton"}
+
+
+def test_steps_the_kernels_cannot_address_are_refused():
+    """The Triton kernels address a step's tensors with 32-bit offsets, the widest per token being
+    the query [T, heads, head_dim]: a step or an engine budget past that is refused with the limit
+    named (at V4-Flash's 64 × 512, 65535 tokens); the torch reference has no limit."""
+    from decode_worker.engine import DecodeConfig, DecodeEngine
+    from model.tiny import flash_config
+    from model.transformer import kernel_step_limit
+    from prefill_worker.engine import PrefillConfig, PrefillEngine
+
+    cfg = tiny_config()
+    assert Transformer(cfg, impl="torch").max_step_tokens() is None
+    model = Transformer(cfg, impl="triton")
+    limit = model.max_step_tokens()
+    assert limit == (2**31 - 1) // (cfg.num_attention_heads * cfg.head_dim)
+    assert kernel_step_limit(flash_config(num_layers=1)) == 65535
+    model.check_step_tokens(limit, "a step")
+    with pytest.raises(ValueError, match=rf"the prefill token budget = {limit + 1} tokens.*\({limit} tokens"):
+        PrefillEngine(model, None, "p0", PrefillConfig(token_budget=limit + 1))
+    with pytest.raises(ValueError, match="max_running"):
+        DecodeEngine(model, None, None, "d0", DecodeConfig(prefill_token_budget=limit, max_running=2))
+    with pytest.raises(ValueError, match="the batch"):
+        model(type("Batch", (), {"input_ids": torch.zeros(limit + 1, dtype=torch.long, device="meta")})(), None)
