@@ -31,18 +31,22 @@ def pools(request):
     return p
 
 
+def attention_args(pools, shapes, layer, ratio, seeds):
+    """`sparse_attention.attend`'s leading arguments on a copy of `pools`: a random batch (seed
+    seeds[0]), random q [T, 64, 512] bf16 and sink (seed seeds[1]), picks on CSA layers."""
+    pools_ = copy.deepcopy(pools)
+    batch = random_batch(CFG, pools_, shapes, seed=seeds[0], device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(seeds[1])
+    q = torch.randn(batch.input_ids.shape[0], 64, 512, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(64, device=DEV, generator=g)
+    picks = random_picks(batch, 512, 4, DEV) if ratio == 4 else None
+    return q, batch, pools_, layer, ratio, picks, sink, 128, Rope.for_layer(CFG, ratio > 0)
+
+
 @pytest.mark.parametrize("shapes", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("layer,ratio", [(0, 0), (2, 4), (3, 128)])
 def test_sparse_attention(pools, shapes, layer, ratio):
-    pools_ = copy.deepcopy(pools)
-    batch = random_batch(CFG, pools_, shapes, seed=2, device=DEV)
-    T = batch.input_ids.shape[0]
-    g = torch.Generator(device=DEV).manual_seed(3)
-    q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(64, device=DEV, generator=g)
-    picks = random_picks(batch, 512, 4, DEV) if ratio == 4 else None
-    rope = Rope.for_layer(CFG, ratio > 0)
-    args = (q, batch, pools_, layer, ratio, picks, sink, 128, rope)
+    args = attention_args(pools, shapes, layer, ratio, seeds=(2, 3))
     ref = sparse_attention.attend(*args, impl="torch")
     out = sparse_attention.attend(*args, impl="triton")
     assert bool(out.isfinite().all()) and rel_err(out, ref) < 1e-2
@@ -56,14 +60,7 @@ def test_sparse_attention_wgmma_kernel_matches_the_triton_kernel(pools, shapes, 
     the same bf16 operands, so only the order of the fp32 sums differs."""
     if pools.format != "fp8_pack" or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel reads fp8_pack pools on sm_90")
-    pools_ = copy.deepcopy(pools)
-    batch = random_batch(CFG, pools_, shapes, seed=4, device=DEV)
-    T = batch.input_ids.shape[0]
-    g = torch.Generator(device=DEV).manual_seed(5)
-    q = torch.randn(T, 64, 512, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(64, device=DEV, generator=g)
-    picks = random_picks(batch, 512, 4, DEV) if ratio == 4 else None
-    args = (q, batch, pools_, layer, ratio, picks, sink, 128, Rope.for_layer(CFG, ratio > 0), "triton")
+    args = (*attention_args(pools, shapes, layer, ratio, seeds=(4, 5)), "triton")
     out = sparse_attention.attend(*args, splits=splits, wgmma=True)
     triton_kernel = sparse_attention.attend(*args, splits=splits, wgmma=False)
     ref = sparse_attention.attend(*args[:-1], impl="torch")
