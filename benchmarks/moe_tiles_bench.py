@@ -36,6 +36,12 @@ VARIANTS = {
     "default": (GU, DN, True, True),
     "natural_order": (GU, DN, True, False),
     "no_shared": (GU, DN, False, True),
+    # the decode step's own kernels (the shared expert dense, beside them) with other down tiles
+    "no_shared_down_bn64": (GU, replace(DN, BN=64), False, True),
+    "no_shared_down_stages2": (GU, replace(DN, num_stages=2), False, True),
+    "no_shared_down_stages4": (GU, replace(DN, num_stages=4), False, True),
+    "no_shared_down_w8": (GU, replace(DN, num_warps=8), False, True),
+    "no_shared_down_bk64": (GU, replace(DN, BK=64), False, True),
     "stages2": (replace(GU, num_stages=2), replace(DN, num_stages=2), True, True),
     "stages4": (replace(GU, num_stages=4), replace(DN, num_stages=4), True, True),
     "down_bn64": (GU, replace(DN, BN=64), True, True),

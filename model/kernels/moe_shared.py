@@ -104,8 +104,11 @@ def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:
     def dq(w: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
         return fp8_gemm.dequantize(w, quant.ue8m0_byte_to_scale(scale_bytes), torch.bfloat16)
 
+    w2 = dq(shared.w2[0], shared.w2_scale[0])
+    if I % FP8_BLOCK == 0:  # w3's scale blocks follow w1's as its rows do: one pass, no concatenation
+        return dq(shared.w13[0], shared.w13_scale[0]), w2
     w1, w3 = dq(shared.w13[0, :I], shared.w13_scale[0, :ib]), dq(shared.w13[0, I:], shared.w13_scale[0, ib:])
-    return torch.cat([w1, w3]), dq(shared.w2[0], shared.w2_scale[0])
+    return torch.cat([w1, w3]), w2
 
 
 def swiglu_bf16(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
