@@ -48,7 +48,7 @@ def random_batch(cfg: ModelConfig, pools: KVPools, shapes: list[tuple[int, int]]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()  # module outputs may carry autograd state
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
