@@ -168,7 +168,8 @@ def test_random_packed_weights_are_plausible(fmt):
             assert torch.isfinite(w).all()
             assert 0.4 < float(w.square().mean().sqrt()) * k ** 0.5 < 2.5
     x, tok = inputs(moe, 7, seed=4)
-    out = moe(x, tok)
+    with torch.no_grad():  # the gate's parameters would give the output autograd state
+        out = moe(x, tok)
     assert torch.isfinite(out).all() and 0.1 < float(out.square().mean().sqrt()) < 10
 
 
