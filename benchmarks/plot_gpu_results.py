@@ -117,9 +117,32 @@ def serve_flash() -> None:
     fig.savefig(IMG / "serve_flash_4xh200.png", dpi=110)
 
 
+def overlap_headroom() -> None:
+    """A decode step's time against the HBM rate a streamer took beside it
+    (benchmarks/overlap_headroom_probe.py), both cards: batch 1 slows by a tenth from the first
+    streamer on and by 27-29% at ~1 TB/s; batch 64 (bandwidth-bound) leaves it almost nothing."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, card in zip(axes, ("h200", "h100")):
+        r = json.loads((RESULTS / f"overlap_headroom_{card}_v43.json").read_text())
+        for step, style in zip(r["steps"], ("o-", "s--", "^:")):
+            rates = [0.0] + [c["streamer_tb_s"] for c in step["beside"]]
+            slow = [0.0] + [100 * c["slowdown"] for c in step["beside"]]
+            ax.plot(rates, slow, style, label=f"batch {step['batch']}, {step['context'] // 1024}K "
+                                            f"({step['step_ms']:.2f} ms alone)")
+        ax.set_xlabel("streamer's HBM rate beside the step (TB/s)")
+        ax.set_title(f"{r['device']} (copy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("step slower than alone (%)")
+    fig.suptitle("Decode step of 15 layers beside an HBM streamer (docs/benchmarks.md, round v43)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(IMG / "overlap_headroom_h200_h100.png", dpi=110)
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
     decode_step()
     kv_transfer()
     serve_flash()
     power()
+    overlap_headroom()
