@@ -48,12 +48,13 @@ from benchmarks.flash_model import decode_batches, decode_pools, roofline_bytes,
 from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 
+
 @dataclass(frozen=True)
 class Streamer:
     """`programs` programs of `warps` warps, each thread keeping `unroll` 16-byte loads in flight:
-    unroll · warps · 512 bytes a program. One program an SM (132 on these cards, launched on an idle
-    GPU) spreads the traffic evenly, as a persistent kernel's would be; a few fat programs instead
-    slow the SMs they sit on, and every kernel of the step then waits for its programs there."""
+    unroll · warps · 512 bytes a program. A program or two an SM (132 SMs on these cards) spreads
+    the traffic evenly, as a persistent kernel's would be; a few fat programs instead slow the SMs
+    they sit on, and every kernel of the step then waits for its programs there."""
     programs: int
     warps: int
     unroll: int
