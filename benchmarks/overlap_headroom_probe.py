@@ -4,7 +4,7 @@ streaming kernel reads HBM beside it.
     python benchmarks/overlap_headroom_probe.py --out h.json [--layers 15] [--steps 1x8192 1x32768 64x8192]
 
 A batch-1 step is a chain of latency-bound kernels (docs/benchmarks.md, rounds v28-v39): its
-own traffic averages ~1.4 TB/s on an H200 whose copy rate is 4.2. A per-layer persistent kernel
+own traffic averages ~1.5 TB/s on an H200 whose copy rate is 4.2. A per-layer persistent kernel
 would stream the next products' weights while the chain's latency-bound kernels (mHC entries,
 norms, RoPE, gate, select, attention) run; that pays only if HBM traffic beside those kernels
 leaves them as fast as they were. This measures the premise without writing that kernel: for
