@@ -339,11 +339,19 @@ def _weight_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     offsets within the group [BLOCK_N], token offsets [BLOCK_T], weight rows, their masks)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
+    offs_n, offs_t, rows, mask_n, mask_t = _tile_offsets(pid, g, M, N, BLOCK_N, BLOCK_T)
+    return pid, g, tl.program_id(2), offs_n, offs_t, rows, mask_n, mask_t
+
+
+@triton.jit
+def _tile_offsets(pid, g, M, N, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Output tile `pid` of group g: (weight row offsets within the group [BLOCK_N], token offsets
+    [BLOCK_T], weight rows, their masks)."""
     t_tiles = tl.cdiv(M, BLOCK_T)
     pid_n, pid_t = pid // t_tiles, pid % t_tiles  # a weight tile's token tiles run side by side: one DRAM read
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    return pid, g, tl.program_id(2), offs_n, offs_t, g * N + offs_n, offs_n < N, offs_t < M
+    return offs_n, offs_t, g * N + offs_n, offs_n < N, offs_t < M
 
 
 @triton.jit
@@ -395,7 +403,19 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
     w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)
-    pid, g, split, offs_n, offs_t, rows, mask_n, mask_t = _weight_tile(M, N, BLOCK_N, BLOCK_T)
+    _a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
+             stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, tl.program_id(0), tl.program_id(1),
+             tl.program_id(2), tl.num_programs(1), BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, QUANT_X, TMA, UNIFORM_SW)
+
+
+@triton.jit
+def _a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
+             stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, pid, g, split, groups,
+             BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+             QUANT_X: tl.constexpr, TMA: tl.constexpr, UNIFORM_SW: tl.constexpr):
+    """`_fp8_a8_kernel`'s work for output tile `pid` of group g (of `groups`), K split `split`: the
+    kernel's, or a work item of a persistent kernel that walks the tiles itself."""
+    offs_n, offs_t, rows, mask_n, mask_t = _tile_offsets(pid, g, M, N, BLOCK_N, BLOCK_T)
     row0 = g * N + (pid // tl.cdiv(M, BLOCK_T)) * BLOCK_N  # the tile's first weight row
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for kb in range(split, tl.cdiv(K, BLOCK_K), SPLIT_K):
@@ -418,5 +438,5 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
             scale = _scale_values(s_ptr, rows, kb, stride_s, mask_n)[:, None] * sx[None, :]
         acc += tl.dot(w, tl.trans(x)) * scale
     tile = offs_t[None, :] * stride_ym + g * stride_yg + offs_n[:, None]  # yᵀ's tile
-    _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * tl.num_programs(1) + g, tile,
-                mask_n[:, None] & mask_t[None, :], split, stride_part, SPLIT_K)
+    _store_tile(acc, y_ptr, part_ptr, cnt_ptr + pid * groups + g, tile, mask_n[:, None] & mask_t[None, :], split,
+                stride_part, SPLIT_K)
