@@ -44,6 +44,8 @@ from model.kernels.pdl import launch_options, wait  # noqa: E402
 
 SPIN_LIMIT = 1 << 22  # polls of the grid-wide wait before a program gives up (~1 s)
 TOKEN_TILE = 16  # the one-token product's token tile (tl.dot's minimum)
+BT = tl.constexpr(TOKEN_TILE)  # kernels may only read constexpr globals
+BK = tl.constexpr(BLOCK)  # K step: the activations' and weights' 128-wide scale block
 
 
 @triton.jit
@@ -71,8 +73,8 @@ def _prefetch_items(wb_addr, Nb, Kb, pid, programs, BLOCK_N: tl.constexpr, SPLIT
     rows = tl.arange(0, BLOCK_N)
     for item in range(pid, tl.cdiv(Nb, BLOCK_N) * SPLIT_B, programs):
         r = (item // SPLIT_B) * BLOCK_N + rows
-        for kb in range(item % SPLIT_B, tl.cdiv(Kb, 128), SPLIT_B):
-            addr = wb_addr + r.to(tl.int64) * Kb + kb * 128
+        for kb in range(item % SPLIT_B, tl.cdiv(Kb, BK), SPLIT_B):
+            addr = wb_addr + r.to(tl.int64) * Kb + kb * BK
             take = (r < Nb).to(tl.int32)
             if EVICT_LAST:
                 tl.inline_asm_elementwise(
@@ -104,7 +106,7 @@ def _pair_kernel(x_ptr, wa_ptr, sa_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr
             rest = item // SPLIT_A
             _a8_tile(x_ptr, x_ptr, wa_ptr, sa_ptr, mid_ptr, part_ptr, cnt_a_ptr, 1, Na, Ka, Ga * Ka, Ka, 0, 0, Ka,
                      stride_sa, Ga * Na, Na, stride_part, rest // Ga, rest % Ga, item % SPLIT_A, Ga, BLOCK_N,
-                     16, 128, SPLIT_A, True, False, False)
+                     BT, BK, SPLIT_A, True, False, False)
     if PHASE == 0:
         if PREFETCH > 0:
             _prefetch_items(wb_addr, Nb, Kb, pid, programs, BLOCK_N, SPLIT_B, PREFETCH == 2)
@@ -115,7 +117,7 @@ def _pair_kernel(x_ptr, wa_ptr, sa_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr
         for item in range(pid, tl.cdiv(Nb, BLOCK_N) * SPLIT_B, programs):
             _a8_tile(mid_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr, cnt_b_ptr, 1, Nb, Kb, Kb, 0, 0, 0, Kb,
                      stride_sb, Nb, 0, stride_part, item // SPLIT_B, 0, item % SPLIT_B, 1, BLOCK_N,
-                     16, 128, SPLIT_B, True, False, False)
+                     BT, BK, SPLIT_B, True, False, False)
     if PHASE == 0:
         # the last program out clears the arrivals: every program has left the wait by then
         tl.debug_barrier()
