@@ -18,9 +18,9 @@ split a work item) in every form, so only the boundary and the schedule differ:
   before its wait (`_prefetch_items`), the one thing a grid-wide wait allows that a launch
   boundary does not.
 
-Persistence needs every program resident at once: the grid is capped by the compiled kernel's
-registers and shared memory (`resident_programs`), and the spin gives up after `SPIN_LIMIT` polls,
-flagging it, rather than hanging the GPU.
+Persistence needs every program resident at once: the grid is capped by the compiled kernels'
+registers and shared memory (`resident_programs`, the fewest over the three persistent forms),
+and the spin gives up after `SPIN_LIMIT` polls, flagging it, rather than hanging the GPU.
 
 All forms must give the production output bit for bit (same tiles, same split order); the probe
 checks that before timing. Graph replays of `--calls` pairs, median of `--reps`.
@@ -207,9 +207,12 @@ def main() -> None:
         return attn.wo_b(attn.wo_a.grouped(x).flatten(1))
 
     want = production().clone()
-    one = pair.launch(x, 1, 0)  # one program: the wait is met at once; also the compiled handle
+    # one program a persistent form: its wait is met at once; also each form's compiled handle, and
+    # the grid is capped for all of them by the one that fits fewest (the prefetch adds registers)
+    forms = [pair.launch(x, 1, 0, prefetch=mode) for mode in (0, 1, 2)]
     torch.cuda.synchronize()
-    resident = resident_programs(one, sms)
+    one = forms[0]
+    resident = min(resident_programs(k, sms) for k in forms)
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "sms": sms,
               "weight_mb": (pair.wa.numel() + pair.wb.numel()) / 1e6, "items": list(pair.items),
               "block_n": pair.block_n, "splits": [pair.split_a, pair.split_b], "registers": one.n_regs,
