@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_attention_sweep import attention_inputs  # noqa: E402
 from benchmarks.kernel_bench import CFG  # noqa: E402
-from model.kernels import indexer, sparse_attention  # noqa: E402
+from model.kernels.attention import indexer, sparse_attention  # noqa: E402
 from model.rope import Rope  # noqa: E402
 
 

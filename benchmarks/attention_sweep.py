@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench  # noqa: E402
-from benchmarks.kernel_bench import CFG, ENTRY, H, D, _prefill_batch, prefill_picks  # noqa: E402
-from model.kernels import sparse_attention  # noqa: E402
+from benchmarks.kernel_bench import CFG, ENTRY, D, H, _prefill_batch, prefill_picks  # noqa: E402
+from model.kernels.attention import sparse_attention  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.rope import Rope  # noqa: E402
 from tests.model.kernel_cases import fill_random  # noqa: E402

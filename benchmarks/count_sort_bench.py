@@ -1,5 +1,5 @@
 """The fused decode MoE's first launch alone: the counting sort of the assignments by expert and, in
-its other programs, the `preorder` copy of x the FP4 experts read (kernels/moe_tile_kernels.py's
+its other programs, the `preorder` copy of x the FP4 experts read (kernels/moe/moe_tile_kernels.py's
 `_count_sort_kernel`), at decode sizes of a full-width V4-Flash layer.
 
     python benchmarks/count_sort_bench.py --out count_sort.json
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from benchmarks.moe_bench import build_layer, routed_inputs  # noqa: E402
-from model.kernels import moe_fused  # noqa: E402
-from model.kernels.moe_grouped import fit, plan_kernels  # noqa: E402
+from model.kernels.moe import moe_fused  # noqa: E402
+from model.kernels.moe.moe_grouped import fit, plan_kernels  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.flash_model import decode_batch, decode_pools  # noqa: E402
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
 from benchmarks.kernel_bench import CFG, D, H  # noqa: E402
-from model.kernels import indexer, sparse_attention  # noqa: E402
+from model.kernels.attention import indexer, sparse_attention  # noqa: E402
 from model.rope import Rope  # noqa: E402
 
 # (block_h, block_n, splits, num_warps, num_stages); None = the heuristic's. The first row is the

@@ -17,14 +17,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.messages import GenerateRequest  # noqa: E402
-from cluster.replica import DecodeGraphs  # noqa: E402
 from decode_worker.engine import DecodeConfig, DecodeEngine  # noqa: E402
 from model.dummy_weights import dummy_model  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.tiny import flash_config  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402
 from prefill_worker.engine import PrefillConfig, PrefillEngine  # noqa: E402
+from worker_runtime.model_loader import DecodeGraphs  # noqa: E402
+from worker_runtime.wire import GenerateRequest  # noqa: E402
 
 
 def timed(fn) -> float:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.batch import ForwardBatch  # noqa: E402
 from model.checkpoint import expected_shapes, load_checkpoint, write_checkpoint  # noqa: E402
-from model.kernels import act_quant  # noqa: E402
+from model.kernels.gemm import act_quant  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
 from model.moe import MoE, experts_forward  # noqa: E402
 from model.quantized import Fp8Linear, quantize_model  # noqa: E402

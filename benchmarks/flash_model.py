@@ -18,8 +18,8 @@ from torch import nn
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.dummy_weights import dummy_block
-from model.kernels import mhc
-from model.kv_pool import KVPools, SeqKV, STATE_KINDS
+from model.kernels.mhc import mhc
+from model.kv_pool import STATE_KINDS, KVPools, SeqKV
 from model.tiny import flash_config
 from model.transformer import Block
 

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench, ceilings  # noqa: E402
-from model import quant  # noqa: E402
-from model.kernels import act_quant, fp8_cublas, fp8_gemm  # noqa: E402
+from model import low_precision  # noqa: E402
+from model.kernels.gemm import act_quant, fp8_cublas, fp8_gemm  # noqa: E402
 from model.tiny import flash_config  # noqa: E402
 
 CFG = flash_config(4)
@@ -87,7 +87,7 @@ def run(M: int, N: int, K: int, G: int, names: list[str], g: torch.Generator) ->
     copies = max(2, -(-(256 << 20) // wbytes))
     weights = []
     for _ in range(copies):
-        q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
+        q, s = low_precision.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
         weights.append((q, s.float()))
     x = torch.randn(M, G, K, device="cuda", generator=g).bfloat16()
     arrivals = fp8_gemm.arrival_counters(G * N, "cuda")

@@ -25,10 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_batch, decode_pools  # noqa: E402
 from benchmarks.gpu_ceilings import bench, bench_graph, ceilings  # noqa: E402
-from model import quant  # noqa: E402
+from model import low_precision  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
-from model.kernels import compressor, fp8_gemm, indexer, mhc, sparse_attention  # noqa: E402
-from model.kernels import rope as rope_ops  # noqa: E402
+from model.kernels.attention import (
+    compressor,
+    indexer,
+    rope as rope_ops,  # noqa: E402
+    sparse_attention,
+)
+from model.kernels.gemm import fp8_gemm
+from model.kernels.mhc import mhc  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
 from model.rope import Rope  # noqa: E402
 from model.tiny import flash_config  # noqa: E402
@@ -121,7 +127,7 @@ def cases(contexts_decode: int, batch_decode: int, prefill_tokens: int):
 
     # FP8 GEMMs: decode (bytes-bound) and prefill (FLOP-bound)
     for (n, k, grp) in ((32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8)):
-        wq, ws = quant.fp8_quantize_weight(torch.randn(grp * n, k, device="cuda", generator=g) / k ** 0.5)
+        wq, ws = low_precision.fp8_quantize_weight(torch.randn(grp * n, k, device="cuda", generator=g) / k ** 0.5)
         ws = ws.float()
         for m in (1, 64, 256, T):
             x = torch.randn(*((m, grp, k) if grp > 1 else (m, k)), device="cuda", generator=g).bfloat16()

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_gemm_bench import shapes  # noqa: E402
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
-from model import quant  # noqa: E402
-from model.kernels import fp8_gemm  # noqa: E402
+from model import low_precision  # noqa: E402
+from model.kernels.gemm import fp8_gemm  # noqa: E402
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def main() -> None:
     for name, (N, K, G) in shapes().items():
         weights[name] = []
         for _ in range(layers):
-            q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
+            q, s = low_precision.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
             x = torch.randn(1, G, K, device="cuda", generator=g).bfloat16()
             weights[name].append((x, q, s.float(), fp8_gemm.arrival_counters(G * N, "cuda"), G))
     busy_out = torch.empty(132 * 128, device="cuda")

@@ -34,8 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
-from model.kernels import arrival_counter, mhc  # noqa: E402
-from model.kernels import mhc_kernels  # noqa: E402
+from model.kernels import arrival_counter
+from model.kernels.mhc import (
+    mhc,  # noqa: E402
+    mhc_kernels,  # noqa: E402
+)
 
 HC, D, MIX, LAYERS = 4, 4096, 24, 30
 TAIL = "    # every partial in one load (a fixed-shape sum: deterministic)\n"

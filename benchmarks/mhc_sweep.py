@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench, bench_graph  # noqa: E402
-from model.kernels import arrival_counter, mhc  # noqa: E402
+from model.kernels import arrival_counter
+from model.kernels.mhc import mhc  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
 

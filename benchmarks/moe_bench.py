@@ -7,7 +7,7 @@ Layer: hidden 4096, 256 routed experts top-6 (FP4 e2m1 + UE8M0/32 by default, `-
 (`MoE.random_packed`), score routing on fresh random bf16 inputs per case.
 
 Cases: T = 1, 64, 256 through the fused decode path and the grouped path (same routing), and
-T = 8192 through the grouped path and the FP4 prefill path (kernels/moe_prefill.py). Times are
+T = 8192 through the grouped path and the FP4 prefill path (kernels/moe/moe_prefill.py). Times are
 `triton.testing.do_bench` medians of the experts
 (sort + kernels, given the routing); decode cases also time a CUDA-graph replay of the fused
 path and of the whole layer (gate + experts), which is what a captured decode step sees.
@@ -35,8 +35,8 @@ from dataclasses import asdict, replace
 import torch
 
 from model.config import ModelConfig
-from model.kernels import moe_fused, moe_grouped, moe_prefill
-from model.kernels.moe_grouped import Tiles
+from model.kernels.moe import moe_fused, moe_grouped, moe_prefill
+from model.kernels.moe.moe_grouped import Tiles
 from model.moe import MoE
 from model.tiny import tiny_config
 

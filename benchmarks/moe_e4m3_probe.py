@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.moe_bench import build_layer, ceilings, routed_inputs  # noqa: E402
 from benchmarks.moe_tiles_bench import graph_ms, plan  # noqa: E402
-from model.kernels import moe_fused  # noqa: E402
-from model.kernels.moe_gemm import w_xt  # noqa: E402
-from model.quant import E2M1_VALUES  # noqa: E402
+from model.kernels.moe import moe_fused  # noqa: E402
+from model.kernels.moe.moe_gemm import w_xt  # noqa: E402
+from model.low_precision import E2M1_VALUES  # noqa: E402
 
 # word w (bytes 4j..4j+3 of a row's 32-byte half step) → (lo, hi): four e4m3 each. lo takes the
 # bits at 7 (sign), 4, 3, 2 (e1 e0 m) of every byte; hi the sign at bit 1, e1 e0 at bits 6, 5 of

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.moe_bench import build_layer, routed_inputs  # noqa: E402
-from model.kernels import moe_fused  # noqa: E402
+from model.kernels.moe import moe_fused  # noqa: E402
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.moe_bench import build_layer, bytes_read, ceilings, routed_inputs  # noqa: E402
-from model.kernels import moe_fused  # noqa: E402
-from model.kernels.moe_grouped import Launch, Tiles, fit, plan_kernels  # noqa: E402
+from model.kernels.moe import moe_fused  # noqa: E402
+from model.kernels.moe.moe_grouped import Launch, Tiles, fit, plan_kernels  # noqa: E402
 
 GU, DN = moe_fused.DECODE_GATEUP, moe_fused.DECODE_DOWN
 SG, SD = moe_fused.SMALL_GATEUP, moe_fused.SMALL_DOWN
@@ -194,7 +194,7 @@ def main() -> None:
 def compiled_kernels() -> list[dict]:
     """Warps, stages, shared memory, registers and spills of every gate/up and down kernel compiled
     in this run (in compile order: the variants' order)."""
-    from model.kernels import moe_tile_kernels as k
+    from model.kernels.moe import moe_tile_kernels as k
     out = []
     for fn in (k._gateup_kernel, k._down_kernel):
         for cache in getattr(fn, "device_caches", {}).values():

@@ -24,15 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.serve_bench import pct  # noqa: E402
 from cluster.launcher import ClusterOptions, LocalCluster  # noqa: E402
-from cluster.messages import GenerateRequest  # noqa: E402
-from cluster.options import WorkerOptions  # noqa: E402
-from cluster.registry import Registry  # noqa: E402
 from cluster.settings import Environment  # noqa: E402
 from model.checkpoint import expected_shapes, write_checkpoint  # noqa: E402
 from model.tiny import random_weights, tiny_config  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402
 from router.cluster_backend import ClusterBackend  # noqa: E402
 from router.config import PlacementConfig  # noqa: E402
+from worker_runtime.options import WorkerOptions  # noqa: E402
+from worker_runtime.registry import Registry  # noqa: E402
+from worker_runtime.wire import GenerateRequest  # noqa: E402
 
 
 def trace(n: int, rate: float, seed: int, prompt: tuple[int, int], max_tokens: int):

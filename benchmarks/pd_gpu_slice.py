@@ -33,11 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.flash_model import decode_pools, layers_that_fit, stack  # noqa: E402
-from cluster.kv_link import layout_of, pool_buffers  # noqa: E402
 from kvtransfer import Agent, LayoutDescriptor, Receiver, Sender, decode_target  # noqa: E402
 from model.batch import ForwardBatch  # noqa: E402
 from model.cuda_graph import DecodeGraph  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
+from worker_runtime.kv_link import layout_of, pool_buffers  # noqa: E402
 
 ISL, OSL, FULL_LAYERS = 8192, 1024, 43
 

@@ -4,7 +4,7 @@
 
 A CUDA graph of twelve CSA layers' six FP8 products at one token (`fp8_gemm._fp8_gemm_kernel`
 with `decode_config`'s tiles and K splits; twelve layers of weights, so none is read from L2),
-launched plainly and with PDL as kernels/pdl.py uses it (each kernel waits for its predecessor
+launched plainly and with PDL as kernels/common/pdl.py uses it (each kernel waits for its predecessor
 first, none triggers early). Replay medians, two rounds; each form's outputs are checked against
 the torch reference. (Round v19 also measured early triggers, on entry and after the K loop:
 both slower than plain; docs/benchmarks.md.)
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fp8_gemm_bench import shapes  # noqa: E402
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
-from model import quant  # noqa: E402
-from model.kernels import fp8_gemm  # noqa: E402
+from model import low_precision  # noqa: E402
+from model.kernels.gemm import fp8_gemm  # noqa: E402
 
 MODES = ["plain", "PDL, wait only"]
 
@@ -33,7 +33,7 @@ def main() -> None:
     for _ in range(12):
         ops = []
         for N, K, G in shapes().values():
-            q, s = quant.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
+            q, s = low_precision.fp8_quantize_weight(torch.randn(G * N, K, device="cuda", generator=g) / K ** 0.5)
             x = torch.randn(1, G, K, device="cuda", generator=g).bfloat16()
             arrivals = fp8_gemm.arrival_counters(G * N, "cuda")
             ops.append((x, q, s.float(), arrivals, fp8_gemm.decode_config(1, N, K, G), G))

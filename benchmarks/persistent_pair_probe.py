@@ -39,8 +39,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model.kernels.fp8_gemm import BLOCK, _a8_tile, decode_config  # noqa: E402
-from model.kernels.pdl import launch_options, wait  # noqa: E402
+from model.kernels.common.pdl import launch_options, wait  # noqa: E402
+from model.kernels.gemm.fp8_gemm import BLOCK, _a8_tile, decode_config  # noqa: E402
 
 SPIN_LIMIT = 1 << 22  # polls of the grid-wide wait before a program gives up (~1 s)
 TOKEN_TILE = 16  # the one-token product's token tile (tl.dot's minimum)

@@ -8,7 +8,7 @@ Conversations start staggered and their turns are spaced out, so turns of many c
 interleave. Every request has an arrival time.
 
 The workers (identical for every policy): each holds an LRU prefix cache of `--capacity-pages`
-pages of `--page-size` tokens keyed by the chained page hashes of cluster.messages (prefix pages
+pages of `--page-size` tokens keyed by the chained page hashes of worker_runtime.wire (prefix pages
 are evicted last, like a radix cache), and prefills FIFO at `--prefill-rate` tokens/s, paying only
 for uncached tokens. A request's hit = the leading pages its worker already held.
 
@@ -46,12 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cluster.messages import KVEvent, WorkerLoad, page_hashes  # noqa: E402
+from router_bench import fast_byte_tokenizer, free_port  # noqa: E402
+
 from router.chat_encoding import encode_messages, parse_messages  # noqa: E402
 from router.config import PlacementConfig  # noqa: E402
 from router.placement import pick_prefill, placement_request  # noqa: E402
 from router.prefix_index import PrefixIndex  # noqa: E402
-from router_bench import fast_byte_tokenizer, free_port  # noqa: E402
+from worker_runtime.wire import KVEvent, WorkerLoad, page_hashes  # noqa: E402
 
 WORDS = ("cache prefix token router worker decode prefill page hash batch queue model layer "
          "attention window sparse index latency stream chunk expert").split()

@@ -55,7 +55,8 @@ class HTTPWorkerBackend:
 
     async def generate(self, req):
         import aiohttp
-        from cluster.messages import TokenChunk, Usage
+
+        from worker_runtime.wire import TokenChunk, Usage
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None))
         url = self.urls[self._next % len(self.urls)] + "/v1/completions"
@@ -83,6 +84,7 @@ def fast_byte_tokenizer(vocab_size: int):
     a per-character loop over the special strings (~270 us → ~10 us for this prompt); checked equal
     on the benchmark prompt at startup. The router's cost is what this benchmark is after."""
     import re as _re
+
     from model.tokenizer import ByteTokenizer
 
     class FastByteTokenizer(ByteTokenizer):

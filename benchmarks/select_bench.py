@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_ceilings import bench_graph  # noqa: E402
-from model.kernels import indexer  # noqa: E402
+from model.kernels.attention import indexer  # noqa: E402
 
 
 def main() -> None:

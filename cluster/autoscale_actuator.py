@@ -44,8 +44,8 @@ from typing import Callable
 import ray
 
 from cluster.autoscaler import POOLS
-from cluster.messages import WorkerLoad
-from cluster.registry import Registry
+from worker_runtime.registry import Registry
+from worker_runtime.wire import WorkerLoad
 
 log = logging.getLogger(__name__)
 

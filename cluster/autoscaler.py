@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from cluster.messages import WorkerLoad
+from worker_runtime.wire import WorkerLoad
 
 POOLS = ("prefill", "decode")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.options import DEVICES, KERNELS, LOAD_FORMATS
 from model.kv_pool import STORAGE_FORMATS
+from worker_runtime.options import DEVICES, KERNELS, LOAD_FORMATS
 
 
 class CliError(Exception):
@@ -239,8 +239,8 @@ def _device_options(args: argparse.Namespace) -> dict:
 def cmd_up(args: argparse.Namespace) -> None:
     from cluster import up
     from cluster.launcher import ClusterOptions
-    from cluster.options import ExpertParallelOptions, WorkerOptions
     from cluster.settings import from_env
+    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
     env = from_env()
     model_dir = _model_dir(args, env)
@@ -310,11 +310,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
+    import torch
+
     from model.checkpoint import write_checkpoint
     from model.tiny import random_weights, tiny_config
     from model.transformer import Transformer
-
-    import torch
 
     cfg = tiny_config()
     with torch.device("meta"):

@@ -14,7 +14,7 @@ is refused (the names are taken) instead of starting a second set of pools under
 With expert parallelism in a pool (`WorkerOptions.prefill_ep` / `decode_ep`, size W > 1) its
 workers form groups of W consecutive ids (prefill-0..W-1, prefill-W..2W-1, ...; the same for
 decode): for each, rank 0 hosts the rendezvous store and every
-rank starts with its `Seat` (cluster/ep_group.py). A broken group is replaced as a whole, under
+rank starts with its `Seat` (worker_runtime/ep_group.py). A broken group is replaced as a whole, under
 the same names (`restart_group`).
 """
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from cluster.options import WorkerOptions
 from cluster.settings import Environment
 from decode_worker.actor import DecodeWorker
 from prefill_worker.actor import PrefillWorker
-from cluster.ep_group import Seat
+from worker_runtime.ep_group import Seat
+from worker_runtime.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ import ray
 from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_resources
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.launcher import ClusterOptions, LocalCluster, join_ray
-from cluster.registry import Registry
 from cluster.settings import Environment
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
@@ -38,6 +37,7 @@ from router.app import serve
 from router.cluster_backend import ClusterBackend
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from worker_runtime.registry import Registry
 
 log = logging.getLogger(__name__)
 

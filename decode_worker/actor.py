@@ -14,7 +14,7 @@ migration of running requests in and out.
 Only the loop mutates the engine and the pools (calls from the event loop queue commands), so the
 model step can run off the event loop without locks.
 
-A worker may be one rank of an expert-parallel decode group (`start(seat)`, cluster/ep_group.py):
+A worker may be one rank of an expert-parallel decode group (`start(seat)`, worker_runtime/ep_group.py):
 its engine then steps in lockstep with its peers. When the group breaks, the worker leaves the
 registry and ends its process: to the routers it is a dead decode worker, and they move its
 requests on (re-pull or recompute) as for any other; the group is restarted as a whole. A transfer that fails (corrupt, lease expired,
@@ -32,14 +32,6 @@ import time
 
 import torch
 
-from cluster.commands import Commands
-from cluster.ep_group import ExpertParallelGroup, GroupFailed, Seat, join, listen
-from cluster.heartbeat import heartbeat_loop
-from cluster.kv_link import layout_of, pool_buffers
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk
-from cluster.options import WorkerOptions
-from cluster.registry import Registry, WorkerInfo
-from cluster.replica import DecodeGraphs, load_replica
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
@@ -50,6 +42,14 @@ from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from model.tokenizer import load_tokenizer
+from worker_runtime.commands import Commands
+from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat, join, listen
+from worker_runtime.heartbeat import heartbeat_loop
+from worker_runtime.kv_link import layout_of, pool_buffers
+from worker_runtime.model_loader import DecodeGraphs, load_replica
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo
 
 log = logging.getLogger(__name__)
 

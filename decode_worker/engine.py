@@ -24,15 +24,23 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.messages import (ErrorCode, ErrorInfo, GenerateRequest, RequestState, StepShape, TokenChunk,
-                              Usage, WorkerLoad)
-from cluster.replica import DecodeGraphs
 from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample_rows
 from model.transformer import Transformer
+from worker_runtime.model_loader import DecodeGraphs
+from worker_runtime.wire import (
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    RequestState,
+    StepShape,
+    TokenChunk,
+    Usage,
+    WorkerLoad,
+)
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,7 @@ class DecodeEngine:
     def plan(self) -> Planned | None:
         """Admit, then this step's batch (None: no forward to run). Admission failures wait in
         `failed` for the next `run` or `take_failed`. With `run`: the steps of an
-        expert-parallel group (cluster/ep_group.py), which must agree before running."""
+        expert-parallel group (worker_runtime/ep_group.py), which must agree before running."""
         self.failed += self._admit()
         batch, owners = self._schedule()
         return None if batch is None else Planned(batch, owners)
@@ -206,7 +214,7 @@ class DecodeEngine:
         planned.batch.commit()
         return self.take_failed() + self._postprocess(planned.owners, logits)
 
-    # --- a rank of an expert-parallel group (cluster/ep_group.py) ---------------------------
+    # --- a rank of an expert-parallel group (worker_runtime/ep_group.py) ---------------------------
     def shape(self, planned: Planned | None) -> StepShape:
         if planned is None:
             return StepShape(busy=0, rows=0, eager=0)

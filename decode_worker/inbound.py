@@ -12,40 +12,23 @@ Only the worker loop calls these (they allocate pages): between engine steps.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from cluster.kv_link import TransferHeader
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, TransferStats
 from decode_worker.engine import DecodeEngine
 from kvtransfer.receiver import OutOfPages, Receiver
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class MigrationHeader:
-    """Travels with a migrated request's pages (in TransferDone): all the state it needs besides
-    them. Sampling is a pure function of (logits, seed, position), so the sampling parameters and
-    the token count are its whole sampling state: no RNG state moves."""
-
-    num_tokens: int  # tokens whose KV the pages hold: prompt + generated - 1
-    tokens: tuple[int, ...]  # generated so far; the last one is fed next
-    emitted_chars: int  # characters of their text already released to the client
-    cached_tokens: int  # prompt tokens served from a prefix cache (for usage)
-    sampling: SamplingParams
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "MigrationHeader":
-        d = json.loads(data)
-        return cls(d["num_tokens"], tuple(d["tokens"]), d["emitted_chars"], d["cached_tokens"],
-                   SamplingParams(**d["sampling"]))
+from worker_runtime.wire import (
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    MigrationHeader,
+    TokenChunk,
+    TransferHeader,
+    TransferStats,
+)
 
 
 @dataclass

@@ -21,13 +21,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.messages import ErrorCode, ErrorInfo, Moved, TokenChunk
 from decode_worker.engine import DecodeEngine, Running
-from decode_worker.inbound import MigrationHeader
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import KVPools
+from worker_runtime.wire import ErrorCode, ErrorInfo, MigrationHeader, Moved, TokenChunk
 
 log = logging.getLogger(__name__)
 

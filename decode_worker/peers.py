@@ -7,8 +7,8 @@ import asyncio
 
 import ray
 
-from cluster.registry import Registry
 from kvtransfer.agent import split_nixl_name
+from worker_runtime.registry import Registry
 
 
 async def migration_targets(registry: Registry, self_id: str, to: str | None) -> list[tuple[str, object]]:

@@ -27,10 +27,11 @@ from torch import nn
 
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import compressor, indexer, rmsnorm, sparse_attention
-from model.kernels import rope as rope_ops
+from model.kernels.attention import compressor, indexer, rope as rope_ops, sparse_attention
+from model.kernels.common import rmsnorm
+from model.kernels.gemm.fp32_out import linear_fp32_out
 from model.kv_pool import KVPools
-from model.quantized import Fp8Linear, fuse_fp8_linears, fuse_weights, linear_fp32_out
+from model.quantized import Fp8Linear, fuse_fp8_linears, fuse_weights
 from model.rope import Rope
 from model.side_stream import SideStream, fork, join
 
@@ -58,7 +59,7 @@ class Compressor(nn.Module):
 
     Parameters: wkv, wgate [coff·h, D]; ape [ratio, coff·h]; norm [h] (coff = 2 if overlap).
     Writes entries to pool `kind` and keeps partial windows in ring pool `state_kind`
-    (semantics in `model.kernels.compressor`).
+    (semantics in `model.kernels.attention.compressor`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, ratio: int, head_dim: int, kind: str, state_kind: str,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import quant
+from model import low_precision
 from model.hf_names import official_to_hf_name
 
 FP8_BLOCK = 128
@@ -77,10 +77,10 @@ def encode_official(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """One official-named float tensor → the stored tensor(s) (weight and maybe its scale)."""
     kind = official_storage(name)
     if kind == "fp8":
-        q, s = quant.fp8_quantize_weight(tensor, FP8_BLOCK)
+        q, s = low_precision.fp8_quantize_weight(tensor, FP8_BLOCK)
         return {name: q, scale_name(name): s}
     if kind == "fp4":
-        q, s = quant.fp4_quantize_weight(tensor, FP4_BLOCK)
+        q, s = low_precision.fp4_quantize_weight(tensor, FP4_BLOCK)
         return {name: q, scale_name(name): s}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "int32": torch.int32}[kind]
     return {name: tensor.to(dtype).contiguous()}
@@ -219,7 +219,7 @@ def decode(tensor: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, i
     if scale is None:
         return tensor if not tensor.is_floating_point() else tensor.float()
     if tensor.dtype in (torch.int8, torch.uint8):
-        return quant.fp4_dequantize_weight(tensor, scale, FP4_BLOCK)
+        return low_precision.fp4_dequantize_weight(tensor, scale, FP4_BLOCK)
     if block[0] != block[1]:
         raise ValueError(f"non-square FP8 weight blocks {block} are not supported")
-    return quant.fp8_dequantize_weight(tensor, scale, block[0])
+    return low_precision.fp8_dequantize_weight(tensor, scale, block[0])

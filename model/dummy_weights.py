@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.kernels import arrival_counter, mhc, set_impl
-from model.moe import MoE, PackedExperts
+from model.kernels import arrival_counter, set_impl
+from model.kernels.mhc import mhc
+from model.kernels.moe.packed_experts import PackedExperts
+from model.moe import MoE
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
 from model.tiny import random_weights
 from model.transformer import Block, Transformer

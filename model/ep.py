@@ -10,7 +10,7 @@ through the whole model, and a rank with no tokens still joins each layer's exch
    exchange needs its split sizes on the host (NCCL and gloo alike);
 3. dispatch: one all_to_all_single of byte rows [token row | local expert id]; the row is x.dtype,
    or with `fp8_dispatch` e4m3 values plus one fp32 power-of-two scale per 128 values
-   (`quant.fp8_quantize_rows`: half the bytes of bf16, a quarter of fp32);
+   (`low_precision.fp8_quantize_rows`: half the bytes of bf16, a quarter of fp32);
 4. each rank runs its experts on the rows it received (one expert per row, weight 1) with the
    MoE's impl ("torch" reference or the Triton grouped path);
 5. combine: all_to_all_single of the outputs back along the reversed splits, then on the source
@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model import quant
-from model.kernels import moe_grouped
-from model.moe import MoE, PackedExperts, experts_forward
+from model import low_precision
+from model.kernels.moe import moe_grouped
+from model.kernels.moe.packed_experts import PackedExperts
+from model.moe import MoE, experts_forward
 from model.transformer import Transformer
 
 FP8_DISPATCH_BLOCK = 128
@@ -53,7 +54,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, group: dist.ProcessGroup | None = None, fp8_dispatch: bool = False):
         super().__init__()
         # an explicit group answers for itself: it need not be registered with torch.distributed's
-        # default group (the serving workers build theirs standalone, cluster/ep_group.py)
+        # default group (the serving workers build theirs standalone, worker_runtime/ep_group.py)
         world, rank = (dist.get_world_size(), dist.get_rank()) if group is None else (group.size(), group.rank())
         E = moe.cfg.n_routed_experts
         if E % world:
@@ -156,7 +157,7 @@ def _pack(rows: torch.Tensor, ids: torch.Tensor, fp8: bool) -> torch.Tensor:
     """rows [n, D], local expert ids [n] → uint8 [n, row bytes + 4]."""
     parts = []
     if fp8:
-        q, scale = quant.fp8_quantize_rows(rows, _fp8_block(rows.shape[1]))
+        q, scale = low_precision.fp8_quantize_rows(rows, _fp8_block(rows.shape[1]))
         parts += [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
     else:
         parts.append(rows.contiguous().view(torch.uint8))
@@ -172,7 +173,7 @@ def _unpack(payload: torch.Tensor, dim: int, dtype: torch.dtype, fp8: bool) -> t
     block = _fp8_block(dim)
     q = payload[:, :dim].contiguous().view(torch.float8_e4m3fn)
     scale = payload[:, dim:-4].contiguous().view(torch.float32)
-    return quant.fp8_dequantize_rows(q, scale, block).to(dtype), ids
+    return low_precision.fp8_dequantize_rows(q, scale, block).to(dtype), ids
 
 
 # ---------------------------------------------------------------------------------------

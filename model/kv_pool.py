@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from model import quant
+from model import low_precision
 from model.config import ModelConfig
 
 STORAGE_FORMATS = ("fp32", "bf16", "fp8_pack")
@@ -151,13 +151,13 @@ class KVPools:
             raise ValueError(f"storage format must be one of {STORAGE_FORMATS}, got {storage_format!r}")
         if page_size % 128 or page_size <= 0:
             raise ValueError(f"page_size must be a positive multiple of 128 tokens, got {page_size}")
-        if storage_format == "fp8_pack" and cfg.nope_head_dim % quant.KV_SCALE_BLOCK:
+        if storage_format == "fp8_pack" and cfg.nope_head_dim % low_precision.KV_SCALE_BLOCK:
             raise ValueError(f"fp8_pack needs head_dim - qk_rope_head_dim divisible by "
-                             f"{quant.KV_SCALE_BLOCK}, got {cfg.nope_head_dim}")
+                             f"{low_precision.KV_SCALE_BLOCK}, got {cfg.nope_head_dim}")
         self.cfg, self.format, self.page_size, self.device = cfg, storage_format, page_size, device
         d, c = cfg.head_dim, cfg.index_head_dim
-        kv_bytes = {"fp32": 4 * d, "bf16": 2 * d, "fp8_pack": quant.kv_pack_bytes(d, cfg.qk_rope_head_dim)}
-        idx_bytes = {"fp32": 4 * c, "bf16": 2 * c, "fp8_pack": quant.index_pack_bytes(c)}
+        kv_bytes = {"fp32": 4 * d, "bf16": 2 * d, "fp8_pack": low_precision.kv_pack_bytes(d, cfg.qk_rope_head_dim)}
+        idx_bytes = {"fp32": 4 * c, "bf16": 2 * c, "fp8_pack": low_precision.index_pack_bytes(c)}
         c4, c128 = cfg.layers_with_ratio(4, with_mtp), cfg.layers_with_ratio(128, with_mtp)
         n_attn = len(cfg.attention_ratios(with_mtp))
         token_pages = -(-max_tokens // page_size) * max_seqs
@@ -341,8 +341,8 @@ class KVPools:
         if fmt == "bf16":
             return values.to(torch.bfloat16).contiguous().view(torch.uint8)
         if kind == "c4_indexer":
-            return quant.pack_index_key(values)
-        return quant.pack_kv(values, self.cfg.qk_rope_head_dim)
+            return low_precision.pack_index_key(values)
+        return low_precision.pack_kv(values, self.cfg.qk_rope_head_dim)
 
     def _decode(self, kind: str, raw: torch.Tensor) -> torch.Tensor:
         fmt = "fp32" if kind in STATE_KINDS else self.format
@@ -351,5 +351,5 @@ class KVPools:
         if fmt == "bf16":
             return raw.contiguous().view(torch.bfloat16).float()
         if kind == "c4_indexer":
-            return quant.unpack_index_key(raw, self.cfg.index_head_dim)
-        return quant.unpack_kv(raw, self.cfg.head_dim, self.cfg.qk_rope_head_dim)
+            return low_precision.unpack_index_key(raw, self.cfg.index_head_dim)
+        return low_precision.unpack_kv(raw, self.cfg.head_dim, self.cfg.qk_rope_head_dim)

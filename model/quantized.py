@@ -3,7 +3,7 @@ projections' inputs FP8 too where the checkpoint declares dynamic activation sca
 
 The checkpoint's dense projections are FP8 e4m3 with UE8M0 scales per 128×128 block
 (`model.checkpoint_formats`); on a GPU they stay in that form and multiply through
-`model.kernels.fp8_gemm` (half the bytes of bf16, which is what decode is bound by). The CPU
+`model.kernels.gemm.fp8_gemm` (half the bytes of bf16, which is what decode is bound by). The CPU
 reference model instead holds every weight as a float `nn.Linear`.
 
 `quantize_model` turns a loaded float model into the device format in place:
@@ -22,15 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model import quant
-from model.kernels import check_impl, fp8_gemm, set_impl
+from model import low_precision
+from model.kernels import check_impl, set_impl
+from model.kernels.gemm import fp8_gemm
 
 FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "e_proj", "h_proj")
 
 
 class Fp8Linear(nn.Module):
     """y = x · dequant(weight)ᵀ. weight e4m3 [out, in]; scale fp32 [⌈out/128⌉, ⌈in/128⌉] (powers of 2).
-    `act_fp8`: W8A8, x quantised to e4m3 per 128 along K first (`kernels/act_quant.py`), as the
+    `act_fp8`: W8A8, x quantised to e4m3 per 128 along K first (`kernels/gemm/act_quant.py`), as the
     checkpoint's `"activation_scheme": "dynamic"` declares."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, impl: str = "torch", act_fp8: bool = False,
@@ -53,7 +54,7 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, impl: str = "torch", act_fp8: bool = False) -> "Fp8Linear":
-        q, s = quant.fp8_quantize_weight(linear.weight.detach().float())
+        q, s = low_precision.fp8_quantize_weight(linear.weight.detach().float())
         return cls(q, s, impl, act_fp8)
 
     @classmethod
@@ -61,7 +62,7 @@ class Fp8Linear(nn.Module):
                generator: torch.Generator | None = None, act_fp8: bool = False) -> "Fp8Linear":
         """Random e4m3 codes with scales giving unit-variance outputs (benchmarks at full size)."""
         w = torch.randn(out_features, in_features, device=device, generator=generator) / in_features ** 0.5
-        q, s = quant.fp8_quantize_weight(w)
+        q, s = low_precision.fp8_quantize_weight(w)
         return cls(q, s, impl, act_fp8)
 
     @property
@@ -74,15 +75,6 @@ class Fp8Linear(nn.Module):
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
         return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals, self.act_fp8)
-
-
-def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] · weight [N, K]ᵀ accumulated and returned in fp32. bf16 operands stay bf16 on the
-    GPU: their products are exact in fp32, so this equals the fp32 GEMM of the upcast operands up
-    to the order of the sums, at the tensor cores' bf16 rate and without the fp32 copies."""
-    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return torch.nn.functional.linear(x.float(), weight.float())
 
 
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",

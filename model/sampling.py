@@ -7,7 +7,7 @@ temperature-scaled, top-k / top-p filtered logits; temperature 0 is greedy (argm
 
 Everything runs on the logits' device, a whole batch at once, and only the chosen ids come back
 to the host: a decode step at batch 256 copies 2 KB instead of its 132 MB of fp32 logits. The
-noise is exact 32-bit integer hashing (`model/kernels/gumbel.py`, which also holds the draw's
+noise is exact 32-bit integer hashing (`model/kernels/common/gumbel.py`, which also holds the draw's
 kernel), so it gives the same bits on every device; each row is filtered and drawn on its own,
 so its token does not depend on the other rows of the batch.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.kernels.gumbel import gumbel_argmax, kept
+from model.kernels.common.gumbel import gumbel_argmax, kept
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: decorrelates consecutive positions
 _MASK64 = (1 << 64) - 1

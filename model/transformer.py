@@ -4,7 +4,7 @@ The residual stream is `hc_mult` parallel streams [T, hc, D] (manifold-constrain
 hyper-connections). Around each sub-block, `hc_pre` collapses the streams with weights `pre`
 (σ + eps) and `hc_post` expands the output with `post` (2σ) and mixes the old streams with
 `comb`, a Sinkhorn-projected doubly-stochastic matrix: new = post ⊗ out + combᵀ · streams
-(definitions and kernels in `model.kernels.mhc`).
+(definitions and kernels in `model.kernels.mhc.mhc`).
 
 Parameter names mirror the official checkpoint (`embed`, `layers.N.attn_norm`, `hc_attn_fn`,
 `hc_head_fn`, `head`, `mtp.0.e_proj`, ...), so loading it is a name-for-name copy.
@@ -18,7 +18,8 @@ from torch import nn
 from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import arrival_counter, mhc, set_impl
+from model.kernels import arrival_counter, set_impl
+from model.kernels.mhc import mhc
 from model.kv_pool import KVPools
 from model.moe import MoE
 from model.side_stream import SideStream

@@ -13,7 +13,7 @@ stay *parked* for another lease: the router re-targets the request and the new d
 still prefilling or still shipping to the lost worker. Requests are keyed by their id here (the
 engine id); a re-pull's target carries the new decode worker's id, mapped back by `engine_id`.
 
-A worker may be one rank of an expert-parallel group (`start(seat)`, cluster/ep_group.py):
+A worker may be one rank of an expert-parallel group (`start(seat)`, worker_runtime/ep_group.py):
 its engine then steps in lockstep with its peers. When the group breaks, the worker fails every
 prefill it has not finished with `ep_group_failed: ...` (the decode side recomputes those), refuses
 new ones the same way, and leaves the registry; KV it already computed is still delivered.
@@ -26,25 +26,24 @@ import dataclasses
 import logging
 import time
 
-import ray
 import torch
 
-from cluster.commands import Commands
-from cluster.heartbeat import heartbeat_loop
-from cluster.kv_link import TransferHeader, layout_of, pool_buffers
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.registry import Registry, WorkerInfo
-from cluster.replica import load_replica
 from kvtransfer.agent import Agent
 from kvtransfer.faults import FaultPlan
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import TransferTarget, decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import RATIO_OF_KIND
-from prefill_worker.engine import PrefillConfig, PrefillEngine, Prefilled
-from cluster.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, join, listen
+from prefill_worker.engine import PrefillConfig, Prefilled, PrefillEngine
 from prefill_worker.prefix_store import PrefixStore
+from worker_runtime.commands import Commands
+from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, join, listen
+from worker_runtime.heartbeat import heartbeat_loop
+from worker_runtime.kv_link import layout_of, pool_buffers
+from worker_runtime.model_loader import load_replica
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest, TransferHeader, WorkerInfo
 
 log = logging.getLogger(__name__)
 

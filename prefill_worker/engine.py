@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.messages import GenerateRequest, RequestState, StepShape, WorkerLoad
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from prefill_worker.prefix_store import PrefixStore, Reuse
+from worker_runtime.wire import GenerateRequest, RequestState, StepShape, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class PrefillEngine:
         batch, owners = self._schedule()
         return None if batch is None else Planned(batch, owners)
 
-    # --- a rank of an expert-parallel group (cluster/ep_group.py) ---------------------------
+    # --- a rank of an expert-parallel group (worker_runtime/ep_group.py) ---------------------------
     def shape(self, planned: Planned | None) -> StepShape:
         """Prefill steps always run eagerly."""
         return StepShape(busy=int(planned is not None))

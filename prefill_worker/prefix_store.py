@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.messages import KVEvent
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from prefill_worker.radix_cache import CacheLock, PageRecord, RadixCache
+from worker_runtime.wire import KVEvent
 
 SNAPSHOT_KINDS = ("state_c4", "state_c4_indexer")
 FULL_KINDS = ("c4", "c128", "c4_indexer")

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from cluster.messages import KVEvent, page_hashes
+from worker_runtime.wire import KVEvent, page_hashes
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
-from cluster.registry import ROUTER_LEASE_S, Registry
 from router.config import PlacementConfig
 from router.metrics import RouterMetrics
 from router.placement import place, placement_request
 from router.prefix_index import PrefixIndex
+from worker_runtime.registry import ROUTER_LEASE_S, Registry
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from cluster.messages import ErrorCode, GenerateRequest, TokenChunk, Usage
 from router.errors import APIError, reason_label
 from router.metrics import RouterMetrics
+from worker_runtime.wire import ErrorCode, GenerateRequest, TokenChunk, Usage
 
 Emit = Callable[[TokenChunk], Awaitable[None]]
 

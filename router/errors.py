@@ -1,12 +1,12 @@
 """Client-visible errors: one exception type carrying a reason code, rendered per transport.
 
-Every failure a client can see maps to an `ErrorCode` (cluster/messages.py), which fixes both the
+Every failure a client can see maps to an `ErrorCode` (worker_runtime/wire.py), which fixes both the
 HTTP status and the gRPC status, so the two front doors cannot disagree about what went wrong.
 """
 
 from __future__ import annotations
 
-from cluster.messages import ErrorCode, ErrorInfo
+from worker_runtime.wire import ErrorCode, ErrorInfo
 
 # OpenAI's `error.type` families; clients branch on these more than on the code.
 _OPENAI_TYPE = {

@@ -19,13 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.messages import ErrorCode
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
 from router.openai_protocol import Limits, finalize, parse_completion
-from router.proto import v4serve_pb2 as pb
-from router.proto import v4serve_pb2_grpc as pb_grpc
+from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("v4serve.router.grpc")
 

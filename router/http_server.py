@@ -20,12 +20,12 @@ import math
 import re
 import time
 
-from cluster.messages import ErrorCode
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
 from router.openai_format import SSE_DONE, ResponseBuilder, sse
 from router.openai_protocol import Limits, finalize, parse_chat, parse_completion
+from worker_runtime.wire import ErrorCode
 
 log = logging.getLogger("v4serve.router.http")
 

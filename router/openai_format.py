@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from cluster.messages import Usage
 from router.chat_encoding import ReasoningSplitter
 from router.openai_protocol import ResponseOptions
+from worker_runtime.wire import Usage
 
 
 def usage_dict(usage: Usage) -> dict:

@@ -18,10 +18,10 @@ import math
 import secrets
 from dataclasses import dataclass
 
-from cluster.messages import ErrorCode, GenerateRequest
 from model.sampling import SamplingParams
 from router.chat_encoding import ChatFormatError, encode_messages, parse_messages
 from router.errors import APIError, invalid
+from worker_runtime.wire import ErrorCode, GenerateRequest
 
 _MISSING = object()
 _MAX_SEED = 1 << 64

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.messages import WorkerLoad
 from router.config import PlacementConfig
 from router.policies.base import PlacementRequest
 from router.policies.decode_load import score_decode_load
@@ -19,6 +18,7 @@ from router.policies.pd_decision import decide_prefill
 from router.policies.picker import combine, pick
 from router.policies.prefix_affinity import score_prefix_affinity
 from router.prefix_index import PrefixIndex
+from worker_runtime.wire import WorkerLoad
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Which prefill worker holds which KV pages, by chained page hash — the router's view of the
 prefill workers' prefix caches, kept in step by their `KVEvent`s.
 
-Page hashes are chained (`cluster.messages.page_hashes`: hash i covers tokens [0, (i+1)·P)), so
+Page hashes are chained (`worker_runtime.wire.page_hashes`: hash i covers tokens [0, (i+1)·P)), so
 holding hash i alone proves the worker holds the prompt's first i+1 pages. Workers announce a page
 as `stored` only where a request can resume at its end (page boundary, live SWA window) and as
 `evicted` when it no longer can, so they announce resume points, not every page: a worker's usable
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cluster.messages import KVEvent, page_hashes
+from worker_runtime.wire import KVEvent, page_hashes
 
 
 class PrefixIndex:

@@ -23,7 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from cluster.messages import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, Usage, page_hashes
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, Usage, page_hashes
 
 
 @dataclass(frozen=True)

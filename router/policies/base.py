@@ -1,6 +1,6 @@
 """What every scorer sees: the request's placement facts and the endpoints' reported loads.
 
-Endpoints are `cluster.messages.WorkerLoad`s as the workers report them; the prefix-cache view
+Endpoints are `worker_runtime.wire.WorkerLoad`s as the workers report them; the prefix-cache view
 (`cached_pages`) comes from `router.prefix_index.PrefixIndex.match`. A scorer returns one score in
 [0, 1] per endpoint, higher is better, and never looks at anything else (no clocks, no I/O).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from cluster.messages import WorkerLoad
+from worker_runtime.wire import WorkerLoad
 
 
 @dataclass(frozen=True)

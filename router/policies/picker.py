@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from cluster.messages import WorkerLoad
+from worker_runtime.wire import WorkerLoad
 
 _TIE_EPS = 1e-9
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cluster.messages import WorkerLoad
 from router.policies.base import PlacementRequest
+from worker_runtime.wire import WorkerLoad
 
 
 def score_prefix_affinity(request: PlacementRequest, endpoints: Sequence[WorkerLoad]) -> list[float]:

@@ -25,9 +25,6 @@ from pathlib import Path
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.registry import Registry
 from cluster.settings import Environment
 from decode_worker.actor import DecodeWorker
 from model.checkpoint import load_checkpoint
@@ -41,6 +38,9 @@ from router.config import PlacementConfig
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest
 
 
 @dataclass(frozen=True)
@@ -351,7 +351,7 @@ def _samples(metrics: RouterMetrics):
 
 def check(observed: Observed, refs: dict[str, list[int]], allow_errors: bool = False) -> list[str]:
     """Invariants 1–3 for one run; the problems found (empty: passed)."""
-    from cluster.messages import ErrorCode
+    from worker_runtime.wire import ErrorCode
 
     problems = []
     for r in observed.results:

@@ -13,13 +13,13 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.registry import Registry
 from cluster.settings import Environment
 from model.tokenizer import ByteTokenizer
 from router.cluster_backend import ClusterBackend
 from router.config import PlacementConfig
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest
 
 pytest.importorskip("nixl")
 

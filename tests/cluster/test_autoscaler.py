@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cluster.autoscaler import POOLS, Autoscaler, AutoscalerConfig, PoolPolicy, PoolState, decide, recommend, signals
-from cluster.messages import WorkerLoad
+from worker_runtime.wire import WorkerLoad
 
 
 def pre(i, tokens=0, draining=False):
@@ -342,9 +342,6 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
 
     from cluster.autoscale_actuator import ActuatorOptions, RayActuator, drain_node
     from cluster.launcher import ClusterOptions, LocalCluster
-    from cluster.messages import GenerateRequest
-    from cluster.options import WorkerOptions
-    from cluster.registry import Registry
     from cluster.settings import Environment
     from model.checkpoint import load_checkpoint
     from model.generate import generate
@@ -354,6 +351,9 @@ def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
     from router.cluster_backend import ClusterBackend
     from router.config import PlacementConfig
     from router.metrics import RouterMetrics
+    from worker_runtime.options import WorkerOptions
+    from worker_runtime.registry import Registry
+    from worker_runtime.wire import GenerateRequest
 
     rng = random.Random(11)
     reqs = []

@@ -16,12 +16,12 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.options import ExpertParallelOptions, WorkerOptions
 from cluster.settings import Environment
 from model.checkpoint import write_config
 from model.dummy_weights import dummy_model
 from tests.cluster.test_ep_prefill import requests
 from tests.cluster.test_pd_cluster import assert_idle, collect
+from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
 pytest.importorskip("nixl")
 

@@ -9,10 +9,10 @@ import pytest
 
 from cluster import cli
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.options import ExpertParallelOptions, WorkerOptions
 from cluster.settings import Environment
 from cluster.up import UpOptions
 from router.config import RouterConfig
+from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
 
 def ep_worker(ckpt, size: int) -> WorkerOptions:
@@ -84,7 +84,7 @@ def test_up_refuses_bad_decode_ep_flags(tiny_official_ckpt, capsys, flags, messa
 
 
 def test_the_group_runs_without_ray():
-    """`cluster.ep_group` needs Ray only in the actors' entry points (`listen`, `join`), so the group
+    """`worker_runtime.ep_group` needs Ray only in the actors' entry points (`listen`, `join`), so the group
     and the 2-GPU test that builds it directly (tests/gpu/test_ep_decode_group.py) run where Ray is
     not installed: import it with Ray's import refused."""
     import subprocess
@@ -97,7 +97,7 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name == "ray" or name.startswith("ray."):
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, Refuse())
-import cluster.ep_group, decode_worker.engine, cluster.replica
+import worker_runtime.ep_group, decode_worker.engine, worker_runtime.model_loader
 assert "ray" not in sys.modules
 """
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,

@@ -22,13 +22,13 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import ExpertParallelOptions, WorkerOptions
-from cluster.registry import Registry
 from cluster.settings import Environment
 from model.checkpoint import load_checkpoint
 from model.sampling import SamplingParams
 from tests.cluster.test_pd_cluster import assert_idle, collect, reference
+from worker_runtime.options import ExpertParallelOptions, WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest
 
 pytest.importorskip("nixl")
 

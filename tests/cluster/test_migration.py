@@ -21,9 +21,6 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.registry import Registry
 from cluster.settings import Environment
 from model.checkpoint import load_checkpoint
 from model.generate import generate
@@ -33,6 +30,9 @@ from model.tokenizer import load_tokenizer
 from router.cluster_backend import ClusterBackend
 from router.config import PlacementConfig
 from router.metrics import RouterMetrics
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest
 
 pytest.importorskip("nixl")
 

@@ -4,21 +4,20 @@ outputs equal `v4serve generate` for each request alone (invariant 1); pages ret
 import asyncio
 import random
 import time
-
 from pathlib import Path
 
 import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.registry import Registry
 from cluster.settings import Environment
 from model.checkpoint import load_checkpoint
 from model.generate import generate
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
+from worker_runtime.options import WorkerOptions
+from worker_runtime.registry import Registry
+from worker_runtime.wire import GenerateRequest
 
 pytest.importorskip("nixl")
 

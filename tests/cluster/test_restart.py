@@ -20,9 +20,6 @@ import pytest
 import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.kv_link import layout_of
 from cluster.settings import Environment
 from decode_worker.actor import DecodeWorker
 from kvtransfer.faults import FaultPlan
@@ -30,6 +27,9 @@ from kvtransfer.protocol import TransferTarget
 from model.checkpoint import load_checkpoint
 from model.generate import generate
 from model.kv_pool import KVPools
+from worker_runtime.kv_link import layout_of
+from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import GenerateRequest
 
 pytest.importorskip("nixl")
 

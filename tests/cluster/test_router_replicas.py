@@ -21,14 +21,14 @@ import psutil
 import pytest
 
 from cluster.autoscaler import AutoscalerConfig, signals
-from cluster.messages import WorkerLoad
-from cluster.registry import Registry
 from model.checkpoint import load_checkpoint
 from model.generate import generate
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
+from worker_runtime.registry import Registry
+from worker_runtime.wire import WorkerLoad
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("nixl")

@@ -3,9 +3,7 @@
 import random
 
 import pytest
-import torch
 
-from cluster.messages import GenerateRequest
 from decode_worker.detok import Detokenizer
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
@@ -14,6 +12,7 @@ from model.sampling import SamplingParams
 from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
+from worker_runtime.wire import GenerateRequest
 
 
 @pytest.fixture(scope="module")

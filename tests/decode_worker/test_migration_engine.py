@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from cluster.messages import GenerateRequest, RequestState
 from decode_worker.engine import DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools, SeqKV
@@ -16,6 +15,7 @@ from model.sampling import SamplingParams
 from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
+from worker_runtime.wire import GenerateRequest, RequestState
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,10 @@ import copy
 import pytest
 import torch
 
-from model import quant
-from model.kernels import fp8_gemm, mhc, sparse_attention
+from model import low_precision
+from model.kernels.attention import sparse_attention
+from model.kernels.gemm import fp8_gemm
+from model.kernels.mhc import mhc
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import flash_config
@@ -45,7 +47,7 @@ def differing_calls(fn, first: torch.Tensor, calls: int = CALLS) -> int:
 @pytest.mark.parametrize("act_fp8", [False, True], ids=["w8a16", "w8a8"])
 def test_fp8_products_repeat_bit_for_bit(M, N, K, G, act_fp8):
     g = torch.Generator(device=DEV).manual_seed(M * 7 + N)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
     s = s.float()
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), device=DEV, generator=g).bfloat16()
     arrivals = fp8_gemm.arrival_counters(G * N, DEV)

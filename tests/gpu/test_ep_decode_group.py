@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 def _requests(rank: int):
-    from cluster.messages import GenerateRequest
+    from worker_runtime.wire import GenerateRequest
 
     g = torch.Generator().manual_seed(rank)
     lengths, max_tokens = ((150, 37, 90), MAX_TOKENS) if rank == 0 else ((60,), 4)
@@ -53,11 +53,11 @@ def _requests(rank: int):
 def _rank_main(rank: int, ckpt: str, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from cluster.ep_group import ExpertParallelGroup, Seat
-    from cluster.options import ExpertParallelOptions, WorkerOptions
-    from cluster.replica import DecodeGraphs, load_replica
     from decode_worker.engine import DecodeConfig, DecodeEngine
     from model.tokenizer import ByteTokenizer
+    from worker_runtime.ep_group import ExpertParallelGroup, Seat
+    from worker_runtime.model_loader import DecodeGraphs, load_replica
+    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
     faulthandler.dump_traceback_later(300, exit=True)  # a rank out of lockstep hangs: end it, with its stack
     torch.cuda.set_device(rank)

@@ -1,4 +1,4 @@
-"""The FP4 word conversion (kernels/fp4.py's `fp4_to_bf16`) on its own, on the GPU: a tile of
+"""The FP4 word conversion (kernels/common/fp4.py's `fp4_to_bf16`) on its own, on the GPU: a tile of
 shuffled codes (random bytes, random scales) converted in one program and compared bit for bit
 with the codes decoded in torch. Covers the explicit-words form (any register layout: the tiles
 whose layout Triton does not make the wgmma operand's) with the inline PTX and without it; the
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from model import quant
-from model.kernels import moe_grouped
-from model.kernels.fp4 import fp4_scale_factor, fp4_to_bf16, mma_order, mma_order_pairs, shuffle_fp4_words
+from model import low_precision
+from model.kernels.common.fp4 import fp4_scale_factor, fp4_to_bf16, mma_order, mma_order_pairs, shuffle_fp4_words
+from model.kernels.moe import moe_grouped
 from model.moe import MoE
 from model.tiny import tiny_config
 
@@ -43,7 +43,7 @@ def test_explicit_words_decode_every_code(R, C, num_warps, asm):
     g = torch.Generator().manual_seed(R + C + num_warps)
     codes = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
     scales = torch.randint(100, 129, (R, C // 16), dtype=torch.uint8, generator=g)  # exact range: 1..128
-    values = torch.tensor(quant.E2M1_VALUES, dtype=torch.float64)
+    values = torch.tensor(low_precision.E2M1_VALUES, dtype=torch.float64)
     factor = torch.exp2(scales.double() - 127).repeat_interleave(16, dim=1)
     want_even = (values[(codes & 15).long()] * factor).bfloat16()
     want_odd = (values[(codes >> 4).long()] * factor).bfloat16()
@@ -56,7 +56,7 @@ def test_explicit_words_decode_every_code(R, C, num_warps, asm):
 @triton.jit
 def _product_kernel(codes_ptr, scale_ptr, x_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr, T: tl.constexpr,
                     ASM: tl.constexpr):
-    """out [R, T] = W · xᵀ as the SWAP tiles form it (kernels/moe_gemm.py): W's bytes and x's
+    """out [R, T] = W · xᵀ as the SWAP tiles form it (kernels/moe/moe_gemm.py): W's bytes and x's
     columns in `mma_order`, W converted as explicit words."""
     rows = tl.arange(0, R)[:, None]
     packed = tl.load(codes_ptr + rows * C + tl.arange(0, C)[None, :])
@@ -83,7 +83,7 @@ def test_explicit_words_in_the_product(R, C, num_warps, asm):
     codes = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=g)
     scales = torch.randint(118, 129, (R, C // 16), dtype=torch.uint8, generator=g)
     x = torch.randn(16, 2 * C, generator=g).bfloat16()
-    w = quant.fp4_dequantize_weight(codes, scales, 32)  # [R, 2C]
+    w = low_precision.fp4_dequantize_weight(codes, scales, 32)  # [R, 2C]
     want = w.double() @ x.double().T
     out = torch.full((R, 16), float("nan"), device="cuda")
     _product_kernel[(1,)](shuffle_fp4_words(codes).cuda(), scales.cuda(), x.cuda(), out, R, C, 16, asm,

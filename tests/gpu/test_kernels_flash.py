@@ -7,14 +7,22 @@ import copy
 import pytest
 import torch
 
-from model import quant
-from model.kernels import act_quant, compressor, fp8_cublas, fp8_gemm, indexer, mhc, sparse_attention
-from model.kernels import rope as rope_ops
+from model import low_precision
+from model.kernels.attention import compressor, indexer, rope as rope_ops, sparse_attention
+from model.kernels.gemm import act_quant, fp8_cublas, fp8_gemm
+from model.kernels.mhc import mhc
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import flash_config
-from tests.model.kernel_cases import (block_weights, fill_random, mhc_inputs, random_batch, random_picks,
-                                      rel_err, unpack_all)
+from tests.model.kernel_cases import (
+    block_weights,
+    fill_random,
+    mhc_inputs,
+    random_batch,
+    random_picks,
+    rel_err,
+    unpack_all,
+)
 from tests.model.test_kernels_indexer import topk_in_entry_order
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -138,7 +146,7 @@ def test_store_kv_and_q_rope(pools):
 @pytest.mark.parametrize("N,K,G", [(32768, 1024, 1), (4096, 8192, 1), (1024, 4096, 8), (512, 4096, 1)])
 def test_fp8_gemm(M, N, K, G):
     g = torch.Generator(device=DEV).manual_seed(M + N)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
     s = s.float()
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), device=DEV, generator=g).bfloat16()
     ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G)
@@ -156,7 +164,7 @@ def test_w8a8_large_batch_on_cublas_blockwise(M, N, K, G):
     again and in a CUDA graph's replay."""
     assert fp8_cublas.applies(M, N, K, torch.device(DEV), G, prefill=M > fp8_gemm.KERNEL_MAX_M)
     g = torch.Generator(device=DEV).manual_seed(M + K + G)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g, DEV) / K ** 0.5)
     s = s.float()
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), device=DEV, generator=g).bfloat16()
     out = fp8_gemm.fp8_linear(x, q, s, "triton", G, act_fp8=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.kernels import arrival_counter, mhc
+from model.kernels import arrival_counter
+from model.kernels.mhc import mhc
 from tests.model.kernel_cases import captured
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

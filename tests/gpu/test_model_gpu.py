@@ -11,8 +11,9 @@ import torch
 from model.batch import ForwardBatch
 from model.checkpoint import load_checkpoint
 from model.cuda_graph import DecodeGraph
+from model.kernels import set_impl
+from model.kernels.mhc import mhc
 from model.kv_pool import KVPools, SeqKV
-from model.kernels import mhc, set_impl
 from model.quantized import quantize_model
 from tests.model.kernel_cases import rel_err
 

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from benchmarks.moe_bench import build_layer, routed_inputs
-from model.kernels import moe_fused, moe_grouped, moe_prefill, moe_shared
-from tests.model.test_moe_kernels import (EMULATED_TOL, EMULATED_TOL_BF16, REFERENCE_TOL, emulate,  # noqa: F401
-                                         poisoned, rel)
+from model.kernels.moe import moe_fused, moe_grouped, moe_prefill, moe_shared
+from tests.model.test_moe_kernels import EMULATED_TOL, EMULATED_TOL_BF16, REFERENCE_TOL, emulate, poisoned, rel  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

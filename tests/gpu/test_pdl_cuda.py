@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py): kernels launched early wait for their predecessor.
+"""Programmatic dependent launch (kernels/common/pdl.py): kernels launched early wait for their predecessor.
 
 A chain of decode products where each reads the previous one's output, launched with PDL in a
 CUDA graph, must give the bits of the same chain launched plainly, replay after replay: a kernel
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import quant
-from model.kernels import fp8_gemm
-from model.kernels.pdl import launch_options
+from model import low_precision
+from model.kernels.common.pdl import launch_options
+from model.kernels.gemm import fp8_gemm
 from tests.model.kernel_cases import captured
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -34,7 +34,7 @@ def test_pdl_chain_matches_plain_launches(act_fp8):
     shapes = [(1024, 4096), (4096, 1024), (1024, 4096), (4096, 1024)] * 3
     ops = []
     for n, k in shapes:
-        q, s = quant.fp8_quantize_weight(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+        q, s = low_precision.fp8_quantize_weight(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
         ops.append((q, s.float(), fp8_gemm.arrival_counters(n, "cuda")))
     x = torch.randn(1, 1, 4096, device="cuda", generator=g).bfloat16()
 

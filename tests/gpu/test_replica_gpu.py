@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.messages import GenerateRequest
-from cluster.options import WorkerOptions
-from cluster.replica import DecodeGraphs, load_replica
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.quantized import Fp8Linear
 from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import DecodeGraphs, load_replica
+from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import GenerateRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

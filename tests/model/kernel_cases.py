@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from model import quant
+from model import low_precision
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kv_pool import KVPools, SeqKV, STATE_KINDS
+from model.kv_pool import STATE_KINDS, KVPools, SeqKV
 
 
 def fill_random(pools: KVPools, seed: int) -> None:
@@ -61,8 +61,8 @@ def unpack_all(pools: KVPools, kind: str) -> torch.Tensor:
     if pools.format == "bf16":
         return raw.contiguous().view(torch.bfloat16).float()
     if kind == "c4_indexer":
-        return quant.unpack_index_key(raw, pools.cfg.index_head_dim)
-    return quant.unpack_kv(raw, pools.cfg.head_dim, pools.cfg.qk_rope_head_dim)
+        return low_precision.unpack_index_key(raw, pools.cfg.index_head_dim)
+    return low_precision.unpack_kv(raw, pools.cfg.head_dim, pools.cfg.qk_rope_head_dim)
 
 
 def block_weights(rows: int, K: int, g: torch.Generator, device: str = "cpu") -> torch.Tensor:

@@ -16,10 +16,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from model import quant
+from model import low_precision
 from model.batch import ForwardBatch
-from model.checkpoint import (CheckpointError, detect_format, expected_shapes, fp8_activations, load_checkpoint,
-                              load_weights, read_config, write_checkpoint)
+from model.checkpoint import (
+    CheckpointError,
+    detect_format,
+    expected_shapes,
+    fp8_activations,
+    load_checkpoint,
+    load_weights,
+    read_config,
+    write_checkpoint,
+)
 from model.checkpoint_formats import official_storage
 from model.hf_names import to_hf_state_dict
 from model.kv_pool import KVPools, SeqKV
@@ -38,9 +46,9 @@ def decoded_official(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for name, w in weights.items():
         kind = official_storage(name)
         if kind == "fp8":
-            out[name] = quant.fp8_dequantize_weight(*quant.fp8_quantize_weight(w))
+            out[name] = low_precision.fp8_dequantize_weight(*low_precision.fp8_quantize_weight(w))
         elif kind == "fp4":
-            out[name] = quant.fp4_dequantize_weight(*quant.fp4_quantize_weight(w))
+            out[name] = low_precision.fp4_dequantize_weight(*low_precision.fp4_quantize_weight(w))
         elif kind == "bf16":
             out[name] = w.bfloat16().float()
         else:
@@ -122,7 +130,7 @@ def test_official_layout(tiny_official_ckpt, tiny_ckpt_weights):
 def test_official_bytes_are_the_codecs(tiny_official_ckpt, tiny_ckpt_weights):
     stored = all_tensors(tiny_official_ckpt)
     for name in ("layers.1.attn.wq_b.weight", "mtp.0.e_proj.weight", "layers.3.ffn.experts.2.w2.weight"):
-        encode = quant.fp8_quantize_weight if official_storage(name) == "fp8" else quant.fp4_quantize_weight
+        encode = low_precision.fp8_quantize_weight if official_storage(name) == "fp8" else low_precision.fp4_quantize_weight
         q, s = encode(tiny_ckpt_weights[name])
         assert torch.equal(stored[name].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(stored[name.removesuffix(".weight") + ".scale"].view(torch.uint8), s.view(torch.uint8))
@@ -295,7 +303,7 @@ def test_fp8_blocks_of_partial_size(tmp_path):
     assert_state_equal(model, decoded_official(weights))
     w = weights["layers.0.attn.wkv.weight"]
     rows = model.state_dict()["layers.0.attn.wkv.weight"][128:]  # the partial block's own scale
-    assert torch.equal(rows, quant.fp8_dequantize_weight(*quant.fp8_quantize_weight(w[128:])))
+    assert torch.equal(rows, low_precision.fp8_dequantize_weight(*low_precision.fp8_quantize_weight(w[128:])))
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from cluster.cli import main as cli_main
-from cluster.options import WorkerOptions
-from cluster.replica import load_replica
 from model.batch import ForwardBatch
 from model.checkpoint import fp8_activations, load_checkpoint, read_config
 from model.dummy_weights import dummy_block, dummy_model, materialize_experts
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.tiny import flash_config
+from worker_runtime.model_loader import load_replica
+from worker_runtime.options import WorkerOptions
 
 
 def _layout(model) -> dict:

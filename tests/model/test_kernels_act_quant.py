@@ -5,8 +5,8 @@ path) against the reference's dequantise-then-matmul of the same codes."""
 import pytest
 import torch
 
-from model import quant
-from model.kernels import act_quant, fp8_cublas, fp8_gemm
+from model import low_precision
+from model.kernels.gemm import act_quant, fp8_cublas, fp8_gemm
 from model.quantized import Fp8Linear
 from tests.model.kernel_cases import block_weights, rel_err
 
@@ -45,7 +45,7 @@ def test_quantize_zero_block_and_strided_input():
     x = spread_rows((4, 512), g)
     x[1, 128:256] = 0
     q, s = act_quant.quantize(x, "triton")
-    assert s[1, 1].item() == quant.ue8m0_scale(torch.tensor(0.0), quant.FP8_MAX).item()
+    assert s[1, 1].item() == low_precision.ue8m0_scale(torch.tensor(0.0), low_precision.FP8_MAX).item()
     assert not q[1, 128:256].float().any()
     view = spread_rows((4, 2, 384), g)[:, 1]
     assert torch.equal(act_quant.quantize(view, "triton")[0].view(torch.uint8),
@@ -101,8 +101,8 @@ def test_ue8m0_scale_rounds_up_just_above_a_power_of_two():
     for k in (-20, -3, 0, 5, 30):
         exact = torch.tensor(2.0 ** k, dtype=torch.float32)
         above = torch.nextafter(exact, torch.tensor(float("inf")))
-        assert quant.ue8m0_scale(exact * 448, 448.0).item() == 2.0 ** k
-        assert quant.ue8m0_scale(above * 448, 448.0).item() == 2.0 ** (k + 1)
+        assert low_precision.ue8m0_scale(exact * 448, 448.0).item() == 2.0 ** k
+        assert low_precision.ue8m0_scale(above * 448, 448.0).item() == 2.0 ** (k + 1)
         x = torch.zeros(1, 128)
         x[0, 0] = above * 448
         q, s = act_quant.quantize(x.to(DEVICE), "triton")
@@ -134,7 +134,7 @@ def test_w8a8_linear_matches_reference(M, G, N, K):
     dequantised codes) against the reference of the same codes. The tolerance is far below the
     W8A8-to-W8A16 gap, so a path that skipped the activations' quantisation fails."""
     g = torch.Generator().manual_seed(M * 1000 + N + G)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = spread_rows((M, G, K) if G > 1 else (M, K), g)
     ref = fp8_gemm.fp8_linear(x.float(), q, s, "torch", G, act_fp8=True)
@@ -152,7 +152,7 @@ def test_w8a8_product_quantising_its_own_input_equals_two_launches(M, G, N, K):
     scales (short last K block included; 1024 splits K)."""
     assert M <= fp8_gemm.INLINE_QUANT_MAX_M
     g = torch.Generator().manual_seed(M * 100 + K)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = spread_rows((M, G, K), g)
     codes, x_scale = act_quant.quantize(x, "triton")
@@ -168,7 +168,7 @@ def test_w8a8_product_quantising_its_own_input_equals_two_launches(M, G, N, K):
 def test_w8a8_decode_product_reads_ue8m0_bytes():
     """Weight scales as UE8M0 bytes give the float scales' product bit for bit."""
     g = torch.Generator().manual_seed(5)
-    q, s = quant.fp8_quantize_weight(block_weights(256, 384, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(256, 384, g))
     x8, xs = act_quant.quantize(spread_rows((9, 1, 384), g), "triton")
     q = q.to(DEVICE)
     out = fp8_gemm.decode_product(x8, q, s.view(torch.uint8).to(DEVICE), None, out_dtype=torch.float32, x_scale=xs)
@@ -183,7 +183,7 @@ def test_w8a8_decode_product_reads_ue8m0_bytes():
 def test_fp8_linear_module_with_fp8_activations():
     """`Fp8Linear(act_fp8=True)`: plain and grouped products are W8A8 on both impls."""
     g = torch.Generator().manual_seed(6)
-    w = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton", act_fp8=True)
+    w = Fp8Linear(*low_precision.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton", act_fp8=True)
     w = w.to(DEVICE)
     x = spread_rows((5, 4, 1024), g)
     ref = fp8_gemm.fp8_linear(x.float(), w.weight, w.scale, "torch", 4, act_fp8=True)
@@ -191,7 +191,7 @@ def test_fp8_linear_module_with_fp8_activations():
     w.impl = "torch"
     assert rel_err(w.grouped(x), ref) < 6e-3
     flat = x.flatten(1)
-    plain = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(64, 4096, generator=g)), "triton", act_fp8=True)
+    plain = Fp8Linear(*low_precision.fp8_quantize_weight(torch.randn(64, 4096, generator=g)), "triton", act_fp8=True)
     plain = plain.to(DEVICE)
     assert rel_err(plain(flat), fp8_gemm.fp8_linear(flat.float(), plain.weight, plain.scale, "torch",
                                                     act_fp8=True)) < 6e-3

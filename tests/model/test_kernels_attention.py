@@ -7,7 +7,7 @@ KV split that decode uses to fill the GPU (split with every encoding where the k
 import pytest
 import torch
 
-from model.kernels import sparse_attention
+from model.kernels.attention import sparse_attention
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import tiny_config

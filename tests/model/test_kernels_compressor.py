@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from model.kernels import compressor
+from model.kernels.attention import compressor
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import tiny_config

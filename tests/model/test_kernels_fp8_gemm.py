@@ -4,8 +4,8 @@ not multiple of the tiles, decode-size M (split K, partials summed in order) and
 import pytest
 import torch
 
-from model import quant
-from model.kernels import act_quant, fp8_gemm
+from model import low_precision
+from model.kernels.gemm import act_quant, fp8_gemm
 from model.quantized import Fp8Linear
 from tests.model.kernel_cases import block_weights, rel_err
 
@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
                                      (5, 2, 32, 128), (17, 4, 64, 300), (5, 4, 64, 1024), (200, 1, 64, 1024)])
 def test_fp8_linear_matches_reference(M, G, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     assert s.numel() == 1 or s.float().unique().numel() > 1
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     shape = (M, G, K) if G > 1 else (M, K)
@@ -62,7 +62,7 @@ def test_decode_kernel_by_row_count():
 
 
 def test_fp8_linear_leading_dims():
-    q, s = quant.fp8_quantize_weight(torch.randn(64, 128))
+    q, s = low_precision.fp8_quantize_weight(torch.randn(64, 128))
     x = torch.randn(2, 3, 128).to(torch.bfloat16)
     out = fp8_gemm.fp8_linear(x.to(DEVICE), q.to(DEVICE), s.float().to(DEVICE), "triton")
     assert out.shape == (2, 3, 64)
@@ -72,7 +72,7 @@ def test_fp8_linear_leading_dims():
 def test_dequantize_is_the_reference_bit_for_bit(rows, K):
     """The prefill path's one-pass dequantisation: rows and K not multiples of the tiles."""
     g = torch.Generator().manual_seed(rows + K)
-    q, s = quant.fp8_quantize_weight(torch.randn(rows, K, generator=g) * 3)
+    q, s = low_precision.fp8_quantize_weight(torch.randn(rows, K, generator=g) * 3)
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     want = fp8_gemm.reference_dequantize(q, s, torch.bfloat16)
     assert torch.equal(fp8_gemm.dequantize(q, s, torch.bfloat16), want)
@@ -82,7 +82,7 @@ def test_prefill_size_m_uses_the_dequantised_weight():
     """Prefill-size M: cuBLAS on the dequantised weight; the grouped output's flatten(1) is a view
     (the next projection reads it without a copy)."""
     g = torch.Generator().manual_seed(3)
-    q, s = quant.fp8_quantize_weight(torch.randn(2 * 64, 256, generator=g))
+    q, s = low_precision.fp8_quantize_weight(torch.randn(2 * 64, 256, generator=g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     M = fp8_gemm.KERNEL_MAX_M + 1
     x = torch.randn(M, 2, 256, generator=g).to(DEVICE, torch.bfloat16)
@@ -100,7 +100,7 @@ def test_reused_arrival_counters_are_left_zeroed(M, G, N, K):
     program of each tile sets its counter back to zero, so the next product on the buffer, with no
     fill before it, is bit-identical."""
     g = torch.Generator().manual_seed(M + G)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = torch.randn(*((M, G, K) if G > 1 else (M, K)), generator=g).to(DEVICE, torch.bfloat16)
     assert fp8_gemm.decode_config(M, N, K, G)["SPLIT_K"] > 1
@@ -114,7 +114,7 @@ def test_reused_arrival_counters_are_left_zeroed(M, G, N, K):
 def test_fp8_linear_module_keeps_its_counters_out_of_the_state_dict():
     """`Fp8Linear` owns a counter buffer (not a checkpoint tensor) that its split-K products reuse."""
     g = torch.Generator().manual_seed(4)
-    lin = Fp8Linear(*quant.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton").to(DEVICE)
+    lin = Fp8Linear(*low_precision.fp8_quantize_weight(torch.randn(4 * 64, 1024, generator=g)), "triton").to(DEVICE)
     assert "arrivals" not in lin.state_dict() and not lin.arrivals.any()
     x = torch.randn(5, 4, 1024, generator=g).to(DEVICE, torch.bfloat16)
     assert fp8_gemm.decode_config(5, 64, 1024, 4)["SPLIT_K"] > 1
@@ -128,7 +128,7 @@ def test_decode_product_reads_ue8m0_bytes_and_writes_fp32(M):
     """Scales as `PackedExperts` stores them (UE8M0 bytes) give the product of their float values bit
     for bit, and an fp32 output keeps the accumulator unrounded (the dense shared expert's gate/up)."""
     g = torch.Generator().manual_seed(M)
-    q, s = quant.fp8_quantize_weight(block_weights(256, 384, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(256, 384, g))
     q, floats, scale_bytes = q.to(DEVICE), s.float().to(DEVICE), s.view(torch.uint8).to(DEVICE)
     x3 = torch.randn(M, 1, 384, generator=g).to(DEVICE, torch.bfloat16)
     out = fp8_gemm.decode_product(x3, q, scale_bytes, None, out_dtype=torch.float32)
@@ -142,7 +142,7 @@ def test_w8a8_tma_tiles_are_the_plain_loads_bit_for_bit(M, G, N, K):
     """Above one token tile the W8A8 kernel takes its weight tiles by TMA (`decode_config`): the
     same product as the plain loads, rows past a group's end or the weight's read as zeros."""
     g = torch.Generator().manual_seed(M + N)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = torch.randn(M, G, K, generator=g).to(DEVICE, torch.bfloat16)
     codes, x_scale = act_quant.quantize(x, "triton")
@@ -161,7 +161,7 @@ def test_w8a8_promotion_by_token_factor_is_the_outer_product_bit_for_bit(M, G, N
     scales each K step's product by one factor a token; the same product as the per-row outer
     product of weight and token scales, bit for bit."""
     g = torch.Generator().manual_seed(M * 7 + N)
-    q, s = quant.fp8_quantize_weight(block_weights(G * N, K, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(G * N, K, g))
     assert s.float().unique().numel() > 1
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = torch.randn(M, G, K, generator=g).to(DEVICE, torch.bfloat16)
@@ -185,7 +185,7 @@ def test_uniform_weight_scale_needs_tiles_inside_scale_blocks():
 def test_w8a8_weights_a_descriptor_cannot_hold_take_plain_loads():
     """A weight whose rows are not 16-byte aligned (K = 200 e4m3) falls back to the plain loads."""
     g = torch.Generator().manual_seed(5)
-    q, s = quant.fp8_quantize_weight(block_weights(64, 200, g))
+    q, s = low_precision.fp8_quantize_weight(block_weights(64, 200, g))
     q, s = q.to(DEVICE), s.float().to(DEVICE)
     x = torch.randn(40, 200, generator=g).to(DEVICE, torch.bfloat16)
     out = fp8_gemm.fp8_linear(x, q, s, "triton", act_fp8=True)

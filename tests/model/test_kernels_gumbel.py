@@ -4,7 +4,7 @@ noise included (interpreter on CPU, compiled on a GPU)."""
 import pytest
 import torch
 
-from model.kernels import gumbel
+from model.kernels.common import gumbel
 from model.sampling import SamplingParams, sample_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

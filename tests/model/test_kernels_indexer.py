@@ -5,8 +5,7 @@ within tolerance of the reference's k-th best; -1 exactly where a query has fewe
 import pytest
 import torch
 
-from model.kernels import indexer
-from model.kernels import rope as rope_ops
+from model.kernels.attention import indexer, rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import tiny_config

@@ -4,7 +4,8 @@ pending hc_post) against the torch reference."""
 import pytest
 import torch
 
-from model.kernels import arrival_counter, mhc
+from model.kernels import arrival_counter
+from model.kernels.mhc import mhc
 from tests.model.kernel_cases import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

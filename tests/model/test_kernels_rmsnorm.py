@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model.kernels import rmsnorm
+from model.kernels.common import rmsnorm
 from tests.model.kernel_cases import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from model.kernels import rope as rope_ops
+from model.kernels.attention import rope as rope_ops
 from model.kv_pool import KVPools
 from model.rope import Rope
 from model.tiny import tiny_config

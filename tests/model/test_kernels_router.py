@@ -4,7 +4,8 @@ weights for score layers (every scoring function, with and without normalisation
 import pytest
 import torch
 
-from model.kernels import arrival_counter, router
+from model.kernels import arrival_counter
+from model.kernels.moe import moe_gate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -15,7 +16,7 @@ def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return weights.gather(1, order), ids
 
 
-@pytest.mark.parametrize("scoring", router.SCORING)
+@pytest.mark.parametrize("scoring", moe_gate.SCORING)
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("T,E,k", [(1, 256, 6), (13, 64, 6), (6, 48, 1)])
 def test_score_routing_matches_reference(scoring, norm, T, E, k):
@@ -27,8 +28,8 @@ def test_score_routing_matches_reference(scoring, norm, T, E, k):
     logits[0, :2] = torch.tensor([25.0, 60.0])
     bias = (0.5 * torch.randn(E, generator=g)).to(DEVICE)
     args = (logits, bias, None, torch.zeros(T, dtype=torch.long, device=DEVICE), k, scoring, norm, 2.5)
-    w_ref, id_ref = _sorted(*router.route(*args, impl="torch"))
-    w, ids = router.route(*args, impl="triton")
+    w_ref, id_ref = _sorted(*moe_gate.route(*args, impl="torch"))
+    w, ids = moe_gate.route(*args, impl="triton")
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k)
     w, ids = _sorted(w, ids)
     assert torch.equal(ids, id_ref)
@@ -41,7 +42,7 @@ def test_bias_steers_selection_only():
     logits = torch.randn(5, E, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     bias = torch.zeros(E, device=DEVICE)
     bias[[3, 7, 11, 30]] = 100.0
-    w, ids = router.route(logits, bias, None, torch.zeros(5, dtype=torch.long, device=DEVICE), k, "sigmoid",
+    w, ids = moe_gate.route(logits, bias, None, torch.zeros(5, dtype=torch.long, device=DEVICE), k, "sigmoid",
                           False, 1.0, impl="triton")
     assert torch.equal(ids.sort(dim=1).values, torch.tensor([[3, 7, 11, 30]] * 5, device=DEVICE))
     torch.testing.assert_close(w, logits.sigmoid().gather(1, ids), rtol=2e-6, atol=1e-7)
@@ -54,8 +55,8 @@ def test_hash_routing_matches_reference():
     table = torch.randint(0, E, (vocab, k), generator=g, dtype=torch.int32).to(DEVICE)
     tokens = torch.randint(0, vocab, (T,), generator=g).to(DEVICE)
     args = (logits, None, table, tokens, k, "sqrtsoftplus", True, 1.5)
-    w_ref, id_ref = router.route(*args, impl="torch")
-    w, ids = router.route(*args, impl="triton")
+    w_ref, id_ref = moe_gate.route(*args, impl="torch")
+    w, ids = moe_gate.route(*args, impl="triton")
     assert torch.equal(ids, id_ref)  # the table's order is kept
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=1e-7)
 
@@ -64,11 +65,11 @@ def test_bad_routing_arguments_are_rejected():
     logits = torch.zeros(2, 8, device=DEVICE)
     ids = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="scoring function"):
-        router.route(logits, torch.zeros(8, device=DEVICE), None, ids, 2, "relu", True, 1.0, impl="triton")
+        moe_gate.route(logits, torch.zeros(8, device=DEVICE), None, ids, 2, "relu", True, 1.0, impl="triton")
     with pytest.raises(ValueError, match="exactly one"):
-        router.route(logits, None, None, ids, 2, "sigmoid", True, 1.0, impl="triton")
+        moe_gate.route(logits, None, None, ids, 2, "sigmoid", True, 1.0, impl="triton")
     with pytest.raises(ValueError, match="cannot route to 9 of 8"):
-        router.route(logits, torch.zeros(8, device=DEVICE), None, ids, 9, "sigmoid", True, 1.0, impl="triton")
+        moe_gate.route(logits, torch.zeros(8, device=DEVICE), None, ids, 9, "sigmoid", True, 1.0, impl="triton")
 
 
 @pytest.mark.parametrize("hashed", [False, True])
@@ -85,15 +86,15 @@ def test_gate_route_matches_the_product_then_route(hashed, T, E, D, k, scoring):
     table = torch.randint(0, E, (50, k), generator=g, dtype=torch.int32).to(DEVICE) if hashed else None
     bias = None if hashed else (0.5 * torch.randn(E, generator=g)).to(DEVICE)
     args = (bias, table, tokens, k, scoring, True, 2.5)
-    w_ref, id_ref = router.route(x.float() @ gate.float().t(), *args, impl="torch")
+    w_ref, id_ref = moe_gate.route(x.float() @ gate.float().t(), *args, impl="torch")
     arrivals = arrival_counter(DEVICE)
-    w, ids = router.gate_route(x, gate, *args, arrivals)
+    w, ids = moe_gate.gate_route(x, gate, *args, arrivals)
     assert arrivals.item() == 0
     if not hashed:
         (w, ids), (w_ref, id_ref) = _sorted(w, ids), _sorted(w_ref, id_ref)
     assert torch.equal(ids, id_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
-    again = router.gate_route(x, gate, *args, arrivals)
-    assert torch.equal(again[0], router.gate_route(x, gate, *args, arrivals)[0])
+    again = moe_gate.gate_route(x, gate, *args, arrivals)
+    assert torch.equal(again[0], moe_gate.gate_route(x, gate, *args, arrivals)[0])
     with pytest.raises(ValueError, match="up to 4 tokens"):
-        router.gate_route(torch.cat([x] * 5), gate, *args)
+        moe_gate.gate_route(torch.cat([x] * 5), gate, *args)

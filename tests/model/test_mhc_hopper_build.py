@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.kernels import mhc
+from model.kernels.mhc import mhc
 from tests.model.test_moe_hopper_build import hopper_compile, without_interpreter
 
 HC, D, MIX = 4, 4096, 24

@@ -13,11 +13,12 @@ import copy
 import pytest
 import torch
 
-from model import quant
-from model.kernels import moe_grouped
-from model.kernels import fp4
-from model.kernels.fp4 import fp4_k_block, shuffle_fp4_words
-from model.moe import MoE, PackedExperts
+from model import low_precision
+from model.kernels.common import fp4
+from model.kernels.common.fp4 import fp4_k_block, shuffle_fp4_words
+from model.kernels.moe import moe_grouped
+from model.kernels.moe.packed_experts import PackedExperts
+from model.moe import MoE
 from model.tiny import random_weights, tiny_config
 
 
@@ -99,7 +100,7 @@ def test_fp4_k_blocks_hold_each_rows_bytes_in_order():
     ex = moe.experts[3]
     for w, codes, scales, kb in ((torch.cat([ex.w1.weight, ex.w3.weight]), packed.w13[3], packed.w13_scale[3], 64),
                                  (ex.w2.weight, packed.w2[3], packed.w2_scale[3], 16)):
-        q, s = quant.fp4_quantize_weight(w, 32)
+        q, s = low_precision.fp4_quantize_weight(w, 32)
         q, s = q.view(torch.uint8), s.view(torch.uint8)
         assert codes.shape == (q.shape[1] // kb, q.shape[0], kb) and scales.shape == (s.shape[1] // (kb // 16),
                                                                                       s.shape[0], kb // 16)
@@ -112,7 +113,7 @@ def test_fp4_k_blocks_hold_each_rows_bytes_in_order():
 
 
 def test_fp4_word_shuffle_is_what_the_ptx_decodes():
-    """The stored FP4 word layout (kernels/fp4.py): a permutation of each group's 32 bits, undone
+    """The stored FP4 word layout (kernels/common/fp4.py): a permutation of each group's 32 bits, undone
     by the inverse; and the conversion's four PTX formulas, emulated on 32-bit integers, put every
     code's sign and magnitude where bf16 wants them (s << 15 | m << 6 per lane)."""
     assert sorted(p for pair in fp4.WORD_BITS for lane in pair for p in lane) == list(range(32))

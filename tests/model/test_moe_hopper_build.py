@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model.kernels import moe_fused, moe_grouped, moe_prefill
-from model.kernels.fp4 import reads_wgmma_operand
-from model.moe import MoE, PackedExperts
+from model.kernels.common.fp4 import reads_wgmma_operand
+from model.kernels.moe import moe_fused, moe_grouped, moe_prefill
+from model.kernels.moe.packed_experts import PackedExperts
+from model.moe import MoE
 from model.tiny import tiny_config
 
 _TL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
@@ -176,7 +177,7 @@ def without_interpreter(call: str, module: str = "tests.model.test_moe_hopper_bu
 
 
 def test_fp4_words_convert_in_the_wgmma_operand_only_where_wgmma_runs():
-    """The register-order conversion (kernels/fp4.py) is for wgmma's operand alone: Hopper, SWAP
+    """The register-order conversion (kernels/common/fp4.py) is for wgmma's operand alone: Hopper, SWAP
     tiles of 64 rows per warpgroup (the decode and prefill tiles). Smaller tiles run mma.sync and
     other GPUs other MMAs, for which the layout check vouches nothing: those convert through
     explicit words."""

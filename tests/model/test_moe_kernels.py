@@ -21,8 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels import fp8_gemm, moe_combine, moe_fused, moe_grouped, moe_prefill, moe_shared
-from model.moe import MoE, PackedExperts
+from model.kernels.gemm import fp8_gemm
+from model.kernels.moe import moe_combine, moe_fused, moe_grouped, moe_prefill, moe_shared
+from model.kernels.moe.packed_experts import PackedExperts
+from model.moe import MoE
 from model.tiny import tiny_config
 
 EMULATED_TOL = 1e-4
@@ -236,7 +238,7 @@ def test_count_sort_launch_copies_x_in_preorder(T, K):
     (1056 = 2 × 512 + 32), and leaves nothing of the output unwritten."""
     import triton
 
-    from model.kernels.moe_tile_kernels import _count_sort_kernel
+    from model.kernels.moe.moe_tile_kernels import _count_sort_kernel
 
     g = torch.Generator().manual_seed(T + K)
     x = torch.randn(T, K, generator=g).to(torch.bfloat16).to(DEVICE)

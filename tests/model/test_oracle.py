@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.batch import ForwardBatch  # noqa: E402
-from model.kernels import indexer as indexer_ops  # noqa: E402
 from model.hf_names import to_hf_state_dict  # noqa: E402
+from model.kernels.attention import indexer as indexer_ops  # noqa: E402
 from model.kv_pool import KVPools, SeqKV  # noqa: E402
 from model.tiny import random_weights, tiny_config  # noqa: E402
 from model.transformer import Transformer  # noqa: E402

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from model import quant
+from model import low_precision
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.tiny import tiny_config
 
@@ -18,7 +18,7 @@ def cfg():
 def test_geometry_page_major(cfg):
     pools = KVPools(cfg, "fp8_pack", page_size=256, max_tokens=1024, max_seqs=2)
     c4, c128 = cfg.layers_with_ratio(4), cfg.layers_with_ratio(128)
-    entry = quant.kv_pack_bytes(cfg.head_dim, cfg.qk_rope_head_dim)
+    entry = low_precision.kv_pack_bytes(cfg.head_dim, cfg.qk_rope_head_dim)
     assert pools.specs["swa"].page_bytes == cfg.num_hidden_layers * 256 * entry
     assert pools.specs["c4"].page_bytes == len(c4) * 64 * entry
     assert pools.specs["c128"].page_bytes == len(c128) * 2 * entry
@@ -37,7 +37,7 @@ def test_write_read_round_trip(cfg, fmt):
     idx = torch.randperm(300, generator=torch.Generator().manual_seed(1))
     pools.write("swa", 2, seq.pages["swa"], idx, x[idx])
     got = pools.read("swa", 2, seq.pages["swa"], torch.arange(300))
-    expected = {"fp32": x, "bf16": x.to(torch.bfloat16).float(), "fp8_pack": quant.fake_quant_kv(x, cfg.qk_rope_head_dim)}[fmt]
+    expected = {"fp32": x, "bf16": x.to(torch.bfloat16).float(), "fp8_pack": low_precision.fake_quant_kv(x, cfg.qk_rope_head_dim)}[fmt]
     assert torch.equal(got, expected)
     # other layers of the same pages are untouched
     assert (pools.read("swa", 1, seq.pages["swa"], torch.arange(300)) == 0).all()
@@ -55,7 +55,7 @@ def test_fp8_indexer_keys_keep_values_and_scales_in_separate_blocks(cfg):
     idx = torch.tensor([0, 5, 64 + 63, 3 * 64 + 17])  # slots 0, 5, 63, 17 of pages 0, 0, 1, 3
     x = torch.randn(len(idx), c, generator=torch.Generator().manual_seed(2)) * torch.tensor([[1.0], [8.0], [0.25], [3.0]])
     pools.write("c4_indexer", layer, seq.pages["c4_indexer"], idx, x)
-    packed = quant.pack_index_key(x)
+    packed = low_precision.pack_index_key(x)
     part = pools._local["c4_indexer"][layer] * spec.layer_bytes
     for i, j in enumerate(idx.tolist()):
         page = pools.buffers["c4_indexer"][seq.pages["c4_indexer"][j // 64]]
@@ -64,7 +64,7 @@ def test_fp8_indexer_keys_keep_values_and_scales_in_separate_blocks(cfg):
         scale_at = part + 64 * c + 4 * slot
         assert torch.equal(page[scale_at:scale_at + 4], packed[i, c:])
     got = pools.read("c4_indexer", layer, seq.pages["c4_indexer"], idx)
-    assert torch.equal(got, quant.unpack_index_key(packed, c))
+    assert torch.equal(got, low_precision.unpack_index_key(packed, c))
     # page_order lays a whole page's entries out the same way
     order = spec.page_order()
     assert sorted(order.tolist()) == list(range(spec.page_bytes))
@@ -78,7 +78,7 @@ def test_fp8_indexer_keys_keep_values_and_scales_in_separate_blocks(cfg):
 
 def test_page_encoding_names_the_indexer_layout(cfg):
     """Peers compare it in the transfer handshake: pages of the whole-entry layout must not mix in."""
-    from cluster.kv_link import layout_of
+    from worker_runtime.kv_link import layout_of
     fp8 = KVPools(cfg, "fp8_pack", page_size=256, max_tokens=256, max_seqs=1)
     assert layout_of(fp8).storage_format == "fp8_pack/index-split"
     assert layout_of(KVPools(cfg, "bf16", page_size=256, max_tokens=256, max_seqs=1)).storage_format == "bf16"

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from model.kernels.gumbel import hash32, uniform_noise
+from model.kernels.common.gumbel import hash32, uniform_noise
 from model.sampling import SamplingParams, sample, sample_rows, support
 
 

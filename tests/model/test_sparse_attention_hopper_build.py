@@ -1,4 +1,4 @@
-"""The Gluon sparse-attention kernel (model/kernels/sparse_attention_wgmma.py) built for Hopper
+"""The Gluon sparse-attention kernel (model/kernels/attention/sparse_attention_wgmma.py) built for Hopper
 without a GPU, with Triton's bundled ptxas: what no CPU test can run. Its parity with the Triton
 kernel and the reference is tests/gpu/test_kernels_flash.py's."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model.kernels import sparse_attention_wgmma
+from model.kernels.attention import sparse_attention_wgmma
 from tests.model.test_moe_hopper_build import without_interpreter
 
 MODULE = "tests.model.test_sparse_attention_hopper_build"
@@ -68,8 +68,7 @@ def check_serialised_products_are_reported() -> None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.language.nvidia.hopper import (warpgroup_mma, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
 
     @gluon.jit
     def in_flight_at_back_edge(x_ptr, out_ptr, n):

@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from cluster.messages import GenerateRequest
 from decode_worker.engine import DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools
@@ -13,6 +12,7 @@ from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
 from prefill_worker.engine import PrefillConfig, PrefillEngine
+from worker_runtime.wire import GenerateRequest
 
 
 @pytest.fixture(scope="module")

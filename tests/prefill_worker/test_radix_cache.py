@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from cluster.messages import page_hashes
 from prefill_worker.radix_cache import PageRecord, RadixCache
+from worker_runtime.wire import page_hashes
 
 
 class Harness:

@@ -7,12 +7,12 @@ import asyncio
 import threading
 from dataclasses import replace
 
-from cluster.messages import GenerateRequest
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from router.app import serve
 from router.config import RouterConfig
 from router.stub_backend import StubBackend, StubConfig
+from worker_runtime.wire import GenerateRequest
 
 VOCAB = 512
 

@@ -6,12 +6,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from cluster.messages import ErrorCode
 from harness import RouterThread, wait_for
+
 from router.config import RouterConfig
-from router.proto import v4serve_pb2 as pb
-from router.proto import v4serve_pb2_grpc as pb_grpc
+from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
+from worker_runtime.wire import ErrorCode
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import time
 
 import httpx
 import pytest
-
-from cluster.messages import ErrorCode
 from harness import RouterThread, wait_for
+
 from router.config import RouterConfig
 from router.errors import APIError
 from router.http_server import MAX_JSON_DEPTH, nests_deeper_than, parse_json
+from worker_runtime.wire import ErrorCode
 
 GOOD = {"model": "stub", "prompt": "hi", "max_tokens": 4}
 
@@ -237,6 +237,7 @@ def test_backend_error_chunk_mapped(router, code):
 
 def test_tls_https_and_grpc(tmp_path):
     import grpc
+
     from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
     cert, key = _self_signed(tmp_path)
     r = RouterThread(RouterConfig(http_port=0, grpc_port=0, tls_cert=str(cert), tls_key=str(key)))
@@ -257,6 +258,7 @@ def test_tls_https_and_grpc(tmp_path):
 def _self_signed(tmp_path):
     import datetime
     import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

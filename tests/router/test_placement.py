@@ -1,9 +1,9 @@
 import pytest
 
-from cluster.messages import KVEvent, WorkerLoad, page_hashes
 from router.config import PlacementConfig
 from router.placement import Placement, place, placement_request
 from router.prefix_index import PrefixIndex
+from worker_runtime.wire import KVEvent, WorkerLoad, page_hashes
 
 CFG = PlacementConfig(page_size=4, remote_prefill_threshold=8)
 PROMPT = list(range(1, 21))  # 20 tokens = 5 pages

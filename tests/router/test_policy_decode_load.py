@@ -1,8 +1,8 @@
 import pytest
 
-from cluster.messages import WorkerLoad
 from router.policies.base import PlacementRequest
 from router.policies.decode_load import score_decode_load
+from worker_runtime.wire import WorkerLoad
 
 
 def d(wid, free=100, total=100, running=0, waiting=0, draining=False):

@@ -1,7 +1,7 @@
 import pytest
 
-from cluster.messages import WorkerLoad
 from router.policies.picker import combine, pick
+from worker_runtime.wire import WorkerLoad
 
 
 def w(wid, draining=False):

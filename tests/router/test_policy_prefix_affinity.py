@@ -1,8 +1,8 @@
 import pytest
 
-from cluster.messages import WorkerLoad
 from router.policies.base import PlacementRequest
 from router.policies.prefix_affinity import score_prefix_affinity
+from worker_runtime.wire import WorkerLoad
 
 
 def p(wid, queued=0, draining=False):

@@ -1,7 +1,7 @@
 import pytest
 
-from cluster.messages import KVEvent, page_hashes
 from router.prefix_index import PrefixIndex
+from worker_runtime.wire import KVEvent, page_hashes
 
 P = 4
 A = list(range(100, 116))  # 4 pages

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from cluster.messages import ErrorCode, GenerateRequest
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from router.stub_backend import IncrementalDetokenizer, StubBackend, StubConfig
+from worker_runtime.wire import ErrorCode, GenerateRequest
 
 TOK = ByteTokenizer(512)
 

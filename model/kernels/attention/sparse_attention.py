@@ -1,0 +1,343 @@
+"""Sparse MQA with attention sink over the paged pools: each query attends to its sliding window
+(the last `window` positions, SWA pool) plus its compressed entries (HCA: every complete window
+of `ratio` tokens; CSA: the indexer's picks, -1 = none), one shared K = V head.
+
+    out_h = Σ_j softmax_j([q_h·k_j / √d]_j ∪ {sink_h}) · k_j      (the sink carries no value)
+
+then the rope channels of the output are rotated back by -position (the output de-rotation).
+
+Kernel: one program per (token, block of BH heads, KV split). Entries are gathered through the
+page tables and decoded to bf16 in registers (exact for bf16 and fp8_pack pools) a quarter of
+the head dim at a time, once for the scores and again for P·V (see the kernel); both products
+run on the tensor cores with fp32 accumulation, softmax is online in base 2. The sink
+seeds the running max and denominator of split 0 (m = sink, l = 1, acc = 0), so no -inf ever
+reaches an exponent. With one split the kernel also de-rotates and writes the final output;
+with several (decode with few tokens, to fill the GPU) it writes partial (acc, m, l) that
+`_combine_kernel` merges and de-rotates in one more launch (`combine_reference` in torch: a
+dozen launches and as many passes over the partials, which at batch 64 are 4 × the output).
+
+On sm_90 with `fp8_pack` pools `attend` runs `sparse_attention_wgmma`'s kernel instead (Gluon:
+each block decoded once into shared memory, asynchronous wgmma; same grid, splits and combine;
+1.5× faster at batch 64 / 256, docs/benchmarks.md round v40); this Triton kernel serves other
+GPUs, bf16 and fp32 pools, the interpreter, and any call that names its launch options.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels import check_impl, num_sms
+from model.kernels.attention import sparse_attention_wgmma
+from model.kernels.attention.pool_io import alignment, entry_base, load_entries, pack_code
+from model.kernels.attention.rope import rotate_pairs
+from model.kernels.common.pdl import launch_options, wait
+from model.rope import Rope
+
+LOG2E = 1.4426950408889634
+COMBINE_HEADS = 4  # heads per `_combine_kernel` program: [4, 512] fp32, 16 registers a thread
+
+
+# ---------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------
+
+def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int, rope: Rope) -> torch.Tensor:
+    """q [T, H, d] → de-rotated output [T, H, d] float32 (see module docstring)."""
+    T, H, d = q.shape
+    out = torch.empty(T, H, d, dtype=torch.float32, device=q.device)
+    kind = {4: "c4", 128: "c128"}.get(ratio)
+    for seg in batch.segments:
+        qs, qpos = q[seg.rows], batch.positions[seg.rows]
+        kpos = torch.arange(max(0, seg.start - window + 1), seg.end, device=q.device)
+        keys = pools.read("swa", layer, seg.seq.pages["swa"], kpos)
+        visible = (kpos <= qpos.unsqueeze(1)) & (kpos > qpos.unsqueeze(1) - window)  # [S, Lw]
+        if ratio:
+            n = seg.end // ratio
+            keys = torch.cat([keys, pools.read(kind, layer, seg.seq.pages[kind], torch.arange(n, device=q.device))])
+            if picks is None:  # HCA: every complete window at or before the query
+                comp_visible = torch.arange(n, device=q.device) < ((qpos + 1) // ratio).unsqueeze(1)
+            else:  # CSA: the indexer's picks (-1 = no pick)
+                p = picks[seg.rows].long()
+                comp_visible = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=q.device)
+                comp_visible.scatter_(1, torch.where(p < 0, n, p.clamp_max(n)), True)
+                comp_visible = comp_visible[:, :n]
+            visible = torch.cat([visible, comp_visible], dim=1)
+        logits = torch.einsum("shd,ld->hsl", qs.float(), keys) * d ** -0.5
+        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        sinks = sink.float().view(-1, 1, 1).expand(-1, qs.shape[0], 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        out[seg.rows] = torch.einsum("hsl,ld->shd", probs, keys)
+    return rope.apply(out, batch.positions, inverse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# op
+# ---------------------------------------------------------------------------------------
+
+def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
+           window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None,
+           block_n: int | None = None, out_dtype: torch.dtype = torch.float32, num_warps: int | None = None,
+           num_stages: int | None = None, wgmma: bool | None = None) -> torch.Tensor:
+    """q [T, H, d] (roped) → [T, H, d] de-rotated attention output in `out_dtype` (fp32 inside;
+    the kernel stores the rounded result itself, which saves a pass over [T, H, d] in prefill).
+
+    picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
+    the launch heuristics (tests and tuning), as do `block_n` (entries per step) and the launch options.
+    `wgmma`: run `sparse_attention_wgmma`'s kernel (None: wherever it applies and no launch option
+    of this kernel is given; it has its own)."""
+    if check_impl(impl) == "torch":
+        return reference(q, batch, pools, layer, ratio, picks, sink, window, rope).to(out_dtype)
+    T, H, d = q.shape
+    out = torch.empty(T, H, d, dtype=out_dtype, device=q.device)
+    if T == 0:
+        return out
+    meta = batch.meta
+    kind = {4: "c4", 128: "c128"}.get(ratio, "swa")  # "swa" as a placeholder pool when ratio == 0
+    swa, comp = pools.specs["swa"], pools.specs[kind]
+    n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
+    bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
+    programs = T * triton.cdiv(H, bh)
+    # 64 entries a step, decode as prefill (benchmarks/decode_attention_sweep.py, H100, batch 64 at
+    # 32K: CSA layer 77.6 µs against 138.1 with the 32 entries and 32-head programs decode had, HCA
+    # 43.2 against 96.7; batch 256: 203.5 / 129.0 µs against 448.3 / 264.4; 32-head programs with
+    # 64 entries: 470 / 276 µs at batch 64. The prefill sweep, benchmarks/attention_sweep.py,
+    # 8K-token CSA layer: 4.7 ms against 11.1 with 32 entries)
+    bn = block_n or 64
+    blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
+    if splits is None:
+        # split the entries while the split programs still fit one wave, down to a block each:
+        # the power of two from `blocks` on, some splits then empty (H100,
+        # benchmarks/decode_attention_sweep.py, 64-entry steps: batch 1, 10-block CSA layer,
+        # 21.9 µs with 16 splits against 24.7 with 8 at 8K, 29.6 with 4 and 29.7 with 2 at 32K;
+        # HCA layer at 8K, 3 blocks, 15.5 µs with 4 against 21.2 with 2, at 32K, 6 blocks, 18.4
+        # with 8 against 21.5 with 4; batch 64, HCA layer, 42.9 µs with 2 against 49.5 with 1 and
+        # 56.7 with 4; batch 256: unsplit). Powers of two keep the compiled variants few.
+        splits = 1
+        while programs * splits * 2 <= num_sms(q.device) and blocks > splits:
+            splits *= 2
+    if splits == 1:
+        partial, ml = out, out  # unused
+    else:
+        partial = torch.empty(splits, T, H, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(splits, T, H, 2, dtype=torch.float32, device=q.device)
+    fits = sparse_attention_wgmma.supported(q, d, rope.dim, pack_code(pools, "swa"), pack_code(pools, kind))
+    if wgmma is None:
+        wgmma = fits and (block_h, block_n, num_warps, num_stages) == (None,) * 4
+    elif wgmma and not fits:
+        raise ValueError(f"the wgmma sparse-attention kernel reads fp8_pack pools of {sparse_attention_wgmma.NOPE.value} "
+                         f"+ {sparse_attention_wgmma.ROPE.value}-column entries on sm_90; got {pools.format} pools, "
+                         f"d={d}, rope {rope.dim}, on {q.device}")
+    args = _launch_args(q, out, partial, ml, meta, pools, layer, kind, picks, sink, rope, n_comp)
+    consts = dict(WINDOW=window, RATIO=ratio, HAS_PICKS=picks is not None, SWA_EPP=swa.entries_per_page,
+                  C_EPP=comp.entries_per_page, SPLITS=splits, SWA_ALIGN=alignment(pools, "swa"),
+                  C_ALIGN=alignment(pools, kind))
+    if wgmma:
+        sparse_attention_wgmma.launch(args, T, H, d ** -0.5 * LOG2E, consts, bool(launch_options(q)))
+    else:
+        _sparse_attn_kernel[(T, triton.cdiv(H, bh), splits)](
+            *args, H, d, d ** -0.5 * LOG2E, **consts, NOPE=d - rope.dim, ROPE=rope.dim, PACK=pack_code(pools, "swa"),
+            BH=bh, BN=bn, D=triton.next_power_of_2(d), num_warps=num_warps or (8 if bh >= 64 else 4),
+            num_stages=num_stages or 2, **launch_options(q))
+    if splits > 1:
+        combine(partial, ml, meta.positions, rope, out)
+    return out
+
+
+def _launch_args(q, out, partial, ml, meta, pools, layer: int, kind: str, picks, sink, rope: Rope, n_comp: int) -> tuple:
+    """The arguments both attention kernels take first, in their order: q and out with their token
+    and head strides, the partials, the batch's rows, the sink and RoPE, each pool's buffer, page
+    table, page bytes, layer offset and entry bytes (window, then compressed), the picks (the
+    token rows as a placeholder on other layers) and how many a row holds."""
+    swa, comp = pools.specs["swa"], pools.specs[kind]
+    picks_arg = picks if picks is not None else meta.token_seq
+    return (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), partial, ml,
+            meta.token_seq, meta.positions, sink, rope.inv_freq_on(q.device),
+            pools.buffers["swa"], meta.tables["swa"], meta.tables["swa"].stride(0), swa.page_bytes,
+            pools._local["swa"][layer] * swa.layer_bytes, swa.entry_bytes,
+            pools.buffers[kind], meta.tables[kind], meta.tables[kind].stride(0), comp.page_bytes,
+            pools._local[kind].get(layer, 0) * comp.layer_bytes, comp.entry_bytes,
+            picks_arg, picks_arg.stride(0) if picks is not None else 0, n_comp)
+
+
+def combine(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope, out: torch.Tensor) -> None:
+    """`combine_reference` into out [T, H, d] (any float dtype, rounded once), one launch."""
+    S, T, H, d = partial.shape
+    # a program a head while the heads of all tokens fill fewer than four programs an SM: a step
+    # of a few tokens has many splits to read (16 at batch 1) and few heads to spread them over
+    bh = COMBINE_HEADS if T * H >= COMBINE_HEADS * num_sms(partial.device) else 1
+    _combine_kernel[(T, triton.cdiv(H, bh))](
+        partial, ml, out, out.stride(0), out.stride(1), positions, rope.inv_freq_on(partial.device), H, d,
+        SPLITS=S, BH=bh, D=triton.next_power_of_2(d), ROPE=rope.dim, num_warps=4,
+        **launch_options(partial))
+
+
+def combine_reference(partial: torch.Tensor, ml: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """What `_combine_kernel` computes: split partials (acc [S, T, H, d], (m, l) [S, T, H, 2] with
+    base-2 logits) merged into [T, H, d] float32 and de-rotated."""
+    m, l = ml[..., 0], ml[..., 1]
+    w = torch.exp2(m - m.amax(dim=0, keepdim=True))
+    out = (w.unsqueeze(-1) * partial).sum(0) / (w * l).sum(0).unsqueeze(-1)
+    return rope.apply(out, positions, inverse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _pv(acc, alpha, p, row_ptr, valid, c0: tl.constexpr, DC: tl.constexpr, d, NOPE: tl.constexpr,
+        ROPE: tl.constexpr, PACK: tl.constexpr):
+    k = load_entries(row_ptr, valid, c0, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)
+    return acc * alpha[:, None] + tl.dot(p, k)
+
+
+@triton.jit
+def _finish(acc, l, c0: tl.constexpr, DC: tl.constexpr, pos, inv_freq_ptr, heads, hmask, t, split, H, d,
+            out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr, m, BH: tl.constexpr, ROPE: tl.constexpr,
+            SPLITS: tl.constexpr):
+    """Store output columns [c0, c0 + DC): normalised and de-rotated (one split) or the partial."""
+    cols = c0 + tl.arange(0, DC)
+    cmask = hmask[:, None] & (cols < d)[None, :]
+    if SPLITS == 1:
+        o = acc / l[:, None]
+        if c0 + DC > d - ROPE:  # de-rotate the rope channels (by -pos)
+            even, odd = tl.split(tl.reshape(o, (BH, DC // 2, 2)))
+            even, odd = rotate_pairs(even, odd, c0, pos, inv_freq_ptr, d, ROPE, True)
+            o = tl.reshape(tl.join(even, odd), (BH, DC))
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        row = (split * tl.num_programs(0) + t) * H + heads
+        tl.store(partial_ptr + row[:, None] * d + cols[None, :], acc, mask=cmask)
+        if c0 == 0:
+            tl.store(ml_ptr + row * 2, m, mask=hmask)
+            tl.store(ml_ptr + row * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _sparse_attn_kernel(
+        q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr,
+        seq_ptr, pos_ptr, sink_ptr, inv_freq_ptr,
+        swa_buf, swa_table, swa_tstride, swa_page_bytes, swa_layer_off, swa_entry_bytes,
+        c_buf, c_table, c_tstride, c_page_bytes, c_layer_off, c_entry_bytes,
+        picks_ptr, stride_pk, n_comp,
+        H, d, scale_log2,
+        WINDOW: tl.constexpr, RATIO: tl.constexpr, HAS_PICKS: tl.constexpr, SWA_EPP: tl.constexpr,
+        C_EPP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, PACK: tl.constexpr,
+        BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SWA_ALIGN: tl.constexpr,
+        C_ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)
+    # The head dim is worked in 4 column chunks: K is decoded chunk by chunk for q·kᵀ and again for
+    # p·k (an L1/L2 hit), so the decoded tile never holds a whole [BN, D] in registers beside the
+    # [BH, D] accumulator (which, whole, made the kernel spill).
+    DC: tl.constexpr = D // 4
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    offs = tl.arange(0, BN)
+    hmask = heads < H
+    seq = tl.load(seq_ptr + t)
+    pos = tl.load(pos_ptr + t)
+    # (q straight from loads: the compiler keeps them in shared memory as the MMA's A operands; a q
+    # computed in registers here, e.g. the RMS rescale and RoPE fused in, stays in registers and
+    # spills next to the accumulator: 9.8 ms against 7.7 for the 8K CSA prefill on H100)
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    c = tl.arange(0, DC)
+    q0 = tl.load(q_row + c[None, :], mask=hmask[:, None] & (c < d)[None, :], other=0.0).to(tl.bfloat16)
+    q1 = tl.load(q_row + DC + c[None, :], mask=hmask[:, None] & (DC + c < d)[None, :], other=0.0).to(tl.bfloat16)
+    q2 = tl.load(q_row + 2 * DC + c[None, :], mask=hmask[:, None] & (2 * DC + c < d)[None, :],
+                 other=0.0).to(tl.bfloat16)
+    q3 = tl.load(q_row + 3 * DC + c[None, :], mask=hmask[:, None] & (3 * DC + c < d)[None, :],
+                 other=0.0).to(tl.bfloat16)
+    if split == 0:  # the sink: a logit with a zero value vector
+        m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l = tl.full((BH,), 1.0, tl.float32)
+    else:
+        m = tl.full((BH,), -1e30, tl.float32)
+        l = tl.zeros((BH,), tl.float32)
+    acc0 = tl.zeros((BH, DC), tl.float32)
+    acc1 = tl.zeros((BH, DC), tl.float32)
+    acc2 = tl.zeros((BH, DC), tl.float32)
+    acc3 = tl.zeros((BH, DC), tl.float32)
+
+    lo = tl.maximum(pos - WINDOW + 1, 0)
+    n_win_blocks = tl.cdiv(WINDOW, BN)
+    if RATIO == 0:
+        n_blocks = n_win_blocks
+    elif HAS_PICKS:
+        n_blocks = n_win_blocks + tl.cdiv(n_comp, BN)
+    else:
+        n_blocks = n_win_blocks + tl.cdiv((pos + 1) // RATIO, BN)
+    for i in range(split, n_blocks, SPLITS):
+        if i < n_win_blocks:
+            idx = lo + i * BN + offs
+            valid = idx <= pos
+            row_ptr = swa_buf + entry_base(swa_table, swa_tstride, seq, idx, valid, SWA_EPP, swa_page_bytes,
+                                           swa_layer_off, swa_entry_bytes, SWA_ALIGN)
+        else:
+            j = (i - n_win_blocks) * BN + offs
+            if HAS_PICKS:
+                idx = tl.load(picks_ptr + t * stride_pk + j, mask=j < n_comp, other=-1)
+                valid = idx >= 0
+            else:
+                idx = j
+                valid = j < (pos + 1) // RATIO
+            row_ptr = c_buf + entry_base(c_table, c_tstride, seq, idx, valid, C_EPP, c_page_bytes, c_layer_off,
+                                         c_entry_bytes, C_ALIGN)
+        s = tl.dot(q0, tl.trans(load_entries(row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q1, tl.trans(load_entries(row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q2, tl.trans(load_entries(row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s += tl.dot(q3, tl.trans(load_entries(row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK).to(tl.bfloat16)))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        p = p.to(tl.bfloat16)
+        acc0 = _pv(acc0, alpha, p, row_ptr, valid, 0, DC, d, NOPE, ROPE, PACK)
+        acc1 = _pv(acc1, alpha, p, row_ptr, valid, DC, DC, d, NOPE, ROPE, PACK)
+        acc2 = _pv(acc2, alpha, p, row_ptr, valid, 2 * DC, DC, d, NOPE, ROPE, PACK)
+        acc3 = _pv(acc3, alpha, p, row_ptr, valid, 3 * DC, DC, d, NOPE, ROPE, PACK)
+        m = m_new
+
+    args = (pos, inv_freq_ptr, heads, hmask, t, split, H, d, out_ptr, stride_ot, stride_oh, partial_ptr, ml_ptr, m)
+    _finish(acc0, l, 0, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc1, l, DC, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc2, l, 2 * DC, DC, *args, BH, ROPE, SPLITS)
+    _finish(acc3, l, 3 * DC, DC, *args, BH, ROPE, SPLITS)
+
+
+@triton.jit
+def _combine_kernel(partial_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, pos_ptr, inv_freq_ptr, H, d,
+                    SPLITS: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """One (token, BH heads) program: out = Σ_s 2^(m_s - M)·acc_s / Σ_s 2^(m_s - M)·l_s, M = max_s m_s,
+    then the rope pairs rotated by -position. Partial row (s, t, h) = (s·T + t)·H + h, as `_finish`
+    stores it; a split that saw no entry has m = -1e30, l = 0, acc = 0 and weighs nothing (split 0
+    holds the sink, so M is finite)."""
+    wait(PDL)
+    t = tl.program_id(0)
+    T = tl.num_programs(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < H
+    cols = tl.arange(0, D)
+    mask = hmask[:, None] & (cols < d)[None, :]
+    mx = tl.full((BH,), -1e30, tl.float32)
+    # both loops unrolled: every split's loads in flight at once, not one L2 round trip a split
+    for s in tl.static_range(SPLITS):
+        mx = tl.maximum(mx, tl.load(ml_ptr + ((s * T + t) * H + heads) * 2, mask=hmask, other=-1e30))
+    acc = tl.zeros((BH, D), tl.float32)
+    den = tl.zeros((BH,), tl.float32)
+    for s in tl.static_range(SPLITS):
+        row = (s * T + t) * H + heads
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hmask, other=-1e30) - mx)
+        den += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
+        acc += w[:, None] * tl.load(partial_ptr + row[:, None] * d + cols[None, :], mask=mask, other=0.0)
+    o = acc / tl.where(hmask, den, 1.0)[:, None]
+    even, odd = tl.split(tl.reshape(o, (BH, D // 2, 2)))
+    even, odd = rotate_pairs(even, odd, 0, tl.load(pos_ptr + t), inv_freq_ptr, d, ROPE, True)
+    o = tl.reshape(tl.join(even, odd), (BH, D))
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mask)

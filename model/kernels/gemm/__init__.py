@@ -1,0 +1,1 @@
+"""Dense FP8 block-scaled products and dynamic activation quantisation."""

@@ -1,0 +1,1 @@
+"""Manifold-constrained hyper-connections: the residual streams' entry and exit kernels."""

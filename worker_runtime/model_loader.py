@@ -1,0 +1,91 @@
+"""One worker's model replica: the checkpoint on the worker's device, in the weight format and
+kernels its options name, over the KV pools it serves from.
+
+    device "cpu":  float32 weights, the torch reference ops (the path every oracle test uses)
+    device "cuda": the device format (FP8 block-scaled projections, packed FP4 experts, bf16
+                   activations; `model/quantized.py`) through `kernels` ("triton" or the torch
+                   reference ops), optionally with CUDA graphs for decode steps; the FP8
+                   projections quantise their inputs too where the checkpoint says so
+                   (`activation_scheme` "dynamic", W8A8)
+
+With load format "dummy" the replica is random device-format weights built from config.json
+(`model/dummy_weights.py`), on either device; in an expert-parallel pool its routed experts wait
+as shapes until the group has given this rank its slice (`worker_runtime/ep_group.py`).
+
+Inside a Ray actor "cuda" is cuda:0: Ray sets CUDA_VISIBLE_DEVICES to the GPUs the actor asked
+for (`--gpus-per-worker`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.checkpoint import fp8_activations, load_checkpoint, read_config
+from model.config import ModelConfig
+from model.cuda_graph import DecodeGraph
+from model.dummy_weights import dummy_model
+from model.ep import set_capacity
+from model.kv_pool import KVPools, SeqKV
+from model.quantized import quantize_model
+from model.transformer import Transformer
+from worker_runtime.options import WorkerOptions
+
+
+def load_replica(options: WorkerOptions, expert_parallel: bool = False
+                 ) -> tuple[ModelConfig, Transformer, KVPools]:
+    """(config, model, pools) of one worker. The pools hold `max_seqs` requests of `max_tokens`,
+    plus one when decode graphs are captured (their padding rows decode a scratch request).
+    `expert_parallel`: the worker is a rank of an expert-parallel group (dummy weights then defer
+    the routed experts to the group's sharding)."""
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
+                           "(--gpus-per-worker 1) on a node that has them")
+    if options.load_format == "dummy":
+        cfg = read_config(options.model_dir)
+        model = dummy_model(cfg, options.kernels, options.device, fp8_activations(options.model_dir),
+                            defer_experts=expert_parallel)
+    else:
+        cfg, model = load_checkpoint(options.model_dir, device=options.device)
+        if options.device == "cuda":
+            quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
+    pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
+                    max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device)
+    return cfg, model, pools
+
+
+class DecodeGraphs:
+    """The CUDA graphs of a decode worker, one per batch-size bucket, sharing one scratch request
+    (the pages their padding rows write). Captured once at start, before any request.
+
+    In an expert-parallel group (`expert_parallel`) every rank captures every bucket at once (the
+    captures' collectives pair up), each with the fixed-capacity exchange of that bucket's size
+    (`model.ep.set_capacity`); eager steps then use the exact-split exchange again. A rank with no
+    request replays the agreed bucket's graph on padding rows alone, so its exchanges match."""
+
+    def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int,
+                 expert_parallel: bool = False):
+        self.scratch = SeqKV()
+        pools.reserve(self.scratch, max_context)
+        self.graphs = []
+        for b in buckets:
+            if expert_parallel:
+                set_capacity(model, b)
+            self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch))
+        if expert_parallel:
+            set_capacity(model, 0)
+        self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
+
+    def for_batch(self, batch) -> DecodeGraph | None:
+        """The smallest graph that runs `batch`, or None (a prefill chunk in it, or too many rows)."""
+        segs = batch.segments
+        if any(s.length != 1 for s in segs):
+            return None
+        return self.for_rows(len(segs))
+
+    def for_rows(self, rows: int) -> DecodeGraph | None:
+        """The smallest graph of at least `rows` rows, or None."""
+        return next((g for g in self.graphs if g.B >= rows), None)
+
+    def held_pages(self) -> dict[str, int]:
+        """Pages the scratch request holds for good (not free when the worker is idle)."""
+        return {k: sum(1 for p in pages if p >= 0) for k, pages in self.scratch.pages.items()}
