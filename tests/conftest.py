@@ -1,5 +1,9 @@
-"""Shared pytest configuration: repository root on sys.path, GPU tests skipped without CUDA, and
-session-wide tiny checkpoints.
+"""Shared pytest configuration: repository root on sys.path, GPU tests skipped without CUDA, the
+`cluster` marker enforced, and session-wide tiny checkpoints.
+
+Tiers: `pytest -m "not cluster and not slow and not gpu"` is the fast tier (no Ray);
+`.ci/run` runs everything but `gpu` and `slow`. A test that starts Ray without the `cluster`
+marker fails, so the fast tier stays free of Ray by construction.
 
 `tiny_ckpt_cfg` is the tiny config with `index_topk=128` (the indexer's top-k then covers every
 compressed entry of prompts up to 512 tokens, so oracle comparisons do not depend on the order
@@ -7,6 +11,7 @@ of ReLU score ties). `tiny_ckpt_weights` are its random float32 weights (seed 0,
 official names. `tiny_official_ckpt` / `tiny_hf_ckpt` are those weights written as a single-file
 checkpoint in each format; treat the directories as read-only."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -35,6 +40,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of a test without the `cluster` marker run with `ray.init` refused."""
+    if item.get_closest_marker("cluster") is not None:
+        return (yield)
+    with _ray_refused(item.nodeid):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _ray_refused(nodeid: str):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{nodeid} starts Ray: mark it @pytest.mark.cluster")
+
+    real, ray.init = ray.init, refuse
+    try:
+        yield
+    finally:
+        ray.init = real
 
 
 @pytest.fixture(scope="session")

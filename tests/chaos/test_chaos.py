@@ -14,6 +14,8 @@ from tests.chaos.harness import make_load, references  # noqa: E402
 from tests.chaos.run_matrix import LONG_SHARE, REQUESTS, run_scenario  # noqa: E402
 from tests.chaos.scenarios import SCENARIOS  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 CI = [s for s in SCENARIOS if s.ci]
 FULL = [s for s in SCENARIOS if not s.ci]
 

@@ -21,6 +21,8 @@ from worker_runtime.options import WorkerOptions
 from worker_runtime.registry import Registry
 from worker_runtime.wire import GenerateRequest
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 pytest.importorskip("nixl")
 
 

@@ -331,6 +331,7 @@ RAY_DECODE = PoolPolicy(min_replicas=1, max_replicas=3, target=2, page_target=0.
 WAVES = [(0.0, 10), (1.5, 10), (3.0, 10)] + [(6.0 + 0.7 * k, 1) for k in range(10)]
 
 
+@pytest.mark.cluster
 def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
     pytest.importorskip("nixl")
     import asyncio

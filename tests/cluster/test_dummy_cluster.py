@@ -23,6 +23,8 @@ from tests.cluster.test_ep_prefill import requests
 from tests.cluster.test_pd_cluster import assert_idle, collect
 from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 pytest.importorskip("nixl")
 
 

@@ -29,6 +29,8 @@ from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 from worker_runtime.registry import Registry
 from worker_runtime.wire import GenerateRequest
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 pytest.importorskip("nixl")
 
 TIMEOUT_S = 5.0

@@ -31,6 +31,8 @@ from worker_runtime.kv_link import layout_of
 from worker_runtime.options import WorkerOptions
 from worker_runtime.wire import GenerateRequest
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 pytest.importorskip("nixl")
 
 

@@ -27,6 +27,8 @@ from worker_runtime.options import WorkerOptions
 from worker_runtime.registry import Registry
 from worker_runtime.wire import GenerateRequest
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 pytest.importorskip("nixl")
 
 GRACE_S = 1.0  # the decode worker's grace; the routers' lease is as long

@@ -30,6 +30,8 @@ from router.prefix_index import PrefixIndex
 from worker_runtime.registry import Registry
 from worker_runtime.wire import WorkerLoad
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("nixl")
 

@@ -27,6 +27,8 @@ from router.chat_encoding import encode_messages, parse_messages
 from router.proto import v4serve_pb2 as pb
 from router.proto import v4serve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.cluster  # starts Ray
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("nixl")
 
