@@ -12,8 +12,8 @@ A bucket of B rows serves any decode batch of n ≤ B requests: rows n..B-1 are 
 decodes a private scratch request whose pages are reserved here, so their writes never touch a
 real request's pages and their logits are dropped.
 
-A step's host work, writing its positions and page tables into pinned memory, costs 0.3-1.2 ms
-at 256 requests (H100 host), time the GPU would sit idle before the replay. `HostStaging` moves
+A step's host work, writing its positions and page tables into pinned memory, grows with the
+batch, and the GPU would sit idle for it before the replay. `HostStaging` moves
 it into the previous step: right after a replay is queued, the next step's inputs are written
 for the same requests one position on, and when the next batch is exactly that, its step writes
 only the token ids.
@@ -136,8 +136,8 @@ class HostInputs:
 
     A table row is rewritten only when its request's page list differs from the one it was last
     written from (a list comparison, in C): a decode step changes few rows, while building every
-    row afresh cost 15-35 ms of host time per step at 256 requests × 32K tokens (5 kinds × 128
-    pages a row; 15 on the H100 host, 35 on a slower CPU), as long as a GPU step."""
+    row afresh at 256 requests × 32K tokens (5 kinds × 128 pages a row) takes as long as a GPU
+    step."""
 
     def __init__(self, rows: int, widths: list[int], pinned: bool = False):
         self.rows, self.widths = rows, widths

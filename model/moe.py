@@ -108,7 +108,7 @@ class MoE(nn.Module):
         self.shared_experts: Expert | PackedExperts | None = (
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit) if cfg.n_shared_experts else None)
         self.fused_max_tokens = self.FUSED_MAX_TOKENS
-        self.shared_on_side_stream = True  # see `forward` (off: benchmarks/shared_stream_bench.py's baseline)
+        self.shared_on_side_stream = True  # see `forward` (off: benchmarks/research/shared_stream_bench.py's baseline)
 
     @property
     def packed(self) -> bool:
@@ -160,13 +160,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         weights, ids = self.gate(x, input_ids)
-        # at decode sizes the dense shared expert runs on a side stream, beside the routed kernels
-        # (H100, one V4-Flash layer on the fused path: 0.895 → 0.886 ms at 64 tokens, 1.144 →
-        # 1.118 at 128, 1.364 → 1.351 at 256; benchmarks/moe_tiles_bench.py, variants `fused` and
-        # `fused_shared_stream_high`). torch hands out streams from per-device pools, one per priority:
-        # taking one per call costs no CUDA call, and the high-priority pool is one only the
-        # model's side work draws from (kvtransfer's copy streams come from the default one), so
-        # no other thread's work can share the stream, or join a graph captured on it
+        # at decode sizes the dense shared expert runs on a side stream, beside the routed kernels:
+        # it is faster there (docs/results.md, fused MoE). torch hands out streams from per-device
+        # pools, one per priority: taking one per call costs no CUDA call, and the high-priority
+        # pool is one only the model's side work draws from (kvtransfer's copy streams come from
+        # the default one), so no other thread's work can share the stream, or join a graph
+        # captured on it
         side = torch.cuda.Stream(x.device, priority=-1) if x.is_cuda and self.shared_on_side_stream else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
                                self.impl, self.uses_fused(x.shape[0]), side)

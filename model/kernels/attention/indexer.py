@@ -14,8 +14,8 @@ order-preserving as integers; the passes stop early once the k-th's bucket is to
 whole, its smallest entry then being the k-th), keeps the entries above it and, of those equal
 to it, the lowest first, and writes them in entry order (a prefix sum places each), -1 after
 them. Picks are a set to the attention, so no sort: entry order is what the reference gives too
-(`select`), and it walks the pages in order. The bitonic sort of the whole row that it replaced
-cost the row times log² of it.
+(`select`), and it walks the pages in order; a bitonic sort of the whole row would cost the row
+times log² of it.
 
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
@@ -92,14 +92,10 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
     the bits of scaling w first, without that element-wise launch); `fp8_query`: `scoring_query`'s.
     A program takes `blocks` blocks of `block_n` keys: the most of 2, 4, 8, 16 blocks of 64 that
-    still leaves two waves of programs (H100 at 32K, benchmarks/decode_attention_sweep.py
-    --skip-attention: batch 64 / 256, 8 blocks, 47.6 / 175.8 µs against 49.6 / 185.7 with 2; batch
-    1, 2 blocks, 4.8 µs against 13.9 with 8), and from 256 keys a program those keys in blocks of
-    128: half the loop bodies, each MMA twice as tall (H200, FP8 query: batch 64 / 256 at 32K 34.3
-    / 110.8 → 28.2 / 100.6 µs, at 8K 8.7 / 34.2 → 8.4 / 28.2; fp16 query at 32K: 39.0 / 141.3 →
-    38.8 / 132.0; batch 1 keeps 2 blocks of 64). 1024 keys a program (8 of 128) where that still
-    leaves two waves: batch 64 / 256 at 32K 28.3 / 100.9 → 27.0 / 96.4 µs, batch 256 at 8K 28.4 →
-    27.1 (H200, docs/benchmarks.md round v39)."""
+    still leaves two waves of programs (programs of more keys load the query fewer times; fewer
+    than two waves leave SMs idle), and from 256 keys a program those keys in blocks of 128: half
+    the loop bodies, each MMA twice as tall (batch 1 keeps 2 blocks of 64). The choices are the
+    fastest in benchmarks/research/decode_attention_sweep.py --skip-attention (docs/journal/)."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
@@ -159,9 +155,7 @@ TOPK_KERNEL_MAX_N = 8192
 # Bits of the K-th score the select kernel decides a pass: 2 by comparisons below 2048 entries, 4
 # by histograms from there, with 8 warps. A step of few tokens runs one program a row, whose
 # passes are serial; since they stop early (`_kth_by_histogram`) the histograms win at 2048 too
-# (H200, benchmarks/decode_attention_sweep.py --skip-attention, docs/benchmarks.md round v39,
-# batch 1 / 64 / 256: 2048 entries 6.8 / 8.6 / 11.4 µs with 2 bits and 4 warps, 5.4 / 7.0 / 10.3
-# with 4 bits and 8 warps; 8192 entries 15.7 / 17.0 / 30.8 against 14.5 / 16.6 / 30.2)
+# (benchmarks/research/decode_attention_sweep.py --skip-attention, docs/journal/)
 SELECT_HISTOGRAM_MIN_N = 2048
 
 
@@ -218,8 +212,7 @@ def _kth_by_histogram(u, K, BITS: tl.constexpr):
     """(the K-th largest of u [N] uint32, 1 unless it stopped early), BITS bits a pass from the
     top: a histogram of the next digit over the entries that match the bits decided so far
     (`tl.histogram`: ballots within a warp, one shared-memory sum across warps): 4 bits a pass
-    cost less than two passes of 2-bit comparisons (built for sm_90 at 8192 entries, 789
-    instructions a thread against 2 × 453).
+    cost fewer instructions than two passes of 2-bit comparisons.
     Invariant: `rank` (>= 1) entries of the matching ones are still to be passed over to reach
     the K-th, and at least `rank` match; the chosen digit is the largest whose suffix count
     reaches `rank`, and `rank` drops by the count above it. Stops early where the chosen digit's
@@ -304,16 +297,15 @@ def _logits_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, out_ptr, strid
                    BN: tl.constexpr, NB: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
     """One query × NB blocks of BN keys: the query's heads are loaded once for NB key blocks
     (they weigh more than a block of FP8 keys). Keys are the MMA's M side and heads its N side,
-    so the head-weighted sum runs along each thread's accumulator row, not across warps (H100,
-    batch 64 at 32K: 70.4 → 49.6 µs a layer, `docs/results/indexer_logits_h100.json`). ROPE > 0:
-    the query's trailing ROPE channels are rotated here first.
+    so the head-weighted sum runs along each thread's accumulator row, not across warps, which
+    would need a cross-warp reduction. ROPE > 0: the query's trailing ROPE channels are rotated
+    here first.
 
     FP8 keys (PACK 3) with Q8 multiply an FP8 query (`scoring_query`): the head's e4m3 codes and
     UE8M0 scale as `act_quant.quantize_blocks` makes them, the raw keys as they lie in the pool,
-    one e4m3 × e4m3 wgmma with no conversion of the keys (H200, batch 64 / 256 at 32K: 39.0 /
-    141.3 → 34.3 / 110.8 µs; docs/benchmarks.md round v38). Without Q8 they multiply in fp16:
-    e4m3 → fp16 is one exact conversion a pair, and q is scaled into fp16 by a power of two
-    (`_fp16_query`; round v35). Either way each key's scale multiplies its score once, after the
+    one e4m3 × e4m3 wgmma with no conversion of the keys, the fastest form. Without Q8 they
+    multiply in fp16: e4m3 → fp16 is one exact conversion a pair, and q is scaled into fp16 by a
+    power of two (`_fp16_query`). Either way each key's scale multiplies its score once, after the
     head sum (with the fp16 query's unscale), and the FP8 query's scales ride on the head
     weights, as √c does: relu commutes with a positive factor."""
     wait(PDL)

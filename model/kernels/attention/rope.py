@@ -167,8 +167,7 @@ def _rope_rows(t, head_block, x_ptr, out_ptr, pos_ptr, inv_freq_ptr, H, d, strid
                ROUND_BF16: tl.constexpr):
     """Token t's heads [head_block·BH, (head_block + 1)·BH): RMS-rescaled (RMS), rotated, stored."""
     # rows are loaded whole and split into (even, odd) pairs in registers: a partner load at
-    # column c ^ 1 is not contiguous, so it compiles to scalar loads (0.65 ms for the 8K-token q
-    # of one layer on H100, twice the time of a full read + write)
+    # column c ^ 1 is not contiguous, so it compiles to scalar loads, slower than a full read + write
     heads = head_block * BH + tl.arange(0, BH)
     cols = tl.arange(0, D)
     mask = (heads < H)[:, None] & (cols < d)[None, :]

@@ -18,7 +18,7 @@ dozen launches and as many passes over the partials, which at batch 64 are 4 × 
 
 On sm_90 with `fp8_pack` pools `attend` runs `sparse_attention_wgmma`'s kernel instead (Gluon:
 each block decoded once into shared memory, asynchronous wgmma; same grid, splits and combine;
-1.5× faster at batch 64 / 256, docs/benchmarks.md round v40); this Triton kernel serves other
+faster at large batches, docs/results.md, decode step); this Triton kernel serves other
 GPUs, bf16 and fp32 pools, the interpreter, and any call that names its launch options.
 """
 
@@ -99,21 +99,14 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     n_comp = 0 if not ratio else (picks.shape[1] if picks is not None else meta.max_end // ratio)
     bh = block_h or min(64, max(16, triton.next_power_of_2(H)))
     programs = T * triton.cdiv(H, bh)
-    # 64 entries a step, decode as prefill (benchmarks/decode_attention_sweep.py, H100, batch 64 at
-    # 32K: CSA layer 77.6 µs against 138.1 with the 32 entries and 32-head programs decode had, HCA
-    # 43.2 against 96.7; batch 256: 203.5 / 129.0 µs against 448.3 / 264.4; 32-head programs with
-    # 64 entries: 470 / 276 µs at batch 64. The prefill sweep, benchmarks/attention_sweep.py,
-    # 8K-token CSA layer: 4.7 ms against 11.1 with 32 entries)
+    # 64 entries a step, decode as prefill: the fastest in both the decode and the prefill sweeps
+    # (benchmarks/research/decode_attention_sweep.py, benchmarks/research/attention_sweep.py)
     bn = block_n or 64
     blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     if splits is None:
         # split the entries while the split programs still fit one wave, down to a block each:
-        # the power of two from `blocks` on, some splits then empty (H100,
-        # benchmarks/decode_attention_sweep.py, 64-entry steps: batch 1, 10-block CSA layer,
-        # 21.9 µs with 16 splits against 24.7 with 8 at 8K, 29.6 with 4 and 29.7 with 2 at 32K;
-        # HCA layer at 8K, 3 blocks, 15.5 µs with 4 against 21.2 with 2, at 32K, 6 blocks, 18.4
-        # with 8 against 21.5 with 4; batch 64, HCA layer, 42.9 µs with 2 against 49.5 with 1 and
-        # 56.7 with 4; batch 256: unsplit). Powers of two keep the compiled variants few.
+        # the power of two from `blocks` on, some splits then empty; small batches gain most
+        # (benchmarks/research/decode_attention_sweep.py). Powers of two keep the compiled variants few.
         splits = 1
         while programs * splits * 2 <= num_sms(q.device) and blocks > splits:
             splits *= 2
@@ -231,7 +224,7 @@ def _sparse_attn_kernel(
     wait(PDL)
     # The head dim is worked in 4 column chunks: K is decoded chunk by chunk for q·kᵀ and again for
     # p·k (an L1/L2 hit), so the decoded tile never holds a whole [BN, D] in registers beside the
-    # [BH, D] accumulator (which, whole, made the kernel spill).
+    # [BH, D] accumulator (which, whole, makes the kernel spill).
     DC: tl.constexpr = D // 4
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -242,7 +235,7 @@ def _sparse_attn_kernel(
     pos = tl.load(pos_ptr + t)
     # (q straight from loads: the compiler keeps them in shared memory as the MMA's A operands; a q
     # computed in registers here, e.g. the RMS rescale and RoPE fused in, stays in registers and
-    # spills next to the accumulator: 9.8 ms against 7.7 for the 8K CSA prefill on H100)
+    # spills next to the accumulator, which is slower)
     q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
     c = tl.arange(0, DC)
     q0 = tl.load(q_row + c[None, :], mask=hmask[:, None] & (c < d)[None, :], other=0.0).to(tl.bfloat16)

@@ -6,10 +6,9 @@ Same semantics and launch grid as `sparse_attention._sparse_attn_kernel` (one pr
 several write partials for `_combine_kernel`), built differently where the Triton kernel is slow:
 
 * each 64-entry block is decoded to bf16 **once**, into shared memory, and both products read it
-  there: S = q·kᵀ (kᵀ a transposed view of the tile) and acc += P·k. The Triton kernel decoded
-  every block twice (a quarter of the head dim at a time, to keep registers) and was bound by
-  those instructions and their loads: ~2,000 instructions a warp a block, 8.8 cycles each
-  (`ncu_sparse_attn_B64_32K_h200_v35.txt`);
+  there: S = q·kᵀ (kᵀ a transposed view of the tile) and acc += P·k. The Triton kernel decodes
+  every block twice (a quarter of the head dim at a time, to keep registers) and is bound by
+  those decode instructions and their loads;
 * two buffers of decoded blocks: block i's products run as asynchronous wgmma while the warps
   decode block i + 1 into the other buffer, half during S and half during P·k. Both products are
   awaited within the iteration (one left in flight across the back edge made ptxas serialise

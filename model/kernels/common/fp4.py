@@ -16,9 +16,8 @@ output pair of bf16 lanes comes out of the word with few instructions: `word & M
 magnitude places of both lanes), `rotl(word, 10) & M`, `rotl(word, 13) & M`, and for the last pair
 `((word & 0x001B001B) × 0x1084) & M` (three shifted copies of five bits, none overlapping), each
 then times its row's scale (`mul.rn.bf16x2`): 12 instructions per 8 weights, where the bytes as
-the checkpoint packs them took 18 (two `prmt` spreads, then mask, multiply, mask, scale per pair);
-a decode step is bound by how fast weights become MMA operands (benchmarks/moe_tiles_bench.py:
-the layer at 64 tokens 1.057 → 0.970 ms with this conversion). Outside the register operand (the
+the checkpoint packs them take 18 (two `prmt` spreads, then mask, multiply, mask, scale per pair);
+a decode step is bound by how fast weights become MMA operands. Outside the register operand (the
 tokens-as-M product, the interpreter) the groups are assembled explicitly (`_words`).
 
 MMA order: a wgmma A operand held in registers gives each thread, per 16-wide K slice, the
@@ -91,8 +90,7 @@ def fp4_scale_factor(byte):
     """UE8M0 scale byte(s) → bf16 2^(byte - 1), the factor `fp4_to_bf16` multiplies placed codes by.
     Made where the bytes are loaded, before Triton moves them into the conversion's layout (through
     shared memory): they then arrive there as bf16 pairs, a thread's eight of a decode K step in one
-    128-bit read, where bytes each took an extract and an add (the decode gate/up K step 381 → 351
-    SASS instructions a thread, down 366 → 335)."""
+    128-bit read, where bytes would each take an extract and an add in the K loop."""
     return ((byte.to(tl.uint16) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -277,7 +275,7 @@ def fp4_k_block(row_bytes: int) -> int:
     """Code bytes per row in one K block of a packed FP4 matrix with `row_bytes` per row (a multiple
     of 16, the bytes of one scale group): `FP4_K_BLOCK`, or the largest power of two dividing
     `row_bytes` below it. The matrix is stored K block by K block, all rows of a block contiguous
-    (model/moe.py's `PackedExperts`), so that one K step of a weight tile is one contiguous read."""
+    (kernels/moe/packed_experts.py's `PackedExperts`), so that one K step of a weight tile is one contiguous read."""
     return math.gcd(row_bytes, FP4_K_BLOCK)
 
 

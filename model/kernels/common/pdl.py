@@ -6,7 +6,7 @@ exit, instead of after the predecessor's completion and memory flush. The kernel
 statement (`wait`) then blocks until that predecessor has completed and its writes are visible,
 so nothing the kernel reads or writes is touched earlier: a wait-only use, with no early trigger
 (`gdc_launch_dependents`). An early trigger would let waiting programs take SM slots that a
-multi-wave predecessor's last wave still needs (benchmarks/pdl_probe.py measured it slower).
+multi-wave predecessor's last wave still needs, which is slower (benchmarks/research/pdl_probe.py).
 
 Waiting transitively orders everything: a kernel waits for its predecessor, which waited for its
 own, so a kernel never sees less than stream order gives. Kernels of other libraries (cuBLAS,

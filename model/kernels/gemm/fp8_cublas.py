@@ -2,16 +2,13 @@
 per 1×128, weights scaled per 128×128) as `torch._scaled_mm` runs it on sm_90.
 
 `fp8_gemm.fp8_linear` sends a W8A8 product here where cuBLAS beats `_fp8_a8_kernel`, whose
-per-block promotion waits on each 128-wide K block's products (`applies`). H200,
-`benchmarks/fp8_gemm_bench.py --variants a8,a8_scaled_mm` (docs/benchmarks.md round v37):
+per-block promotion waits on each 128-wide K block's products (`applies`; compared by
+`benchmarks/research/fp8_gemm_bench.py --variants a8,a8_scaled_mm`, docs/journal/):
 
-* a decode batch of 256 rows: wq_b 35.5 → 21.9 µs, wo_b 38.2 → 26.5, the indexer's wq_b 10.5 →
-  7.4 (from 128 rows likewise, on the H100 too);
-* at 64 rows the kernel wins (wq_b 13.7 against 14.8, wo_b 20.7 against 25.9), and for products
-  of fewer than `MIN_N` outputs at every decode size (wq_a 13.1 against 14.5 at 256 rows: cuBLAS
-  takes ~14 µs for any small product, a call a group of the grouped wo_a);
-* prefill-size products of every shape, in place of the bf16 GEMM on dequantised operands (8192
-  rows: a CSA layer's six, the grouped wo_a a call a group, 2958 → 2006 µs).
+* decode batches from `MIN_M` rows, for products of at least `MIN_N` outputs;
+* not smaller batches, nor products of fewer outputs: there the kernel wins, since cuBLAS has a
+  floor of its own for any small product (and the grouped wo_a makes a call a group);
+* prefill-size products of every shape, in place of the bf16 GEMM on dequantised operands.
 
 The codes are `act_quant`'s, the same as the kernel's; the sums are fp32 over scaled 128-blocks
 in cuBLAS's order, so the two paths differ by summation order only.

@@ -20,10 +20,8 @@ Decode-size M (up to `KERNEL_MAX_M` rows) runs one of two kernels (`decode_confi
   step (acc += dot(x, qᵀ) · s[n]), so tiles never need to align with the 128-row scale blocks.
 * above, `_fp8_swap_kernel`: weight rows are the M side (64 or 128 a tile) and the weight tile
   the register operand, dequantised with its block scale folded in, so the products chain in
-  one accumulator; tokens (up to 64 a tile) are the N side. Measured from 32 rows on it is the
-  faster one (a V4-Flash layer's six projections on H100: 92 against 122 µs at 32 tokens, 108
-  against 129 at 64, 268 against 395 at 256; `benchmarks/fp8_gemm_bench.py`); at 1 and 16 rows
-  the two run alike.
+  one accumulator; tokens (up to 64 a tile) are the N side. From 32 rows on it is the faster one
+  (`benchmarks/research/fp8_gemm_bench.py`, docs/journal/); at 1 and 16 rows the two run alike.
 Both split K over programs when a product has few output tiles (fp32 partials summed in split
 order by the last program of each output tile: deterministic, one launch). Prefill-size M
 without the FP8 GEMM (W8A16, or not on sm_90) dequantises once and uses cuBLAS's bf16 GEMM.
@@ -63,7 +61,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups
 
 
 # Above this many rows (prefill) dequantising the weight once and calling cuBLAS's bf16 GEMM beats
-# this kernel (H100, M=8192, N=32768, K=1024: 1.2 ms against 2.4 ms), with the same arithmetic.
+# this kernel, with the same arithmetic: the one dequantisation is amortised over many rows.
 KERNEL_MAX_M = 256
 TOKENS_M_MAX = 16  # decode products up to this many rows put the tokens on the MMA's M side
 # W8A8 products up to this many rows (one token tile) quantise their bf16 input inside the
@@ -138,7 +136,7 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     a8 = x_scale is not None or quantize_x
     if quantize_x:
         x_scale = x3[:, :, :1]  # unread: the kernel computes the scales (strides only)
-    # launch options first, so that a given `cfg` may override them (benchmarks/pdl_probe.py)
+    # launch options first, so that a given `cfg` may override them (benchmarks/research/pdl_probe.py)
     cfg = {**launch_options(x3), **(cfg or decode_config(M, N, K, groups, a8=a8))}
     kernel = _fp8_a8_kernel if a8 else _fp8_gemm_kernel if "BLOCK_M" in cfg else _fp8_swap_kernel
     split = cfg["SPLIT_K"]
@@ -148,7 +146,7 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     tiles = triton.cdiv(M, cfg.get("BLOCK_M", cfg.get("BLOCK_T"))) * triton.cdiv(N, cfg["BLOCK_N"])
     # split K: each split writes its own fp32 partial and counts its arrival per output tile; the
     # last to arrive sums the partials in split order (deterministic, unlike atomic adds) and
-    # writes the output: one launch, where a torch sum and cast after it were two more per GEMM
+    # writes the output: one launch, where a torch sum and cast after it would be two more per GEMM
     part = torch.empty(split * M * groups * N if split > 1 else 1, device=x3.device, dtype=torch.float32)
     if split == 1:
         arrivals = torch.empty(1, device=x3.device, dtype=torch.int32)  # unread: no fill launch
@@ -162,9 +160,8 @@ def decode_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         cfg["TMA"] = bool(cfg.get("TMA")) and weight.stride(1) == 1 and (weight.stride(0) % 16 == 0
                                                                           and weight.data_ptr() % 16 == 0)
         w = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], BLOCK]) if cfg["TMA"] else weight
-        # promotion by one factor a token above one token tile (H200, a CSA layer's six products
-        # at 64 / 256 tokens 86.3 / 154.6 → 83.2 / 145.4 µs); at one token the products were
-        # 0.2-0.6 µs slower each with it (benchmarks/fp8_gemm_bench.py --variants a8)
+        # promotion by one factor a token above one token tile, where it is faster; at one token
+        # it is slower (benchmarks/research/fp8_gemm_bench.py --variants a8)
         cfg["UNIFORM_SW"] = cfg.get("UNIFORM_SW", M > TOKENS_M_MAX) and uniform_weight_scale(N, cfg["BLOCK_N"])
         kernel[(tiles, groups, split)](
             x3, x_scale, w, scale, out, part, arrivals, M, N, K,
@@ -222,18 +219,18 @@ def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles
         rows = cfg["BLOCK_M"]
     else:
         # 64-row weight tiles unless a product has >= 512 of them (~4 waves of 132 SMs): then
-        # 128, which halves how often the activations are read (H100: wq_b at 64 tokens 27.7 →
-        # 22.0 µs; wo_b, 256 tiles, would go 41.2 → 45.3 µs at 128 tokens)
+        # 128, which halves how often the activations are read; with fewer tiles the larger ones
+        # leave SMs idle
         bt = max(16, min(triton.next_power_of_2(M), 64))
         if a8 and M > 32 and N * groups <= 1024:
-            # W8A8, narrow outputs: twice the token tiles (H100: wq_a / wkv at 64 tokens 11.8 / 10.5
-            # → 8.0 / 9.3 µs, at 256 tokens 12.3 / 11.1 → 11.9 / 8.9; docs/benchmarks.md, round v24)
+            # W8A8, narrow outputs: twice the token tiles, more programs for a product of few
+            # output tiles
             bt = 32
-        # 128-row weight tiles from 512 output tiles, W8A8 from 256 (wo_b at 256 tokens 50.8 → 42.0 µs)
+        # 128-row weight tiles from 512 output tiles, W8A8 from 256, where the larger tile pays for
+        # it already (benchmarks/research/fp8_gemm_bench.py)
         bn = 128 if triton.cdiv(M, bt) * triton.cdiv(N, 64) * groups >= (256 if a8 else 512) else 64
-        # W8A8 above one token tile: the weight tiles by TMA (a CSA layer's six products at 256 tokens
-        # 152 → 138 µs, wo_a 37 → 31; at 64 tokens 85 → 83; at 1 and 16 none faster; H100,
-        # benchmarks/fp8_gemm_bench.py variants a8_kernel+TMA=1 and a8+TMA=1, docs round v31)
+        # W8A8 above one token tile: the weight tiles by TMA, faster there and no faster at 1 or 16
+        # rows (benchmarks/research/fp8_gemm_bench.py variants a8_kernel+TMA=1 and a8+TMA=1)
         tma = a8 and M > TOKENS_M_MAX
         cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **({"TMA": True} if tma else {}),
                **tiles}
@@ -245,9 +242,8 @@ def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles
     # rows at up to 64 tokens
     while n_tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
         split *= 2
-    # W8A8 of one token tile: programs of at most 8 K blocks, past the two waves (H200, one token:
-    # wo_a 14.9 → 13.5 µs with 4 splits, wo_b 15.5 → 13.8 with 8; benchmarks/fp8_gemm_bench.py
-    # variants a8 and a8+split=x2). Their latency, not the wave count, bounds these programs.
+    # W8A8 of one token tile: programs of at most 8 K blocks, past the two waves: their latency,
+    # not the wave count, bounds these programs (benchmarks/research/fp8_gemm_bench.py, a8+split=x2).
     while a8 and M <= TOKENS_M_MAX and k_blocks > 8 * split:
         split *= 2
     return {"SPLIT_K": split, **cfg}
@@ -313,7 +309,7 @@ def _scale_values(s_ptr, rows, kb, stride_s, mask_n):
     """fp32 scales [BN] of the rows' 128×128 blocks at K block kb, from fp32 or from UE8M0 bytes
     (the shared expert's, as `PackedExperts` stores them): 2^(byte - 127) built from its bits,
     exact (byte 0, 2^-127, reads as 0: a subnormal scale no checkpoint uses). Converted here, a
-    product of the shared expert no longer runs three torch launches on its scales first."""
+    product of the shared expert needs no torch launches on its scales first."""
     if s_ptr.dtype.element_ty == tl.uint8:
         b = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask_n, other=0)
         s = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -399,8 +395,8 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     scale and added to the accumulator (DeepGEMM's promotion). `UNIFORM_SW`: BLOCK_N divides 128
     and N, so the tile's rows lie in one 128-row scale block and the promotion multiplies by a
     factor per token, one FFMA an element (the outer product of row and token scales cost an FMUL
-    more). No dequantisation: at 256 tokens a V4-Flash CSA layer's six products take 152 against
-    266 µs for the W8A16 kernels (H100, docs/benchmarks.md round v24). `QUANT_X`: x is bf16 and each K step's tile is quantised here
+    more). No dequantisation, so it is faster than the W8A16 kernels at decode batch sizes
+    (docs/results.md, decode step). `QUANT_X`: x is bf16 and each K step's tile is quantised here
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
     w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)

@@ -121,10 +121,9 @@ class MixTiles:
     collapse_split: int | None = None
 
 
-# Every program loads and splits the fn tile of each K step: 64 tokens share it (benchmarks/
-# mhc_sweep.py, H100, T = 8192: hc_pre 0.39 ms against 0.45 with 32 tokens and the fn split hoisted
-# out of the kernel, 0.60 before), in decode too, K split to fill the GPU (T = 256 / 64 / 1: 19.2 /
-# 16.0 / 15.1 µs against 41.3 / 19.6 / 18.0 with the 16-token programs decode had)
+# Every program loads and splits the fn tile of each K step: 64 tokens share it, in prefill and in
+# decode too, K split to fill the GPU; the fastest in benchmarks/research/mhc_sweep.py at both
+# sizes (docs/journal/)
 MIX_TILES = MixTiles(bt=64)
 
 
@@ -135,10 +134,8 @@ class SmallTiles:
     num_warps: int = 4
 
 
-# Up to this many tokens a sub-block entry is one launch (`_entry_small_kernel`). H200, graph
-# replays of the entry with a pending hc_post (benchmarks/mhc_sweep.py against the four launches
-# it replaces): 13.4 / 15.0 µs at 1 / 2 tokens against 17.4 / 19.9; at 4 tokens (an earlier build,
-# the collapse in chunks) 26.9 against 20.0
+# Up to this many tokens a sub-block entry is one launch (`_entry_small_kernel`): faster than
+# four launches there, slower from 4 tokens (benchmarks/research/mhc_sweep.py)
 SMALL_TOKENS = 2
 SMALL_TILES = SmallTiles()
 
@@ -153,11 +150,9 @@ class BatchTiles:
 
 
 # Up to this many tokens an entry is `_settle_mix_kernel` then `_collapse_kernel` (a program a
-# token), in place of post, mixes, Sinkhorn with the collapse, and the norm. H200, graph replays of
-# the entry with a pending hc_post (benchmarks/mhc_sweep.py, the four launches' best tiles against
-# these; docs/benchmarks.md round v36): 3 / 16 / 64 / 256 tokens 21.2 / 22.3 / 19.7 / 25.8 µs →
-# 9.6 / 10.2 / 11.6 / 19.6; at 512 40.5 against 46.7. 16-token programs up to 16 tokens, 64 above
-# (at 64 tokens 15.9 µs with 16, 14.0 with 32).
+# token), in place of post, mixes, Sinkhorn with the collapse, and the norm: faster than those
+# four launches at every decode size (benchmarks/research/mhc_sweep.py). 16-token programs up to
+# 16 tokens, 64 above.
 BATCH_TOKENS = 256
 BATCH_TILES = BatchTiles()
 
@@ -169,8 +164,8 @@ def batch_tiles(tokens: int) -> BatchTiles:
 
 class EntryScratch:
     """A block's side work of its one-launch entries: `_post_comb_kernel` (post and the Sinkhorn
-    comb, a ~5 µs serial chain at one token on an H200) runs on the block's side stream, beside the
-    sub-block whose input the entry wrote, from the full mixes in `mixes` [2, 32] fp32 (a buffer
+    comb, a serial chain that a step of one token would wait on) runs on the block's side stream,
+    beside the sub-block whose input the entry wrote, from the full mixes in `mixes` [2, 32] fp32 (a buffer
     the block keeps, so no freed allocation is shared between the streams). Only the next entry
     reads post and comb: the block joins `side` before it. Without a side stream (the CPU) the
     kernel runs in order. One per forward call."""
@@ -308,7 +303,7 @@ def _enter(res: Residual, fn, base, scale, hc, iters, hc_eps, rms_eps, head: boo
                                  **launch_options(x))
     bt = 16 if T <= 2048 else 32
     # a decode step has a few token blocks: the collapse (the bytes of x) is spread over D
-    # chunks, or 4 programs would read all of x at T = 64 (H100: 31.7 µs against 6.3)
+    # chunks, or 4 programs would read all of x at T = 64
     d_split = tiles.collapse_split or max(1, min(264 // triton.cdiv(T, bt), triton.cdiv(D, 256)))
     chunk = triton.cdiv(D, d_split)
     bd = min(256, triton.next_power_of_2(chunk))

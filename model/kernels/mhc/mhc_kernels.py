@@ -217,7 +217,7 @@ def _settle_mix_kernel(x_ptr, xp_ptr, o_ptr, postp_ptr, combp_ptr, fn_ptr, part_
     takes their share of the mixes on the tensor cores (fn split into bf16 hi + lo as `_fn_dot`
     does, fn rows padded to NR, Σx² in column NR - 1) → part[p, t] [NR]. One K step a program:
     the K split is over programs, so a batch of 64 tokens has 4096 / CD of them, where a chain of
-    K steps in `_mix_kernel` kept the GPU a quarter busy."""
+    K steps in `_mix_kernel` keeps the GPU a quarter busy."""
     wait(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     p = tl.program_id(1)

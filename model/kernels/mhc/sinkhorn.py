@@ -26,8 +26,7 @@ def _softmax4(a, b, c, d, eps):
 def _normalize4(a, b, c, d, eps):
     # one reciprocal and four products, not four divisions: a division is a MUFU instruction, of
     # which an sm_90 SM partition issues one a warp every 8 cycles, and the Sinkhorn chain is the
-    # serial tail of a decode step's entry (H200: 20 iterations 4.2 → 3.3 µs, the entry 13.0 → 12.1;
-    # benchmarks/mhc_entry_parts.py)
+    # serial tail of a decode step's entry (benchmarks/research/mhc_entry_parts.py)
     r = 1.0 / (a + b + c + d + eps)
     return a * r, b * r, c * r, d * r
 

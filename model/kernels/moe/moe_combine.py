@@ -3,7 +3,7 @@
 The grouped and prefill paths' down kernel writes each (token, slot) output already weighted,
 in the activations' dtype; this sums the slots and, on the prefill path, adds the shared expert's
 fp32 output, rounding once as `moe_grouped.combine` (the reference) does. One pass over the slot
-outputs where torch's sum, cast, upcast, add and cast took five (an 8K-token V4-Flash prefill
+outputs where torch's sum, cast, upcast, add and cast take five (an 8K-token V4-Flash prefill
 reads 400 MB of slot outputs per layer).
 """
 

@@ -48,39 +48,30 @@ if TYPE_CHECKING:
 # 3 stages: a gate/up program's buffers stay under 40 KB of shared memory.
 #
 # Every decode tile settles (`Tiles.settle`): each K step's products finish before the next step
-# converts weights into registers. Triton 3.6 leaves a step's last register-operand wgmma group
-# in flight across the loop's back edge (its wait counts only the first group retired), so the
-# next step's conversion may write registers that group still reads (triton-lang/triton#9433,
-# fixed in Triton after 3.6 by #9514; a newer ptxas does not help). Built so at 3 stages, the
-# split gate/up kernel below returned finite, wrong rows in ~1-2% of calls of 2-8 tokens
-# (tests/gpu/test_moe_kernels_cuda.py::test_decode_configurations_repeat_bit_for_bit). Settled,
-# no group is pending at the back edge (tests/model/test_moe_hopper_build.py checks the PTX), the
-# gate/up kernels need fewer registers (T = 1: 107 → 80, T = 64: 123 → 96), and they are faster:
-# H200, benchmarks/moe_tiles_bench.py, gate/up at T = 1 32 µs at 2 stages unsettled → 24 µs at 3
-# settled; at 64 / 256 tokens 552 / 889 → 527 / 819 µs; the down kernels the same or faster.
-# (The prefill tiles, 128 tokens a step, lose 8% settled: kernels/moe/moe_prefill.py.)
+# converts weights into registers, so no wgmma group is pending at the loop's back edge
+# (tests/model/test_moe_hopper_build.py checks the PTX). Triton 3.6 miscompiles a pending one: the
+# next step may overwrite registers it still reads (triton-lang/triton#9433, fixed after 3.6).
+# Settled, the decode kernels also need fewer registers and are no slower; the prefill tiles do
+# not settle (kernels/moe/moe_prefill.py says why).
 DECODE_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True, settle=True)
 DECODE_DOWN = Tiles(BT=16, BN=128, BK=128, num_warps=4, num_stages=3, swap_ab=True, settle=True)
-# A step of a few tokens hits ~7 experts: its programs are latency-bound, and a deeper pipeline and
-# twice the down programs pay (H100, one V4-Flash layer at T = 1: 0.099 ms against 0.122 ms in a
-# graph; benchmarks/moe_bench.py's sweep). From 8 tokens on the tiles above are as fast or faster.
+# A step of a few tokens hits ~7 experts: its programs are latency-bound, so a deeper pipeline and
+# twice the down programs pay there; from 8 tokens on the tiles above are as fast or faster
+# (docs/results.md, fused MoE).
 # The K loops are split too (`Tiles.split_k`): a step of one token has 7 token tiles, so 224
 # gate/up programs of 32 K steps each for 132 SMs, and each program's steps wait on the last.
 SMALL_T = 4
 SMALL_GATEUP = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=3, swap_ab=True, split_k=4, settle=True)
-# The down programs are capped at 80 registers (102 uncapped, two spilled): five programs an SM
-# instead of four, and the down kernel at T = 1 20 → 17 µs (H200, benchmarks/moe_tiles_bench.py
-# variants small / small_regs80, which caps both).
+# The down programs are capped at 80 registers so that five fit an SM instead of four (uncapped,
+# they spill anyway).
 SMALL_DOWN = Tiles(BT=16, BN=64, BK=128, num_warps=4, num_stages=4, swap_ab=True, split_k=2, maxnreg=80,
                    settle=True)
 # Two to four tokens hit up to 24 tiles: half the gate/up split and the down unsplit fill the GPU
-# as well with fewer, longer programs (H100, benchmarks/moe_tiles_bench.py variants small /
-# small_gateup_split2_down_split1, the layer's experts at T = 2 / 3 / 4: 81-83 / 115 / 145-147 µs
-# → 74 / 117 / 134; at T = 1 45-47 → 53).
+# as well with fewer, longer programs (docs/journal/, decode MoE tiles).
 FEW_GATEUP = replace(SMALL_GATEUP, split_k=2)
 FEW_DOWN = replace(SMALL_DOWN, split_k=1)
-# Up to here the decode tiles beat the grouped path's 128-token tiles (benchmarks/moe_bench.py:
-# 2.13 against 4.92 ms at 256 tokens); the grouped path takes them too at these sizes.
+# Up to here the decode tiles beat the grouped path's 128-token tiles (docs/results.md, fused
+# MoE); the grouped path takes them too at these sizes.
 DECODE_MAX_TOKENS = 256
 
 
@@ -103,7 +94,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
     # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
-    # in-register permutes: ~5% of the layer at 64 tokens, benchmarks/moe_tiles_bench.py)
+    # in-register permutes, which cost more than the copy)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
     shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),

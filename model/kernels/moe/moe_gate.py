@@ -9,13 +9,13 @@ unsorted top-k; the kernel gives descending selection scores).
 
 Kernel: one program per BT tokens holds their [BT, E] logits in registers and picks the k experts
 by k rounds of arg-max (k is 6 at V4 shapes, E = 256: no sort needed). It replaces the eight or
-so element-wise, top-k, gather and reduction launches of the torch code; on H100 it takes 3.9 µs
-a layer at batch 1 (`docs/results/profile_decode_B1_h100_v10.txt`).
+so element-wise, top-k, gather and reduction launches of the torch code, which at batch 1 cost
+more in launches than in work.
 
 `gate_route` runs the gate product as well, for steps of up to `TOKENS_PER_PROGRAM` tokens: 128
 programs each take two gate rows (fp32 sums of bf16 products), and the last one to arrive routes
-from the whole logits, as above. One launch where a batch-1 step had three a layer (cuBLAS's
-split-K GEMV, its reduction, the routing).
+from the whole logits, as above. One launch where cuBLAS and the routing would take three a layer at
+batch 1 (cuBLAS's split-K GEMV, its reduction, the routing).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, t
                arrivals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the gate's logits x [T, D] · gate [E, D]ᵀ (fp32 sums) for up to
     `TOKENS_PER_PROGRAM` tokens, in one launch (the kernels' path of a decode step of a few
-    tokens: the gate product alone was a split-K cuBLAS GEMV and its reduction, two launches
+    tokens: the gate product alone would be a split-K cuBLAS GEMV and its reduction, two launches
     before the routing). `arrivals`: a `kernels.arrival_counter` buffer, used by one call at a time
     (calls in stream order), else a zeroed one per call."""
     T, D = x.shape

@@ -13,14 +13,12 @@ activation tile), for the kernels of kernels/moe/moe_grouped.py. Two orientation
   `preorder`'s order beforehand, so their tiles go from global to shared memory untouched (no
   register permutation per step) while the weights stay the register operand.
 
-FP4 weights and scales are K-blocked (model/moe.py's `PackedExperts`): a step's tile of BN rows is
+FP4 weights and scales are K-blocked (kernels/moe/packed_experts.py's `PackedExperts`): a step's tile of BN rows is
 one contiguous read (`_k_step`).
 
 Scales are fetched one K step ahead in registers (`_scales`; FP4's already made bf16 factors,
-`fp4.fp4_scale_factor`): a global load consumed in its own step stalls the warp. (Gate and up
-scales loaded as one tile in their own step are large enough for the pipeliner's asynchronous
-copies, which then read them from shared memory straight into the MMA layout; on H100 that decode
-gate/up kernel was no faster, 0.822 against 0.804 ms at 64 tokens, so it was not kept.)
+`fp4.fp4_scale_factor`): a global load consumed in its own step stalls the warp. (Loading gate
+and up scales as one tile through the pipeliner's asynchronous copies is no faster.)
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ B8 = tl.constexpr(FP8_BLOCK)  # kernels may only read constexpr globals
 @triton.jit
 def _k_step(rows, i, R: tl.constexpr, B: tl.constexpr, N: tl.constexpr):
     """Offsets [BN, N] of K step i's N bytes of `rows` in a K-blocked matrix of R rows and B bytes per
-    row and block (model/moe.py's `PackedExperts`); N divides B, so a step stays in one block.
+    row and block (kernels/moe/packed_experts.py's `PackedExperts`); N divides B, so a step stays in one block.
     Written from the step index: the same offsets from the byte offset j (`(j // B)·R·B + j % B`)
     hide from Triton's alignment analysis that the remainder is a multiple of N, and the weight
     tile then stops going through asynchronous copies."""

@@ -105,8 +105,8 @@ class Tiles:
 
 
 # Up to this many assignments (a decode step of 256 tokens has 7 a token) the experts are sorted by
-# `_count_sort_kernel`, one program, else by `sort_by_expert`'s torch ops (five launches, ~24 µs
-# of a batch-1 hash layer's chain on H100 against ~5 µs: benchmarks/step_timeline.py)
+# `_count_sort_kernel`, one program, else by `sort_by_expert`'s torch ops: five launches, several
+# times the one program's time in a small step's chain
 COUNT_SORT_MAX = 2048
 
 
@@ -242,8 +242,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
         copy_tiles = triton.cdiv(T, PREORDER_TILE[0]) * triton.cdiv(D, PREORDER_TILE[1]) if preordered else 0
         if preordered:
             check_preorder(D)
-        # 8 warps from 512 assignments: the sort and copy at 256 tokens (1536) 10.0 → 7.6 µs on H200,
-        # at 64 (384) 4.0 either way
+        # 8 warps from 512 assignments: faster for large steps' sort and copy, equal below
         launches.append(Launch(_count_sort_kernel, (1 + copy_tiles,),
                                (ids, perm, counts, cursor, T * k, A, cnt13, cnt13.numel(), x, xr, T, D),
                                dict(A_PAD=triton.next_power_of_2(A), E_PAD=e_pad, E=E, ZERO13=ks13 > 1,
@@ -311,10 +310,9 @@ def preorder(x: torch.Tensor) -> torch.Tensor:
 def _shared_bk(t: Tiles, fmt: str) -> int:
     """K step of the FP8 shared expert inside gate/up programs tiled for FP4 experts: half of BK on
     SWAP tiles, so that a step moves as many weight bytes as an FP4 one. With the full step its
-    buffers set the kernel's shared memory: 78 KB against 39 KB for a decode gate/up program at
-    V4-Flash shapes, two programs per SM instead of five (ncu: 1.98 active warps per scheduler,
-    50% of DRAM bandwidth). The down kernel keeps BK: halved there, it needs 142 registers
-    instead of 128 and fits fewer programs, not more."""
+    buffers would double a decode gate/up program's shared memory at V4-Flash shapes and fit two
+    programs per SM instead of five, too few to keep DRAM busy. The down kernel keeps BK: halved
+    there, it needs more registers and fits fewer programs, not more."""
     return t.BK // 2 if t.swap_ab and fmt == "fp4" and t.BK >= 64 else t.BK
 
 
@@ -365,7 +363,7 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         gateup = replace(gateup, split_k=1)
     down = replace(down, split_k=1)
     # FP4 on SWAP (decode) tiles: x read as the `preorder` copy, as the fused path reads it (natural
-    # order cost a one-token gate/up 27.7 → 32.8 µs on H100, docs/benchmarks.md round v31)
+    # order costs in-register permutes that are slower than the copy)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                                     fit(down, experts.dim, experts.inter), fuse_combine=False,

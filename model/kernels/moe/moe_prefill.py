@@ -30,11 +30,9 @@ if TYPE_CHECKING:
 
 # 128 tokens per program on the MMA's N side: a V4-Flash expert gets ~190 rows of an 8K prefill
 # (T·k/E), so 128 covers most of it in one pass over the weights; two warpgroups of 64 (gate/up)
-# or 128 (down) weight rows (benchmarks/moe_bench.py's sweep, H100, T = 8192: 8.8 ms for the
-# layer's experts against 9.6 with 64-row down tiles and 11.1 for the grouped path's best).
+# or 128 (down) weight rows, the fastest in benchmarks/moe_bench.py's sweep (docs/results.md, prefill).
 # Not settled, unlike the decode tiles (kernels/moe/moe_fused.py says why those are): with 128 tokens a
-# step the products' overlap with the next step's conversion is worth more (H200, T = 8192, the
-# layer's experts 7.35 ms → 7.94 settled; benchmarks/moe_bench.py --prefill-only --quick).
+# step the products' overlap with the next step's conversion is worth more than settling.
 PREFILL_GATEUP = Tiles(BT=128, BN=128, BK=128, num_warps=8, num_stages=3, swap_ab=True)
 PREFILL_DOWN = Tiles(BT=128, BN=256, BK=128, num_warps=8, num_stages=3, swap_ab=True)
 # From here on `MoE` takes this path for FP4 experts (below: the fused decode path or, on hash

@@ -5,8 +5,7 @@ Every token goes through the shared expert, so for T tokens it is one [T, D] × 
 the clamped SwiGLU, and one [T, I] × [I, D] product: nothing about it is grouped. Run inside the
 expert kernels (the fused decode path's virtual expert E), it is T/BT token tiles of 16 that each
 stream and dequantise the whole expert again; from a few dozen tokens that costs more than its
-own dense products (H100, one V4-Flash layer at 256 tokens: 0.154 ms of the fused layer's 1.425,
-where the 25 MB of FP8 weights take 8 µs at copy speed). Below `DENSE_MIN_TOKENS` it stays in the
+own dense products, which read its weights once. Below `DENSE_MIN_TOKENS` it stays in the
 kernels, where it saves three launches, unless it can run on a side stream beside them (as
 `MoE.forward` runs it on a GPU): then it runs here at every size.
 
@@ -33,11 +32,8 @@ if TYPE_CHECKING:
     from model.kernels.moe.packed_experts import PackedExperts
 
 # From this many tokens the fused and grouped decode paths run the shared expert here rather than
-# in their kernels (H100, one V4-Flash layer: 0.649 against 0.668 ms at 32 tokens, 0.903 against
-# 0.935 at 64; benchmarks/moe_tiles_bench.py, variants `fused` and `fused_shared_in_kernels`).
-# Given a side stream to run on, beside the routed kernels, it pays from one token (80.2 → 78.0 µs
-# at 1 token, 117.8 → 112.9 at 2, 277.1 → 253.9 at 8, 437.3 → 414.6 at 16; the same benchmark,
-# `fused` against `fused_shared_dense_high`; on the current stream it loses below 8 tokens).
+# in their kernels; given a side stream to run on, beside the routed kernels, it pays from one
+# token (on the current stream it loses at small steps). docs/results.md, fused MoE.
 DENSE_MIN_TOKENS = 32
 DENSE_MIN_TOKENS_BESIDE = 1
 
@@ -113,7 +109,7 @@ def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:
 
 def swiglu_bf16(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """gate_up [T, 2I] float32 (gate | up) → h = silu(min(gate, L)) · clamp(up, ±L) [T, I] bf16, one
-    pass (torch's clamps, silu, product and cast took five over the fp32 [T, 2I])."""
+    pass (torch's clamps, silu, product and cast would take five over the fp32 [T, 2I])."""
     T, two_i = gate_up.shape
     h = torch.empty(T, two_i // 2, dtype=torch.bfloat16, device=gate_up.device)
     if T:

@@ -31,8 +31,8 @@ class PackedExperts(nn.Module):
                w13 uint8 [E, D/2/kb13, 2I, kb13], w13_scale uint8 [E, D/32/sb13, 2I, sb13];
                w2 uint8 [E, I/2/kb2, D, kb2], w2_scale uint8 [E, I/32/sb2, D, sb2].
                Why: a kernel's K step over BN rows is then one contiguous read (BN·64 bytes) instead
-               of BN reads of 64 bytes a row apart, which H100 HBM serves at ~65% of copy bandwidth
-               against ~94% (benchmarks/fp4_layout_bench.py).
+               of BN reads of 64 bytes a row apart, which HBM serves well below copy bandwidth
+               (benchmarks/research/fp4_layout_bench.py).
     fmt "fp8": w13 e4m3 [E, 2I, D], w13_scale uint8 [E, 2⌈I/128⌉, ⌈D/128⌉] (w1's blocks, then w3's);
                w2 e4m3 [E, D, I], w2_scale uint8 [E, ⌈D/128⌉, ⌈I/128⌉]
     Scales are UE8M0 bytes (scale = 2^(byte - 127)), as the official checkpoint stores them.
