@@ -14,7 +14,7 @@ and therefore invertible mod 2^64. Consequences:
 Two implementations with identical results (two's-complement wraparound is the same everywhere):
 - torch ops (index_select, int64 multiply, sum), on CPU or CUDA; pages are processed in chunks
   so temporaries stay bounded (~2-3x the chunk's bytes); runs of consecutive page ids are read in
-  place. On a GPU this costs ~15 kernel launches per pool, which dominated small hand-offs;
+  place. On a GPU this costs ~15 kernel launches per pool, which dominate small hand-offs;
 - one fused Triton kernel per pool (CUDA, page_bytes a multiple of 4, triton importable): reads
   each word once and writes one partial sum per block; used automatically where it applies.
 No host copy of the data is made either way.

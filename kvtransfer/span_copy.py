@@ -3,7 +3,7 @@
 A hand-off is a handful of coalesced spans (one per pool when pages are contiguous on both
 sides) or, when streaming a layer at a time, hundreds of small ones (one per page and layer).
 The copy engine moves a few large spans at full link speed, but each `copy_` costs a launch and
-an engine setup (~5-10 µs, serialised on one stream), which dominates many small spans. So:
+an engine setup (serialised on one stream), which dominates many small spans. So:
 
 * `impl="torch"`: one `copy_` per span (the copy engine; the reference);
 * `impl="triton"`: every span cut into chunks of at most `chunk_bytes`, the chunk table (source,
@@ -13,9 +13,8 @@ an engine setup (~5-10 µs, serialised on one stream), which dominates many smal
 * `impl="memcpy"`: the copy engine too, one `cudaMemcpyAsync` per span called directly (ctypes,
   the runtime torch loaded): what `copy_` ends in, at a fraction of its host cost;
 * `impl="auto"`: the kernel for many small spans, the copy engine otherwise (memcpy where the
-  runtime was found, else torch; on 2×H200 the kernel's SM stores moved a V4-Flash hand-off of
-  7 spans, 47-520 MB, at ~38% of the bandwidth of one big copy through the copy engine: large
-  spans stay on the engine).
+  runtime was found, else torch): the SMs' stores reach well under the copy engine's bandwidth on
+  large spans, so those stay on the engine (docs/results.md, KV hand-off).
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ def copy_spans(local: Mapping[str, torch.Tensor], remote: Mapping[str, torch.Ten
 
 def _copy_memcpy(local, remote, batch: SpanBatch) -> None:
     """One cudaMemcpyAsync per span straight from the cached pool addresses: the same call torch's
-    copy_ ends in, without building two tensor views and a TensorIterator per span (~20 µs of
-    host time per span through torch, a few µs this way)."""
+    copy_ ends in, without building two tensor views and a TensorIterator per span (which makes
+    torch's host time per span several times this call's)."""
     memcpy = _memcpy_async()
     stream = torch.cuda.current_stream().cuda_stream
     src = [local[k].data_ptr() for k in batch.kinds]

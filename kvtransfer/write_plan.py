@@ -10,7 +10,7 @@ per call, not per layer and pool.
 
 Page checks use C builtins (min/max) on the lists; coalescing is Python for short lists and one
 run, numpy for the long ones (a per-layer write of a 32K-token request has ~8,000 page slices,
-and a Python object per slice was most of send()'s host time).
+and a Python object per slice would be most of send()'s host time).
 """
 
 from __future__ import annotations
