@@ -37,19 +37,22 @@ from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
 from decode_worker.peers import migration_targets, sender_gone
 from decode_worker.router_leases import RouterLeases
-from kvtransfer.agent import Agent
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
-from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat, join, listen
-from worker_runtime.heartbeat import heartbeat_loop
-from worker_runtime.kv_link import layout_of, pool_buffers
+from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
-from worker_runtime.registry import Registry
-from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo
+from worker_runtime.shell import WorkerShell, shell_method
+from worker_runtime.wire import (
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    TokenChunk,
+    WorkerLoad,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,69 +73,42 @@ class DecodeWorker:
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs), graphs)
-        # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
-        self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
-        self.layout = layout_of(self.pools)
+        self.shell = WorkerShell(worker_id, "decode", options, self.pools, self._load, options.decode_ep)
+        self.agent, self.layout = self.shell.agent, self.shell.layout
         self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)
         self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)  # migrations out
         self.inbound = Inbound(self.receiver, self.pools, self.engine)
         self.outbound = Outbound(self.sender, self.pools, self.engine)
-        self.registry = Registry(options.registry_url, options.cluster)
         self.streams: dict[str, asyncio.Queue] = {}
         # migrated in, not yet attached: request id → unix s after which nobody will (the source
         # resumed it, or the router lost it): then it is aborted
         self.unattached: dict[str, float] = {}
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.peer_epochs: dict[str, str] = {}  # agent name → epoch loaded (acks reach it)
-        self.draining = False
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
         self.finished = 0  # requests that ended here with a finish reason
         self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
         self.router_lost = 0  # requests aborted so
-        self._tasks: list[asyncio.Task] = []
         self._sender_check: asyncio.Future | None = None
-        self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
-        self._store = None  # rank 0: the group's rendezvous store
 
-    # --- lifecycle ------------------------------------------------------------------------
-    def ep_listen(self) -> tuple[str, int]:
-        """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
-        self._store, host = listen(self.options.decode_ep)
-        return host, self._store.port
+    # --- the shell (worker_runtime/shell.py) ------------------------------------------------
+    ep_listen = shell_method("ep_listen")
+    ep_wake = shell_method("ep_wake")
+    ep_status = shell_method("ep_status")
+    peer_info = shell_method("peer_info")
+    stop = shell_method("stop")
 
     async def start(self, seat: Seat | None = None) -> dict:
-        """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
-        must be starting: this waits for them, at most the group's timeout)."""
-        if seat is not None and self.group is None:
-            self.group = await asyncio.to_thread(join, seat, self.options.decode_ep, self.options.device,
-                                                 self.engine.model, self._store)
-            if self.options.decode_graphs:  # every rank captures the same buckets now: their exchanges pair up
-                self.engine.graphs = await asyncio.to_thread(DecodeGraphs, self.engine.model, self.pools,
-                                                             self.options.decode_graphs, self.options.max_tokens, True)
-        if not self._tasks:
-            self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._watch_routers()),
-                           asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))]
-        return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+        """Start serving; with a `seat`, first join that expert-parallel group."""
+        if await self.shell.join(seat, self.engine.model) and self.options.decode_graphs:
+            # every rank captures the same buckets now: their exchanges pair up
+            self.engine.graphs = await asyncio.to_thread(DecodeGraphs, self.engine.model, self.pools,
+                                                         self.options.decode_graphs, self.options.max_tokens, True)
+        return self.shell.serve(self._loop, self._watch_routers)
 
-    async def ep_wake(self, meeting: int) -> None:
-        """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
-        if self.group is not None:
-            self.group.woken(meeting)
-
-    def ep_status(self) -> dict | None:
-        """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
-        return None if self.group is None else self.group.status()
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "decode", self.worker_id, self.agent.name, self.agent.epoch,
-                          self.layout.to_bytes().decode(), self.agent.metadata(), self.load())
-
-    def load(self):
+    def _load(self) -> WorkerLoad:
         load = self.engine.load()
-        return dataclasses.replace(load, waiting=load.waiting + len(self.inbound.awaiting), draining=self.draining)
-
-    def peer_info(self) -> tuple[str, str, bytes]:
-        return self.agent.name, self.agent.epoch, self.agent.metadata()
+        return dataclasses.replace(load, waiting=load.waiting + len(self.inbound.awaiting))
 
     def page_accounting(self) -> dict:
         return {"free": self.pools.num_free(), "idle": self.engine.idle_free(),
@@ -258,7 +234,7 @@ class DecodeWorker:
         ids = [rid for rid in ids if rid not in self.outbound][:limit]
         if not ids:
             return []
-        targets = await migration_targets(self.registry, self.worker_id, to)
+        targets = await migration_targets(self.shell.registry, self.worker_id, to)
         if not targets:
             return [{"request_id": rid, "moved": False, "reason": "no target"} for rid in ids]
         return list(await asyncio.gather(*(self._migrate_one(rid, *targets[i % len(targets)])
@@ -272,7 +248,7 @@ class DecodeWorker:
         m = self.outbound.begin(r, f"{request_id}>m{self.migrations}", worker_id, actor)
         try:
             offer = await actor.migrate_in.remote(dataclasses.replace(r.req, request_id=m.new_id), r.seq.num_tokens,
-                                                  *self.peer_info())
+                                                  *self.shell.peer_info())
             await self.commands.call(lambda: self.outbound.ship(m, offer))
         except Exception as e:  # refused, target gone, stale handshake, lease over: resume here
             reason = f"{type(e).__name__}: {e}"[:200]
@@ -284,7 +260,7 @@ class DecodeWorker:
         """Reserve for a request another decode worker paused at `num_tokens` cached tokens; returns
         the target it writes into. Once verified, the request decodes here and its chunks wait
         for `attach`. Raises when there is no room (the source keeps it)."""
-        if self.draining:
+        if self.shell.draining:
             raise RuntimeError(f"{self.worker_id} is draining")
         rid = req.request_id
         if rid in self.streams:
@@ -311,8 +287,8 @@ class DecodeWorker:
                 self._route(self.outbound.poll())
                 self._expire_unattached()
                 self._check_senders()
-                if self.group is not None:
-                    await self._group_step()
+                if self.shell.group is not None:
+                    await self._group_step(self.shell.group)
                 elif self.engine.has_work():
                     self._route(await asyncio.to_thread(self.engine.step))
                 elif self.inbound or self.outbound:
@@ -326,17 +302,17 @@ class DecodeWorker:
                     self._abort(rid)
                 await asyncio.sleep(0.1)
 
-    async def _group_step(self) -> None:
+    async def _group_step(self, group: ExpertParallelGroup) -> None:
         """One lockstep step of the expert-parallel group; when no rank had work, wait until the
         next meeting is due, polling transfers meanwhile."""
         try:
-            out = await asyncio.to_thread(self.group.step, self.engine)
+            out = await asyncio.to_thread(group.step, self.engine)
         except GroupFailed as e:
             await self._leave_group(str(e))
             return
         self._route(self.engine.take_failed() + (out or []))
         if out is None:
-            await self.group.wait_idle(self.commands, self._poll_transfers, self.engine.has_work)
+            await group.wait_idle(self.commands, self._poll_transfers, self.engine.has_work)
 
     def _poll_transfers(self) -> bool:
         """While the group idles: poll transfers in and out, → whether any are still in flight."""
@@ -348,12 +324,7 @@ class DecodeWorker:
         """The group broke. Its requests hold KV no other rank can decode in lockstep again, and
         the routers already know how to move the requests of a dead decode worker (re-pull or
         recompute, one continuous stream): so leave the registry and end the process."""
-        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; leaving the registry and exiting",
-                  self.worker_id, self.group.seat.rank, self.group.seat.world, reason)
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.registry.deregister, self.worker_id), 5.0)
-        except Exception as e:  # Redis down: the key expires by itself
-            log.warning("deregistering %s failed: %s", self.worker_id, e)
+        await self.shell.leave_group(reason, "exiting")
         logging.shutdown()
         os._exit(1)
 
@@ -398,7 +369,7 @@ class DecodeWorker:
             if not routers:
                 continue
             try:
-                alive = await asyncio.to_thread(self.registry.routers_alive, routers)
+                alive = await asyncio.to_thread(self.shell.registry.routers_alive, routers)
             except Exception as e:  # Redis down: decide nothing until it answers again
                 log.warning("router lease check failed: %s", e)
                 continue
@@ -409,38 +380,24 @@ class DecodeWorker:
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
         """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)
-        what is here, return once idle for `settle_s`.
+        what is here, return once idle for `settle_s` (`WorkerShell.drain`).
 
-        The load turns `draining` (published at once, so routers skip this worker from their
-        next refresh on); requests that still arrive — placed on an older view — are served like
-        any other, or migrated once they decode. Idle = no stream, no KV awaited or shipping, no
-        engine work, for `settle_s` on end (longer than a heartbeat plus a router refresh).
-        Returns {"idle": False} if `timeout_s` passes first: the worker stays draining and
-        nothing is cut short; call again."""
-        self.draining = True
-        try:
-            await asyncio.to_thread(self.registry.heartbeat, self.info())
-        except Exception as e:  # Redis down: the next regular heartbeat publishes it
-            log.warning("publishing drain of %s failed: %s", self.worker_id, e)
+        Requests that still arrive — placed on an older view — are served like any other, or
+        migrated once they decode. Idle = no stream, no KV awaited or shipping, no engine work,
+        for `settle_s` on end (longer than a heartbeat plus a router refresh). Returns
+        {"idle": False} if `timeout_s` passes first: the worker stays draining; call again."""
         loop = asyncio.get_running_loop()
-        start, quiet, moved, retry_at = loop.time(), None, 0, 0.0
-        while True:
+        moved, retry_at = 0, 0.0
+
+        async def busy() -> bool:
+            nonlocal moved, retry_at
             if migrate and loop.time() >= retry_at:  # what decodes here moves; what cannot, finishes here
                 results = await self.migrate()
                 moved += sum(r["moved"] for r in results)
                 if not all(r["moved"] for r in results):  # no room elsewhere now: try again later
                     retry_at = loop.time() + 1.0
-            busy = self.streams or self.inbound or self.outbound or self.commands or not self.engine.idle()
-            now = loop.time()
-            quiet = None if busy else (now if quiet is None else quiet)
-            result = {"worker_id": self.worker_id, "fallbacks": self.inbound.counts["fallbacks"], "migrated": moved}
-            if quiet is not None and now - quiet >= settle_s:
-                return {**result, "idle": True}
-            if timeout_s is not None and now - start >= timeout_s:
-                return {**result, "idle": False}
-            await asyncio.sleep(0.05 if not migrate else 0.25)
+            return bool(self.streams or self.inbound or self.outbound or self.commands or not self.engine.idle())
 
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.to_thread(self.registry.deregister, self.worker_id)
+        idle = await self.shell.drain(busy, settle_s, timeout_s, poll_s=0.25 if migrate else 0.05)
+        return {"worker_id": self.worker_id, "fallbacks": self.inbound.counts["fallbacks"], "migrated": moved,
+                "idle": idle}

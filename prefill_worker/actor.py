@@ -22,13 +22,11 @@ new ones the same way, and leaves the registry; KV it already computed is still 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 import torch
 
-from kvtransfer.agent import Agent
 from kvtransfer.faults import FaultPlan
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import TransferTarget, decode_target
@@ -37,13 +35,11 @@ from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.engine import PrefillConfig, Prefilled, PrefillEngine
 from prefill_worker.prefix_store import PrefixStore
 from worker_runtime.commands import Commands
-from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat, join, listen
-from worker_runtime.heartbeat import heartbeat_loop
-from worker_runtime.kv_link import layout_of, pool_buffers
+from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.model_loader import load_replica
 from worker_runtime.options import WorkerOptions
-from worker_runtime.registry import Registry
-from worker_runtime.wire import GenerateRequest, TransferHeader, WorkerInfo
+from worker_runtime.shell import WorkerShell, shell_method
+from worker_runtime.wire import GenerateRequest, TransferHeader
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +62,9 @@ class PrefillWorker:
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
                                                   max_running=options.max_seqs), store=self.store)
-        # NIXL's progress thread spins a core; on CPU pools our loop's polling drives transfers.
-        self.agent = Agent(worker_id, pool_buffers(self.pools), progress_thread=self.pools.buffers["swa"].is_cuda)
-        self.layout = layout_of(self.pools)
+        self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self.engine.load, options.prefill_ep)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
-        self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)
-        self.registry = Registry(options.registry_url, options.cluster)
+        self.sender = Sender(self.shell.agent, self.shell.layout, stuck_s=options.lease_s)
         # all keyed by the engine id of the request (the id its first prefill() came with)
         self.targets: dict[str, tuple[TransferTarget, bytes, bytes]] = {}  # → (target, peer md, layout)
         self.futures: dict[str, asyncio.Future] = {}  # → the caller waiting for delivery
@@ -84,47 +77,18 @@ class PrefillWorker:
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
-        self.draining = False
-        self.group: ExpertParallelGroup | None = None  # set when this worker is a rank of an expert-parallel group
-        self._store = None  # rank 0: the group's rendezvous store
-        self._tasks: list[asyncio.Task] = []
 
-    def ep_listen(self) -> tuple[str, int]:
-        """Rank 0 of an expert-parallel group: host its rendezvous store; → (host, port) for the Seats."""
-        self._store, host = listen(self.options.prefill_ep)
-        return host, self._store.port
+    # --- the shell (worker_runtime/shell.py) ------------------------------------------------
+    ep_listen = shell_method("ep_listen")
+    ep_wake = shell_method("ep_wake")
+    ep_status = shell_method("ep_status")
+    peer_info = shell_method("peer_info")
+    stop = shell_method("stop")
 
     async def start(self, seat: Seat | None = None) -> dict:
-        """Start serving; with a `seat`, first join that expert-parallel group (every rank of it
-        must be starting: this waits for them, at most the group's timeout)."""
-        if seat is not None and self.group is None:
-            self.group = await asyncio.to_thread(join, seat, self.options.prefill_ep, self.options.device,
-                                                 self.engine.model, self._store)
-        if not self._tasks:
-            self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
-            self._tasks = [asyncio.create_task(self._loop()), self._heartbeat]
-        return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
-
-    async def ep_wake(self, meeting: int) -> None:
-        """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
-        if self.group is not None:  # else still joining: its first meeting comes at once anyway
-            self.group.woken(meeting)
-
-    def ep_status(self) -> dict | None:
-        """This rank's expert-parallel group state and the experts it holds (None: not in a group)."""
-        return None if self.group is None else self.group.status()
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "prefill", self.worker_id, self.agent.name, self.agent.epoch,
-                          self.layout.to_bytes().decode(), self.agent.metadata(), self.load())
-
-    def load(self):
-        load = self.engine.load()
-        return dataclasses.replace(load, draining=True) if self.draining else load
-
-    def peer_info(self) -> tuple[str, str, bytes]:
-        """(agent name, epoch, metadata): what a decode worker loads to answer our transfers."""
-        return self.agent.name, self.agent.epoch, self.agent.metadata()
+        """Start serving; with a `seat`, first join that expert-parallel group."""
+        await self.shell.join(seat, self.engine.model)
+        return self.shell.serve(self._loop)
 
     def page_accounting(self, drop_cache: bool = False) -> dict:
         """Free vs idle pages; `drop_cache` first evicts every unlocked cached prefix."""
@@ -133,7 +97,7 @@ class PrefillWorker:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.shipping) + len(self.parked),
-                "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.agent.epoch,
+                "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.shell.agent.epoch,
                 "queued": len(self.engine.waiting) + len(self.engine.running),
                 "transfers": self.sender.metrics.snapshot()}
 
@@ -148,8 +112,9 @@ class PrefillWorker:
         rid = req.request_id
         if rid in self.futures or rid in self.targets or rid in self.shipping or rid in self.parked:
             raise ValueError(f"request {rid!r} is already being prefilled")  # ids key all state here
-        if self.group is not None and self.group.state is GroupState.FAILED:
-            raise TransferFailed(f"ep_group_failed: {self.group.failure}")
+        group = self.shell.group
+        if group is not None and group.state is GroupState.FAILED:
+            raise TransferFailed(f"ep_group_failed: {group.failure}")
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = fut
         self.targets[rid] = (decode_target(target), peer_metadata, peer_layout)
@@ -231,10 +196,11 @@ class PrefillWorker:
         while True:
             try:
                 self.commands.run()
-                if self.group is not None and self.group.state is GroupState.ACTIVE:
-                    await self._group_step()
-                elif self.group is not None and self.engine.has_work():  # queued as the group broke
-                    self._fail_unfinished(f"ep_group_failed: {self.group.failure}")
+                group = self.shell.group
+                if group is not None and group.state is GroupState.ACTIVE:
+                    await self._group_step(group)
+                elif group is not None and self.engine.has_work():  # queued as the group broke
+                    self._fail_unfinished(f"ep_group_failed: {group.failure}")
                 elif self.engine.has_work():
                     for done in await asyncio.to_thread(self.engine.step):
                         self._ship(done)
@@ -250,16 +216,16 @@ class PrefillWorker:
                 log.exception("prefill loop error")
                 await asyncio.sleep(0.1)
 
-    async def _group_step(self) -> None:
+    async def _group_step(self, group: ExpertParallelGroup) -> None:
         """One lockstep step of the expert-parallel group; when no rank had work, wait until the
         next meeting is due, polling transfers in flight meanwhile."""
         try:
-            finished = await asyncio.to_thread(self.group.step, self.engine)
+            finished = await asyncio.to_thread(group.step, self.engine)
         except GroupFailed as e:
             await self._leave_group(str(e))
             return
         if finished is None:
-            await self.group.wait_idle(self.commands, self._transfers_in_flight)
+            await group.wait_idle(self.commands, self._transfers_in_flight)
             return
         for done in finished:
             self._ship(done)
@@ -271,15 +237,9 @@ class PrefillWorker:
 
     async def _leave_group(self, reason: str) -> None:
         """The group broke: fail every prefill not finished here (the decode side recomputes it),
-        stop heart-beating and leave the registry, so routers stop choosing this worker."""
-        log.error("expert-parallel group of %s (rank %d of %d) failed: %s; failing its unfinished prefills, "
-                  "leaving the registry", self.worker_id, self.group.seat.rank, self.group.seat.world, reason)
+        then leave the registry, so routers stop choosing this worker."""
         self._fail_unfinished(f"ep_group_failed: {reason}")
-        self._heartbeat.cancel()
-        try:
-            await asyncio.to_thread(self.registry.deregister, self.worker_id)
-        except Exception as e:  # Redis down: the key expires by itself
-            log.warning("deregistering %s failed: %s", self.worker_id, e)
+        await self.shell.leave_group(reason, "its unfinished prefills failed")
 
     def _fail_unfinished(self, reason: str) -> None:
         """Fail every queued or running prefill (their decode workers recompute them)."""
@@ -293,7 +253,7 @@ class PrefillWorker:
             return
         events, self.store.events = self.store.events, []
         try:
-            await asyncio.to_thread(lambda: [self.registry.publish(e) for e in events])
+            await asyncio.to_thread(lambda: [self.shell.registry.publish(e) for e in events])
         except Exception as e:  # Redis down: routing degrades to load only; the cache is intact
             log.warning("publishing %d KV events failed: %s", len(events), e)
 
@@ -400,31 +360,14 @@ class PrefillWorker:
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None) -> dict:
         """Scale-down: stop being chosen, finish every prefill here and keep its KV pages until
-        the decode side has acknowledged them; return once idle for `settle_s`.
+        the decode side has acknowledged them; return once idle for `settle_s` (`WorkerShell.drain`).
 
-        The load turns `draining` (published at once: routers skip this worker from their next
-        refresh on); prefills that still arrive are served. Idle = no queued or running prefill,
-        no transfer awaiting its acknowledgement, no KV parked for a re-pull, no caller waiting. Returns {"idle": False} if
-        `timeout_s` passes first: the worker stays draining and nothing is cut short."""
-        self.draining = True
-        try:
-            await asyncio.to_thread(self.registry.heartbeat, self.info())
-        except Exception as e:  # Redis down: the next regular heartbeat publishes it
-            log.warning("publishing drain of %s failed: %s", self.worker_id, e)
-        loop = asyncio.get_running_loop()
-        start, quiet = loop.time(), None
-        while True:
-            busy = (self.futures or self.shipping or self.parked or self.targets or self.commands
+        Prefills that still arrive are served. Idle = no queued or running prefill, no transfer
+        awaiting its acknowledgement, no KV parked for a re-pull, no caller waiting. Returns
+        {"idle": False} if `timeout_s` passes first: the worker stays draining."""
+        idle = await self.shell.drain(self._busy, settle_s, timeout_s)
+        return {"worker_id": self.worker_id, "idle": idle, "computed_tokens": self.engine.computed_tokens}
+
+    async def _busy(self) -> bool:
+        return bool(self.futures or self.shipping or self.parked or self.targets or self.commands
                     or self.engine.has_work())
-            now = loop.time()
-            quiet = None if busy else (now if quiet is None else quiet)
-            if quiet is not None and now - quiet >= settle_s:
-                return {"worker_id": self.worker_id, "idle": True, "computed_tokens": self.engine.computed_tokens}
-            if timeout_s is not None and now - start >= timeout_s:
-                return {"worker_id": self.worker_id, "idle": False, "computed_tokens": self.engine.computed_tokens}
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.to_thread(self.registry.deregister, self.worker_id)
