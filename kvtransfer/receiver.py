@@ -38,12 +38,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import faults as F
-from .agent import Agent
 from .checksum import pool_checksums
 from .layout import LayoutDescriptor
 from .metrics import TransferMetrics
 from .protocol import (ACK_ABORTED, ACK_EXPIRED, ACK_OK, ACK_REJECTED, Ack, Begin, Fenced,
                        TransferDone, TransferTarget, decode)
+from .transport import TransferAgent
 
 ACK_RESEND_S = 1.0  # a fencing reservation repeats its Ack this often until Fenced (or free_at)
 
@@ -93,7 +93,7 @@ class Receiver:
     faults: optional FaultPlan (tests only).
     """
 
-    def __init__(self, agent: Agent, allocator, layout: LayoutDescriptor, *,
+    def __init__(self, agent: TransferAgent, allocator, layout: LayoutDescriptor, *,
                  faults: F.FaultPlan | None = None, grace_s: float = 1.0,
                  remember_s: float = 60.0, fence_wait_s: float | None = None):
         layout.check_pools(agent.pools)

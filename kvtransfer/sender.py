@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from . import faults as F
-from .agent import Agent, RemotePeer, TransferError, metadata_epoch, split_nixl_name
+from .agent import RemotePeer, TransferError, metadata_epoch, split_nixl_name
 from .checksum import pool_checksums
 from .layout import LayoutDescriptor
 from .metrics import TransferMetrics
 from .protocol import ACK_OK, Ack, Begin, Fenced, TransferDone, TransferTarget, decode
 from .regions import SpanBatch
+from .transport import TransferAgent
 from .write_plan import ByteRange, SendPart, plan_write, target_pages
 
 
@@ -107,7 +108,7 @@ class Sender:
     faults: optional FaultPlan (tests only).
     """
 
-    def __init__(self, agent: Agent, layout: LayoutDescriptor, *,
+    def __init__(self, agent: TransferAgent, layout: LayoutDescriptor, *,
                  faults: F.FaultPlan | None = None, post_margin_s: float = 0.25,
                  stuck_s: float = 30.0):
         layout.check_pools(agent.pools)

@@ -1,6 +1,7 @@
 """Make the repository root importable (kvtransfer) and this folder (kvt_harness) for tests and
 for the worker processes they spawn (spawn children inherit sys.path); and the in-process pair
-of agents that the in-process test modules share (each module's own LAYOUT)."""
+of agents that the in-process test modules share (each module's own LAYOUT), once per transport:
+"nixl" (two NIXL agents, real UCX loopback) and "local" (two LocalAgents of one directory)."""
 
 import sys
 from pathlib import Path
@@ -14,16 +15,24 @@ for p in (str(_HERE.parents[1]), str(_HERE)):
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module", params=["nixl", "local"])
+def new_agent(request):
+    """(name, pools) -> a new agent of this run's transport; local agents of one module share a
+    directory, so they reach each other."""
+    from kvt_harness import agent_factory
+
+    return agent_factory(request.param)
+
+
 @pytest.fixture(scope="module")
-def agents(request):
-    """Two NIXL agents in this process ("pa" -> "pb", real UCX loopback) with pools of the
-    requesting module's LAYOUT; each has loaded the other."""
-    from kvtransfer import Agent
+def agents(request, new_agent):
+    """Two agents in this process ("pa" -> "pb") with pools of the requesting module's LAYOUT;
+    each has loaded the other."""
     from kvt_harness import random_pools
 
     layout = request.module.LAYOUT
-    a = Agent("pa", random_pools(layout, 1), progress_thread=False)
-    b = Agent("pb", random_pools(layout, 2), progress_thread=False)
+    a = new_agent("pa", random_pools(layout, 1))
+    b = new_agent("pb", random_pools(layout, 2))
     a.add_peer("pb", b.metadata())
     b.add_peer("pa", a.metadata())
     yield a, b

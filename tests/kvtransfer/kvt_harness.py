@@ -15,8 +15,8 @@ import traceback
 
 import torch
 
-from kvtransfer import (Agent, FaultPlan, LayoutDescriptor, PoolLayout, Receiver, Sender,
-                        decode_target, page_checksum)
+from kvtransfer import (Agent, AgentDirectory, FaultPlan, LayoutDescriptor, LocalAgent, PoolLayout,
+                        Receiver, Sender, decode_target, page_checksum)
 
 KINDS = {"swa": 4096, "c4": 2336, "c128": 1168, "state_c4": 1024}   # page_bytes
 LAYER_MAP = (("swa", (0, 1, 2, 3)), ("c4", (1, 3)), ("c128", (2,)), ("state_c4", (1, 3)))
@@ -67,6 +67,17 @@ def random_pools(layout: LayoutDescriptor, seed: int) -> dict[str, torch.Tensor]
     g = torch.Generator().manual_seed(seed)
     return {p.kind: torch.randint(0, 256, (p.num_pages, p.page_bytes), dtype=torch.uint8,
                                   generator=g) for p in layout.pools}
+
+
+def agent_factory(transport: str):
+    """(name, pools) -> a new in-process agent: "nixl" (UCX loopback, no progress thread: the
+    polls move the bytes) or "local" (LocalAgent; those of one factory share a directory)."""
+    if transport == "nixl":
+        return lambda name, pools: Agent(name, pools, progress_thread=False)
+    if transport == "local":
+        directory = AgentDirectory()
+        return lambda name, pools: LocalAgent(name, pools, directory)
+    raise ValueError(f"unknown transport {transport!r}")
 
 
 def pump(sender, receiver, until, timeout=5.0):

@@ -1,5 +1,5 @@
 """Quarantine of pages a sender may still write (Receiver fence_wait_s, reserve(sender=),
-unfenced_senders / sender_gone), with two NIXL agents in one process.
+unfenced_senders / sender_gone), with two agents in one process on each transport.
 
 A write posted before a lease ended can be held back by a broken network for longer than any
 fixed grace; found by the chaos suite's network cut, where such a write landed in pages already
@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from kvtransfer import Agent, Receiver, RequestClosed, Sender
+from kvtransfer import Receiver, RequestClosed, Sender
 from kvt_harness import PageAllocator, random_pools
 from test_inprocess import LAYOUT
 
 
 @pytest.fixture(scope="module")
-def agents():
-    a = Agent("fa", random_pools(LAYOUT, 1), progress_thread=False)
-    b = Agent("fb", random_pools(LAYOUT, 2), progress_thread=False)
+def agents(new_agent):
+    a = new_agent("fa", random_pools(LAYOUT, 1))
+    b = new_agent("fb", random_pools(LAYOUT, 2))
     a.add_peer("fb", b.metadata())
     b.add_peer("fa", a.metadata())
     yield a, b
@@ -96,12 +96,12 @@ def test_without_fence_wait_the_grace_still_applies(agents):
     assert all_free(alloc) and time.time() < t.lease_deadline + 1.0
 
 
-def test_an_ack_the_sender_could_not_answer_is_repeated_until_fenced():
+def test_an_ack_the_sender_could_not_answer_is_repeated_until_fenced(new_agent):
     """The decode side gave a reservation up before the prefill worker had loaded its metadata:
     that Ack's Fenced reply had nowhere to go. Once the sender knows the receiver, the repeated Ack
     gets its Fenced, long before the fence wait ends (found by the chaos suite's Redis restart)."""
-    a = Agent("ua", random_pools(LAYOUT, 1), progress_thread=False)
-    b = Agent("ub", random_pools(LAYOUT, 2), progress_thread=False)
+    a = new_agent("ua", random_pools(LAYOUT, 1))
+    b = new_agent("ub", random_pools(LAYOUT, 2))
     try:
         b.add_peer("ua", a.metadata())  # the receiver knows its sender; not the other way yet
         sender = Sender(a, LAYOUT, post_margin_s=0.02)

@@ -1,4 +1,5 @@
-"""Protocol edge cases with two NIXL agents in one process (real UCX loopback, no spawn).
+"""Protocol edge cases with two agents in one process, on each transport (conftest `agents`:
+two NIXL agents over real UCX loopback, and two LocalAgents; no spawn).
 
 The cross-process suite covers the scenarios end to end; these pin down the state machines.
 """
@@ -8,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import (Agent, FaultPlan, LeaseExpired, OutOfPages, Receiver, RequestClosed,
+from kvtransfer import (FaultPlan, LeaseExpired, OutOfPages, Receiver, RequestClosed,
                         Sender, StaleTarget)
 from kvtransfer.protocol import Ack
 from kvt_harness import PageAllocator, make_layout, pump, random_pools
@@ -30,7 +31,8 @@ def test_resend_after_mismatch_then_ready(sides, agents):
     sender.finish(t, b"h1")
     dst = t.pages()["c4"]
     # let the writes land and TransferDone go out (b.recv of an unused tag progresses B's
-    # UCX worker without consuming B's messages), then damage the landed bytes
+    # UCX worker without consuming B's messages; a no-op for a LocalAgent), then damage the
+    # landed bytes
     key = ("x1", "pb", b.epoch)
     while not sender._out[key].done_sent:
         sender.poll()

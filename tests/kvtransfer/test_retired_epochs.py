@@ -5,7 +5,7 @@ with the new one stays in place."""
 import pytest
 import torch
 
-from kvtransfer import Agent, Sender, StaleTarget
+from kvtransfer import Sender, StaleTarget
 from kvt_harness import make_layout
 
 LAYOUT = make_layout(num_pages=4)
@@ -15,13 +15,13 @@ def _pools():
     return {p.kind: torch.zeros(p.num_pages, p.page_bytes, dtype=torch.uint8) for p in LAYOUT.pools}
 
 
-def test_old_incarnation_is_refused_after_a_new_handshake():
-    a, old, new = Agent("ra", _pools(), progress_thread=False), Agent("rb", _pools(), progress_thread=False), None
+def test_old_incarnation_is_refused_after_a_new_handshake(new_agent):
+    a, old, new = new_agent("ra", _pools()), new_agent("rb", _pools()), None
     try:
         sender = Sender(a, LAYOUT)
         sender.handshake("rb", old.metadata(), LAYOUT)
         sender.handshake("rb", old.metadata(), LAYOUT)  # the same incarnation again: fine
-        new = Agent("rb", _pools(), progress_thread=False)  # restarted under the same name
+        new = new_agent("rb", _pools())  # restarted under the same name
         sender.handshake("rb", new.metadata(), LAYOUT)
         with pytest.raises(StaleTarget, match="restarted since"):
             sender.handshake("rb", old.metadata(), LAYOUT)

@@ -1,6 +1,6 @@
 """The batched send path: several layers' slices in one send() / send_many(), rows built with
 numpy for long page lists, and per-peer derived values that never outlive the peer's incarnation.
-Two NIXL agents in one process (real UCX loopback)."""
+Two agents in one process, on each transport (NIXL over UCX loopback, and LocalAgents)."""
 
 import random
 import time
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import (Agent, Receiver, SendPart, Sender, SpanBatch, StaleTarget,
+from kvtransfer import (Receiver, SendPart, Sender, SpanBatch, StaleTarget,
                         TransferError, coalesce, layer_byte_range)
 from kvtransfer.regions import Span, coalesce_rows, slice_rows
 from kvt_harness import PageAllocator, make_layout, pump, random_pools
@@ -53,7 +53,7 @@ def test_layer_slices_in_one_write_deliver_the_same_bytes(sides, agents, shape):
                 len(SRC[k]) * len(LAYERS[k]) if len(LAYERS[k]) > 1
                 else len(coalesce(SRC[k], dst[k], LAYOUT.pool(k).page_bytes)) for k in SRC)
             assert posted.nbytes == sum(len(SRC[k]) * LAYOUT.pool(k).page_bytes for k in SRC)
-            assert a.writes_by_path["ucx"] == writes_before + 1          # one write
+            assert a.writes_by_path[a.transport("pb")] == writes_before + 1   # one write
         elif shape == "one_send_per_layer":
             for p in parts:
                 sender.send(target, p.src_pages, page_byte_range=p.page_byte_range)
@@ -62,7 +62,7 @@ def test_layer_slices_in_one_write_deliver_the_same_bytes(sides, agents, shape):
                 for k, r in p.page_byte_range.items():
                     sender.send(target, {k: SRC[k]}, page_byte_range=r)
 
-    writes_before = a.writes_by_path["ucx"]
+    writes_before = a.writes_by_path[a.transport("pb")]
     got = _deliver(sender, receiver, f"bl-{shape}", SRC, send)
     for kind, ids in SRC.items():
         assert torch.equal(b.pools[kind][list(got[kind])], a.pools[kind][ids]), kind
@@ -112,12 +112,12 @@ def test_a_bad_part_posts_nothing(sides, agents):
     assert "bad" not in sender.holding()       # nothing began: no Begin, nothing held
 
 
-def test_restarted_peer_gets_fresh_derived_values_and_never_old_writes():
+def test_restarted_peer_gets_fresh_derived_values_and_never_old_writes(new_agent):
     """Per-peer values cached for the hot path (pool regions, a request's target pages) belong to
     one incarnation: after a restart the old target is refused and the new one is written
     through the new registration only."""
-    a = Agent("ra2", random_pools(LAYOUT, 1), progress_thread=False)
-    old = Agent("rb2", random_pools(LAYOUT, 2), progress_thread=False)
+    a = new_agent("ra2", random_pools(LAYOUT, 1))
+    old = new_agent("rb2", random_pools(LAYOUT, 2))
     new = None
     try:
         sender = Sender(a, LAYOUT, post_margin_s=0.02)
@@ -127,7 +127,7 @@ def test_restarted_peer_gets_fresh_derived_values_and_never_old_writes():
         sender.send(t_old, {"c4": [3, 4]}, page_byte_range=(0, 16))
         regions_old = a.peer("rb2").regions
         assert regions_old["c4"][0] == old.pools["c4"].data_ptr()
-        new = Agent("rb2", random_pools(LAYOUT, 3), progress_thread=False)          # restarted
+        new = new_agent("rb2", random_pools(LAYOUT, 3))          # restarted
         sender.handshake("rb2", new.metadata(), LAYOUT)
         new.add_peer("ra2", a.metadata())
         assert a.peer("rb2").regions["c4"][0] == new.pools["c4"].data_ptr()
