@@ -143,7 +143,7 @@ def main() -> None:
             # one batch over and over: nothing staged fits, each step loads its inputs (the GPU idle)
             unstaged = bench(lambda: graph.run(fb), warmup=WARMUP, reps=REPS)
             replay = bench(graph.graph.replay, warmup=WARMUP, reps=REPS)  # the GPU's part alone: no input copy
-            load = host_ms(lambda: graph._load(graph.staging.rows(fb.segments), list(fb.host_ids)))
+            load = host_ms(lambda: graph.load_inputs(graph.staging.rows(fb.segments), list(fb.host_ids)))
             if f"{batch}x{context}" in args.profile_steps:
                 profile(lambda: model(fb, pools), f"decode B={batch} ctx={context}", Path(args.out).parent, rows=40)
             # bytes of the first (shortest) of the steps: the roofline errs low

@@ -66,7 +66,7 @@ class DecodeGraph:
             event.record()
         self.batch = ForwardBatch(self.ids, self.positions, ())
         self.batch.__dict__["meta"] = self.meta  # the static meta, in place of the per-batch build
-        self._load(self.staging.rows([]), [])
+        self.load_inputs(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
             self._widen()
             self.model(self.batch, pools, all_logits=True)
@@ -86,7 +86,7 @@ class DecodeGraph:
                                  f"got {[s.length for s in segs]}")
             raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
         rows = self.staging.rows(segs)
-        staged = self._load(rows, list(batch.host_ids) if batch.host_ids else batch.input_ids.tolist())
+        staged = self.load_inputs(rows, list(batch.host_ids) if batch.host_ids else batch.input_ids.tolist())
         self.graph.replay()
         self._stage_next(rows, staged)
         return self.logits[: len(segs)]
@@ -95,11 +95,11 @@ class DecodeGraph:
         """Replay with padding rows alone: a rank of an expert-parallel group without a request
         joins its peers' captured exchanges this way."""
         rows = self.staging.rows([])
-        staged = self._load(rows, [])
+        staged = self.load_inputs(rows, [])
         self.graph.replay()
         self._stage_next(rows, staged)
 
-    def _load(self, rows: list[tuple[SeqKV, int]], ids: list[int]) -> bool:
+    def load_inputs(self, rows: list[tuple[SeqKV, int]], ids: list[int]) -> bool:
         """Copy a step's inputs into the static buffer `flat` (one host→device copy, queued behind
         the previous step without waiting for it; the graph widens ids and positions itself).
         True when they were staged during the previous step and only the ids were written now."""

@@ -1,11 +1,11 @@
-"""Host time of a decode step's input path (`DecodeGraph._load`) against the graph replay.
+"""Host time of a decode step's input path (`DecodeGraph.load_inputs`) against the graph replay.
 
     python benchmarks/research/decode_inputs_bench.py --out inputs.json [--layers 4]
 
 For each (batch, context): a step that loads its own inputs (`DecodeGraph.run` on one batch over
 and over, so that nothing staged by the previous step fits) and the graph replay alone, GPU-timed
 by events (benchmarks/gpu_ceilings.py's `bench`), then host wall times (median of 20, the GPU
-idle before each) of `_load` and of its page-table part
+idle before each) of `load_inputs` and of its page-table part
 (`HostInputs.update_tables` with unchanged page lists, as most rows are in a decode step). The
 input path does not depend on the layer count, so a few layers do.
 """
@@ -47,7 +47,7 @@ def main() -> None:
         host = graph.staging.buffers[0]
         row = {"batch": B, "context": C, "input_bytes": int(host.array.nbytes),
                "step_ms": bench(lambda: graph.run(fb)) * 1e3, "replay_ms": bench(graph.graph.replay) * 1e3,
-               "load_host_ms": host_ms(lambda: graph._load(graph.staging.rows(fb.segments), ids)),
+               "load_host_ms": host_ms(lambda: graph.load_inputs(graph.staging.rows(fb.segments), ids)),
                "update_tables_host_ms": host_ms(lambda: host.update_tables(rows_pages))}
         rows.append(row)
         print(row, flush=True)

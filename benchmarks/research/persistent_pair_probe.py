@@ -5,7 +5,7 @@ of one-token products a decode layer runs back to back: the grouped wo_a, then w
 
 A per-layer persistent kernel (docs/benchmarks.md, round v43) replaces each launch boundary of
 the batch-1 chain by a grid-wide wait. Whether that pays is this measurement, on the simplest
-dependent pair, with the production product's body (`fp8_gemm._a8_tile`, one output tile and K
+dependent pair, with the production product's body (`fp8_gemm.a8_tile`, one output tile and K
 split a work item) in every form, so only the boundary and the schedule differ:
 
 * production: `Fp8Linear.grouped` then `Fp8Linear.__call__`, two launches of `_fp8_a8_kernel`
@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.kernels.common.pdl import launch_options, wait  # noqa: E402
-from model.kernels.gemm.fp8_gemm import BLOCK, _a8_tile, decode_config  # noqa: E402
+from model.kernels.gemm.fp8_gemm import BLOCK, a8_tile, decode_config  # noqa: E402
 
 SPIN_LIMIT = 1 << 22  # polls of the grid-wide wait before a program gives up (~1 s)
 TOKEN_TILE = 16  # the one-token product's token tile (tl.dot's minimum)
@@ -104,9 +104,9 @@ def _pair_kernel(x_ptr, wa_ptr, sa_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr
         tiles_a = tl.cdiv(Na, BLOCK_N)
         for item in range(pid, tiles_a * Ga * SPLIT_A, programs):
             rest = item // SPLIT_A
-            _a8_tile(x_ptr, x_ptr, wa_ptr, sa_ptr, mid_ptr, part_ptr, cnt_a_ptr, 1, Na, Ka, Ga * Ka, Ka, 0, 0, Ka,
-                     stride_sa, Ga * Na, Na, stride_part, rest // Ga, rest % Ga, item % SPLIT_A, Ga, BLOCK_N,
-                     BT, BK, SPLIT_A, True, False, False)
+            a8_tile(x_ptr, x_ptr, wa_ptr, sa_ptr, mid_ptr, part_ptr, cnt_a_ptr, 1, Na, Ka, Ga * Ka, Ka, 0, 0, Ka,
+                    stride_sa, Ga * Na, Na, stride_part, rest // Ga, rest % Ga, item % SPLIT_A, Ga, BLOCK_N,
+                    BT, BK, SPLIT_A, True, False, False)
     if PHASE == 0:
         if PREFETCH > 0:
             _prefetch_items(wb_addr, Nb, Kb, pid, programs, BLOCK_N, SPLIT_B, PREFETCH == 2)
@@ -115,9 +115,9 @@ def _pair_kernel(x_ptr, wa_ptr, sa_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr
             return
     if PHASE != 1:
         for item in range(pid, tl.cdiv(Nb, BLOCK_N) * SPLIT_B, programs):
-            _a8_tile(mid_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr, cnt_b_ptr, 1, Nb, Kb, Kb, 0, 0, 0, Kb,
-                     stride_sb, Nb, 0, stride_part, item // SPLIT_B, 0, item % SPLIT_B, 1, BLOCK_N,
-                     BT, BK, SPLIT_B, True, False, False)
+            a8_tile(mid_ptr, mid_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr, cnt_b_ptr, 1, Nb, Kb, Kb, 0, 0, 0, Kb,
+                    stride_sb, Nb, 0, stride_part, item // SPLIT_B, 0, item % SPLIT_B, 1, BLOCK_N,
+                    BT, BK, SPLIT_B, True, False, False)
     if PHASE == 0:
         # the last program out clears the arrivals: every program has left the wait by then
         tl.debug_barrier()

@@ -400,16 +400,16 @@ def _fp8_a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     (`act_quant.quantize_blocks`; BLOCK_K is the activations' 128-wide scale block). `TMA`:
     w_ptr is a tensor descriptor of the weight and its tiles come by the bulk copy engine."""
     wait(PDL)
-    _a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
-             stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, tl.program_id(0), tl.program_id(1),
-             tl.program_id(2), tl.num_programs(1), BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, QUANT_X, TMA, UNIFORM_SW)
+    a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
+            stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, tl.program_id(0), tl.program_id(1),
+            tl.program_id(2), tl.num_programs(1), BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K, QUANT_X, TMA, UNIFORM_SW)
 
 
 @triton.jit
-def _a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
-             stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, pid, g, split, groups,
-             BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             QUANT_X: tl.constexpr, TMA: tl.constexpr, UNIFORM_SW: tl.constexpr):
+def a8_tile(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_xg, stride_xsm,
+            stride_xsg, stride_w, stride_s, stride_ym, stride_yg, stride_part, pid, g, split, groups,
+            BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+            QUANT_X: tl.constexpr, TMA: tl.constexpr, UNIFORM_SW: tl.constexpr):
     """`_fp8_a8_kernel`'s work for output tile `pid` of group g (of `groups`), K split `split`: the
     kernel's, or a work item of a persistent kernel that walks the tiles itself."""
     offs_n, offs_t, rows, mask_n, mask_t = _tile_offsets(pid, g, M, N, BLOCK_N, BLOCK_T)
