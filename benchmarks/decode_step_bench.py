@@ -109,9 +109,9 @@ def main() -> None:
                     help="also profile the prefill by torch op and input shape (what the small kernels are)")
     ap.add_argument("--activations", choices=("fp8", "bf16"), default="fp8",
                     help="the FP8 projections' inputs: fp8 (W8A8, the V4 checkpoints' dynamic activation "
-                         "scheme) or bf16 (W8A16, every run before round v24)")
+                         "scheme) or bf16 (W8A16)")
     ap.add_argument("--unfused", action="store_true",
-                    help="each projection its own launch (no `Attention.fuse_products`: every run before round v25)")
+                    help="each projection its own launch (no `Attention.fuse_products`)")
     args = ap.parse_args()
     ceil = ceilings()
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops"]
@@ -129,8 +129,7 @@ def main() -> None:
     for context in [] if args.skip_decode else args.contexts:
         for batch in args.batches:
             # the steps decode positions context - STEPS .. context - 1 in a graph sized for context + 1
-            # tokens, as before steps ran in sequence (a graph 32 tokens larger made the batch-1 step
-            # at 32K 0.3-0.4 ms slower: docs/benchmarks.md, round v20)
+            # tokens, as serving sizes it: a graph sized past the context makes the step slower
             pools, seqs = decode_pools(cfg, n, batch, context - STEPS, steps=STEPS)
             fbs = decode_batches(seqs, STEPS)
             fb = fbs[0]

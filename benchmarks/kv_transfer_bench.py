@@ -29,6 +29,9 @@ layer, one send_many() of every layer).
 and for the first size, the whole hand-off as the receiver sees it: reserve -> target to the
 sender (a pipe hop standing in for the Ray call) -> writes -> TransferDone with checksums ->
 verified. Medians over --repeats after --warmup.
+
+Ceiling: the torch copy of the same bytes, timed in the same run: `write_vs_copy` = copy time /
+write time, and `gpu_write_vs_copy` the same with the IPC path's GPU time (like for like).
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def one_transfer(sender: Sender, conn, rid: str, counts: dict, src_pages: dict,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tokens", default=None, help="comma list (default 8192,32768,131072; "
                                                    "cpu: 1024,2048)")

@@ -4,6 +4,9 @@ Prefill: B requests of `--prompt` tokens in one batch → prompt tokens/s.
 Decode: B requests at context `--prompt`, `--steps` single-token steps → generated tokens/s.
 
     python benchmarks/model_cpu_bench.py --batch 1 8 32 --kv-dtype fp32 --out results.json
+
+No hardware ceiling: the reference path is the model's definition, not a fast path. Its figures
+compare KV formats (fp32 against fp8_pack: what packing costs on the CPU) and batch sizes.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def bench(model: Transformer, fmt: str, batch: int, prompt: int, steps: int, rep
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--kv-dtype", nargs="+", default=["fp32", "fp8_pack"])
     ap.add_argument("--prompt", type=int, default=256)

@@ -225,7 +225,7 @@ def check_parity(moe: MoE, path: str, T: int, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="moe_bench.json", help="JSON results path")
     ap.add_argument("--fmt", default="fp4", choices=("fp4", "fp8"), help="routed expert format")
     ap.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")

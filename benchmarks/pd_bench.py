@@ -3,7 +3,9 @@
 Real Ray actors, Valkey registry and NIXL transfers, driven through the router's ClusterBackend
 (no HTTP, so the numbers are the serving stack's own). Poisson arrivals; per request TTFT,
 inter-token latency and end-to-end time; throughput = output tokens / makespan. Both setups get
-the same number of CPU threads in total (1P1D: 1 + 1, aggregated: 2).
+the same number of CPU threads in total (1P1D: 1 + 1, aggregated: 2). The aggregated setup is
+the baseline: disaggregation is judged by the TTFT, ITL and throughput it gains or loses on the
+same trace and the same threads (tiny model: the serving stack's overheads, not the GPU's).
 
     python benchmarks/pd_bench.py --requests 48 --rate 2 --out pd.json
 """
@@ -89,7 +91,7 @@ async def run_mode(mode: str, model_dir: str, work, threads_total: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second")
     ap.add_argument("--prompt", type=int, nargs=2, default=(200, 600))

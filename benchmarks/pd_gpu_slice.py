@@ -14,6 +14,9 @@ FP8 projections, FP4 experts; fp8_pack pools). Measured, per request of ISL 8192
 Estimates for the 43-layer model scale the per-layer times (stated as estimates): TTFT ≈
 prefill + hand-off; ITL ≈ decode step; throughput per GPU of the 1P1D pair = the lesser of the
 prefill GPU's request rate and the decode GPU's, times the tokens per request, over 2 GPUs.
+Against: the hand-off against the prefill and the decode step around it (what it adds to TTFT
+and ITL); the estimates against SGLang's published V4-Flash figures on H200 (TP4, FP4), for scale
+only: a slice, not a served run (serve_bench.py measures the served model).
 """
 
 from __future__ import annotations

@@ -44,10 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from router_bench import fast_byte_tokenizer, free_port  # noqa: E402
-
+from benchmarks.router_bench import fast_byte_tokenizer, free_port  # noqa: E402
 from router.chat_encoding import encode_messages, parse_messages  # noqa: E402
 from router.config import PlacementConfig  # noqa: E402
 from router.placement import pick_prefill, placement_request  # noqa: E402
@@ -187,8 +185,9 @@ def router_cmd(kind: str, routers_python: str, port: int, urls: list[str]) -> li
 
 async def replay_through(kind: str, trace: list[Request], tok, args) -> dict:
     import aiohttp
-    from router_bench import wait_ready
-    from stub_http_worker import start_worker
+
+    from benchmarks.router_bench import wait_ready
+    from benchmarks.stub_http_worker import start_worker
     workers, ports = _workers(args), [free_port() for _ in range(args.n_workers)]
     t0 = [0.0]
 

@@ -13,7 +13,7 @@ Fairness, by construction:
   validated, tokenized request to the workers over HTTP (aiohttp) — the same hop the others make.
   `ours-inproc` is ours with the in-process StubBackend (no worker hop), the router alone.
 
-    python benchmarks/router_bench.py [--concurrency 32] [--duration 10] [--workers 2] \
+    python benchmarks/router_bench.py [--concurrency 32] [--duration 10] [--workers 2] \\
         [--routers-python /path/venv/bin/python] [--setups direct,ours,ours-inproc,sglang,vllm]
 
 sglang-router / vllm-router are found as `python -m sglang_router.launch_router` and

@@ -20,6 +20,10 @@ Prompts are random token ids (distinct per request, so no prefix-cache hits), se
   holds the wait for the prefill), and the transfers that failed by reason (the decode worker then
   prefilled the request itself).
 
+Against: the same run on an aggregated deployment of the same GPUs (P/D is judged by what it
+gains or loses there, at each concurrency), and SGLang's published figures for V4-Flash on 4×
+H200 (TP4, FP4 experts; total tok/s per GPU at the same ISL / OSL) for scale.
+
 A level stops sending new requests after `--level-budget-s` (the requests in flight finish), so
 a slow level reports fewer requests than asked for rather than running on; the JSON says how many.
 """
