@@ -1,6 +1,8 @@
-"""Plots of the recorded GPU results in docs/results/ → docs/img/*.png (for docs/benchmarks.md).
+"""Plots of the recorded results in docs/results/ → docs/img/*.png: the figures of docs/results.md
+(the current decode step, KV hand-off and served P/D against aggregated) and those the journal
+(docs/journal/) shows. CPU only: it reads JSON and draws with matplotlib.
 
-    python benchmarks/plot_gpu_results.py
+    python benchmarks/plot_results.py
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS, IMG = ROOT / "docs" / "results", ROOT / "docs" / "img"
+
+# The decode-step runs docs/results.md quotes: the newest valid run of each card and batch.
+# (card, result file, batches taken from it)
+DECODE_RUNS = (
+    ("H100", "decode_step_h100_v44_a8tile_new_1.json", (1,)),
+    ("H100", "decode_step_h100_v40_15layers.json", (64, 256)),
+    ("H200", "decode_step_h200_v40_b1_new.json", (1,)),
+    ("H200", "decode_step_h200_v40_33layers_new.json", (64, 256)),
+)
+DECODE_TARGET = 0.60  # of the bytes roofline
 
 
 def power() -> None:
@@ -43,12 +55,45 @@ def power() -> None:
         clock.set_ylim(1300, 2050)
         ax.set_xticks([])
         ax.set_title(r["device"], fontsize=9)
-    fig.suptitle("Power and SM clock while decode work loops (docs/benchmarks.md, round v41)", fontsize=10)
+    fig.suptitle("Power and SM clock while decode work loops (journal, round v41)", fontsize=10)
     fig.tight_layout()
     fig.savefig(IMG / "power_decode_h200_h100.png", dpi=110)
 
 
 def decode_step() -> None:
+    """Fraction of the bytes roofline of a decode step by batch and context on both cards, from the
+    runs in DECODE_RUNS, against the 60% target."""
+    rows: dict[str, dict[tuple[int, int], dict]] = {}
+    layers: dict[str, set[int]] = {}
+    for card, name, batches in DECODE_RUNS:
+        r = json.loads((RESULTS / name).read_text())
+        for d in r["decode"]:
+            if d["batch"] in batches:
+                rows.setdefault(card, {})[(d["batch"], d["context"])] = d
+                layers.setdefault(card, set()).add(r["layers"])
+    keys = sorted({k for card in rows.values() for k in card})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.38
+    for j, card in enumerate(sorted(rows)):
+        xs = [i + (j - 0.5) * width for i in range(len(keys))]
+        fr = [rows[card][k]["fraction_of_roofline"] for k in keys]
+        ax.bar(xs, fr, width, label=f"{card} ({' / '.join(map(str, sorted(layers[card])))} layers)")
+        for x, k, f in zip(xs, keys, fr):
+            ax.text(x, f + 0.01, f"{f:.0%}\n{rows[card][k]['ms_per_layer']:.2f}", ha="center", va="bottom",
+                    fontsize=6.5)
+    ax.axhline(DECODE_TARGET, color="k", linestyle="--", linewidth=0.8, zorder=0, label="target: 60% of the bytes roofline")
+    ax.set_xticks(range(len(keys)), [f"batch {b}\n{c // 1024}K" for b, c in keys])
+    ax.set_ylabel("bytes roofline / step time")
+    ax.set_ylim(0, 1.0)
+    ax.set_title("V4-Flash decode step (W8A8 projections, FP4 experts, fp8_pack pools, CUDA graph);\n"
+                 "on each bar: fraction of the roofline, ms per layer", fontsize=9)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(IMG / "decode_step_h200_h100.png", dpi=110)
+
+
+def decode_step_v21() -> None:
+    """The journal's round-v21 plot of the H100 step against its roofline (W8A16 then)."""
     r = json.loads((RESULTS / "decode_step_h100_v21.json").read_text())
     rows = r["decode"]
     labels = [f"B={d['batch']}\n{d['context'] // 1024}K" for d in rows]
@@ -134,15 +179,16 @@ def overlap_headroom() -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("step slower than alone (%)")
-    fig.suptitle("Decode step of 15 layers beside an HBM streamer (docs/benchmarks.md, round v43)", fontsize=10)
+    fig.suptitle("Decode step of 15 layers beside an HBM streamer (journal, round v43)", fontsize=10)
     fig.tight_layout()
     fig.savefig(IMG / "overlap_headroom_h200_h100.png", dpi=110)
 
 
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
-    decode_step()
+    decode_step()  # docs/results.md
     kv_transfer()
     serve_flash()
+    decode_step_v21()  # docs/journal/
     power()
     overlap_headroom()
