@@ -24,8 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from decode_worker.detok import Detokenizer
 from model.batch import ForwardBatch
+from model.detokenizer import Detokenizer
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample_rows

@@ -23,6 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from model.detokenizer import Detokenizer
 from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, Usage, page_hashes
 
 
@@ -57,48 +58,6 @@ def stub_token(key: bytes, seed: int, position: int, pool: tuple[int, ...], eos_
     return pool[h % len(pool)]
 
 
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list: incomplete UTF-8 and possible stop-string prefixes are
-    held back; a stop string ends the text (it and what follows are never released)."""
-
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
-        self.tok, self.stops = tokenizer, tuple(s for s in stop_strings if s)
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] is decoded context; ids[read:] is new
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        context = self.tok.decode(self.ids[self.prefix:self.read])
-        full = self.tok.decode(self.ids[self.prefix:])
-        if full.endswith("\ufffd") or len(full) <= len(context):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return self._release(full[len(context):])
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        context = self.tok.decode(self.ids[self.prefix:self.read])
-        out = self.tok.decode(self.ids[self.prefix:])[len(context):]
-        self.prefix = self.read = len(self.ids)
-        text = self._release(out)
-        text, self.pending = text + ("" if self.stopped else self.pending), ""
-        return text
-
-    def _release(self, new: str) -> str:
-        buf = self.pending + new
-        hits = [at for at in (buf.find(s) for s in self.stops) if at >= 0]
-        if hits:
-            self.stopped, self.pending = True, ""
-            return buf[:min(hits)]
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
-                    if buf.endswith(s[:k])), default=0)
-        self.pending = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
-
-
 class _Run:
     """The deterministic token/text sequence of one request, one token per `step()`."""
 
@@ -107,7 +66,7 @@ class _Run:
         self.key = prompt_key(req.prompt_ids)
         self.seed = req.sampling.seed if req.sampling.temperature > 0 else 0
         self.eos = tokenizer.eos_id
-        self.detok = IncrementalDetokenizer(tokenizer, req.stop_strings)
+        self.detok = Detokenizer(tokenizer, req.stop_strings)
         self.n = 0
 
     def step(self) -> tuple[int, str, str | None]:

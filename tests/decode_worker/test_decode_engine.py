@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from decode_worker.detok import Detokenizer
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools
@@ -99,26 +98,3 @@ def test_abort_at_random_points_leaves_pools_idle(model):
         engine.abort(rid)
     assert not engine.has_work()
     assert pools.num_free() == pools.idle_free()
-
-
-class FakeTok:
-    def __init__(self, pieces):
-        self.pieces = pieces
-
-    def decode(self, ids):
-        return "".join(self.pieces[i] for i in ids)
-
-
-def test_detokenizer_holds_back_partial_stop_strings():
-    d = Detokenizer(FakeTok(["Hel", "lo ", "wor", "ld", "!!"]), stop_strings=("world",))
-    assert d.push(0) == "Hel"
-    assert d.push(1) == "lo "
-    assert d.push(2) == ""  # "wor" may start "world"
-    assert d.push(3) == "" and d.stopped
-    d = Detokenizer(FakeTok(["ab", "wo", "x"]), stop_strings=("world",))
-    assert d.push(0) + d.push(1) == "ab" and d.push(2) == "wox" and not d.stopped
-    byte_tok = ByteTokenizer(320)
-    d = Detokenizer(byte_tok)
-    text = "é中"
-    out = "".join(d.push(b) for b in text.encode())
-    assert out + d.flush() == text and "\ufffd" not in out

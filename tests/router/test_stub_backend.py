@@ -6,7 +6,8 @@ import pytest
 
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
-from router.stub_backend import IncrementalDetokenizer, StubBackend, StubConfig
+from model.detokenizer import Detokenizer
+from router.stub_backend import StubBackend, StubConfig
 from worker_runtime.wire import ErrorCode, GenerateRequest
 
 TOK = ByteTokenizer(512)
@@ -68,7 +69,7 @@ def test_failure_and_abort():
     (("x",), ["a€b"], "a€b"),
 ])
 def test_incremental_detokenizer(stops, pieces, want):
-    d, out = IncrementalDetokenizer(TOK, stops), []
+    d, out = Detokenizer(TOK, stops), []
     for piece in pieces:
         for t in TOK.encode(piece):  # multi-byte characters arrive one byte token at a time
             out.append(d.push(t))
