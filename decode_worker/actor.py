@@ -11,6 +11,9 @@ migration of running requests in and out.
     migrate_in / attach   the receiving side of a migration (inbound.py)
     loop: apply commands → poll transfers in and out → engine.step() (in a thread) → route chunks
 
+Each request a caller reads (or will read, once attached) has one stream record (streams.py:
+STARTING → STREAMING → ENDED, UNATTACHED → STREAMING, ...).
+
 Only the loop mutates the engine and the pools (calls from the event loop queue commands), so the
 model step can run off the event loop without locks.
 
@@ -35,8 +38,9 @@ import torch
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
-from decode_worker.peers import migration_targets, sender_gone
+from decode_worker.peers import SenderCheck, migration_targets, watch_routers
 from decode_worker.router_leases import RouterLeases
+from decode_worker.streams import Phase, Stream, Streams
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
@@ -46,13 +50,7 @@ from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, shell_method
-from worker_runtime.wire import (
-    ErrorCode,
-    ErrorInfo,
-    GenerateRequest,
-    TokenChunk,
-    WorkerLoad,
-)
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +77,14 @@ class DecodeWorker:
         self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)  # migrations out
         self.inbound = Inbound(self.receiver, self.pools, self.engine)
         self.outbound = Outbound(self.sender, self.pools, self.engine)
-        self.streams: dict[str, asyncio.Queue] = {}
-        # migrated in, not yet attached: request id → unix s after which nobody will (the source
-        # resumed it, or the router lost it): then it is aborted
-        self.unattached: dict[str, float] = {}
+        self.streams = Streams()  # one record per request streamed (or to be attached) here
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.peer_epochs: dict[str, str] = {}  # agent name → epoch loaded (acks reach it)
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
         self.finished = 0  # requests that ended here with a finish reason
         self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
         self.router_lost = 0  # requests aborted so
-        self._sender_check: asyncio.Future | None = None
+        self.senders = SenderCheck()  # are the senders whose pages wait for their Fenced still there?
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
     ep_listen = shell_method("ep_listen")
@@ -104,7 +99,8 @@ class DecodeWorker:
             # every rank captures the same buckets now: their exchanges pair up
             self.engine.graphs = await asyncio.to_thread(DecodeGraphs, self.engine.model, self.pools,
                                                          self.options.decode_graphs, self.options.max_tokens, True)
-        return self.shell.serve(self._loop, self._watch_routers)
+        return self.shell.serve(self._loop, lambda: watch_routers(self.shell.registry, self.leases, self.streams,
+                                                                  self.options.router_grace_s, self._router_gone))
 
     def _load(self) -> WorkerLoad:
         load = self.engine.load()
@@ -139,41 +135,41 @@ class DecodeWorker:
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST,
                                                                  "request id already in progress"))
             return
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[req.request_id] = queue
+        s = self.streams.open(req.request_id)
         self.leases.add(req.request_id, req.router)
         try:
             sender = None if prefill is None else await self._connect(prefill)
         except BaseException:  # the caller went away before anything started
-            self.streams.pop(req.request_id, None)
+            self.streams.cancel(s)
             raise
+        self.streams.start(s)
         self.commands.put(lambda: self._start(req, prefill if sender else None, repull_id, sender))
-        async for chunk in self._stream(req.request_id, queue):
+        async for chunk in self._stream(s):
             yield chunk
 
     async def attach(self, request_id: str):
         """The rest of a request migrated here: its chunks since the migration, then live."""
-        queue = self.streams.get(request_id)
-        if queue is None or self.unattached.pop(request_id, None) is None:
+        s = self.streams.get(request_id)
+        if s is None or s.state is not Phase.UNATTACHED:
             yield TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no migrated request to attach"))
             return
-        async for chunk in self._stream(request_id, queue):
+        self.streams.attach(s)
+        async for chunk in self._stream(s):
             yield chunk
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue):
+    async def _stream(self, s: Stream):
         finished = False
         try:
             while True:
-                chunk = await queue.get()
+                chunk = await s.queue.get()
                 yield chunk
                 if chunk.finish_reason or chunk.error or chunk.moved:
                     finished = True
                     return
         finally:
-            if self.streams.get(request_id) is queue:
-                del self.streams[request_id]
+            self.streams.close(s)
             if not finished:  # the caller went away: abort everywhere
-                self.commands.put(lambda: self._abort(request_id))
+                self.commands.put(lambda: self._abort(s.request_id))
 
     async def _connect(self, prefill) -> str | None:
         """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it; its
@@ -213,16 +209,13 @@ class DecodeWorker:
             self.commands.put(lambda: self.inbound.failed(request_id, "prefill_failed"))
 
     def _abort(self, request_id: str) -> None:
-        unattached = self.unattached.pop(request_id, None) is not None
         if not self.outbound.cancel(request_id):  # migrating: its pages are freed once nothing reads them
             awaiting = self.inbound.abort(request_id)
             if awaiting is not None and awaiting.prefill is not None:
                 awaiting.prefill.abort.remote(request_id)
             self.engine.abort(request_id)
-        # end the stream, so its generator returns even if nobody reads it any more
+        # end the stream, so its generator returns even if nobody reads it (an unattached one ends here)
         self._route([TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.CANCELLED, "request aborted"))])
-        if unattached:  # nobody ever read it
-            self.streams.pop(request_id, None)
 
     # --- live migration -------------------------------------------------------------------
     async def migrate(self, request_ids: list[str] | None = None, to: str | None = None,
@@ -266,15 +259,15 @@ class DecodeWorker:
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} already in progress")
         sender = self._load_peer(source_name, source_epoch, source_metadata)
-        self.streams[rid] = asyncio.Queue()
+        # nobody attaches after this (the source resumed it, or the router lost it): then it is aborted
+        s = self.streams.migrated_in(rid, until=time.time() + 2 * self.options.lease_s + 5.0)
         self.leases.add(rid, req.router)
-        self.unattached[rid] = time.time() + 2 * self.options.lease_s + 5.0
         try:
             target = await self.commands.call(lambda: self.inbound.expect_migration(req, num_tokens,
                                                                                     self.options.lease_s, sender))
         except BaseException:
-            self.streams.pop(rid, None)
-            self.unattached.pop(rid, None)
+            if s.state is Phase.UNATTACHED:
+                self.streams.drop(s)
             raise
         return {"target": target.to_bytes(), "metadata": self.agent.metadata(), "layout": self.layout.to_bytes()}
 
@@ -283,10 +276,10 @@ class DecodeWorker:
         while True:
             try:
                 self.commands.run()
-                self._route(self.inbound.poll())
-                self._route(self.outbound.poll())
+                self._poll_transfers()
                 self._expire_unattached()
-                self._check_senders()
+                self.senders.check(self.receiver.unfenced_senders(),
+                                   lambda n: self.commands.put(lambda: self.receiver.sender_gone(n)))
                 if self.shell.group is not None:
                     await self._group_step(self.shell.group)
                 elif self.engine.has_work():
@@ -297,9 +290,10 @@ class DecodeWorker:
                     await self.commands.wait()
             except Exception:  # a bug must not silently stall every stream: fail loudly per request
                 log.exception("decode loop error")
-                for rid in list(self.streams):
-                    self._route([TokenChunk(rid, (), error=ErrorInfo(ErrorCode.INTERNAL, "decode worker error"))])
-                    self._abort(rid)
+                for s in self.streams.live():
+                    self._route([TokenChunk(s.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL,
+                                                                              "decode worker error"))])
+                    self._abort(s.request_id)
                 await asyncio.sleep(0.1)
 
     async def _group_step(self, group: ExpertParallelGroup) -> None:
@@ -333,50 +327,17 @@ class DecodeWorker:
             stats = self.inbound.stats.pop(chunk.request_id, None)
             if stats is not None:
                 chunk = dataclasses.replace(chunk, transfer=stats)
-            queue = self.streams.get(chunk.request_id)
-            if queue is not None:
-                queue.put_nowait(chunk)
+            self.streams.deliver(chunk)
             self.finished += chunk.finish_reason is not None
-            if chunk.error and self.unattached.pop(chunk.request_id, None) is not None:
-                del self.streams[chunk.request_id]  # a failed migration in: nobody will attach
 
     def _expire_unattached(self) -> None:
-        now = time.time()
-        for rid in [rid for rid, until in self.unattached.items() if now > until]:
-            log.warning("migrated request %s was never attached: aborting it", rid)
-            self._abort(rid)
+        for s in self.streams.overdue(time.time()):
+            log.warning("migrated request %s was never attached: aborting it", s.request_id)
+            self._abort(s.request_id)
 
-    def _check_senders(self) -> None:
-        """Pages held for a sender's Fenced: is that sender (that incarnation) still there?"""
-        if self._sender_check is not None and not self._sender_check.done():
-            return
-        senders = self.receiver.unfenced_senders()
-        if senders:
-            self._sender_check = asyncio.ensure_future(self._gone(senders))
-
-    async def _gone(self, senders: set[str]) -> None:
-        for nixl_name in senders:
-            if await sender_gone(nixl_name):
-                self.commands.put(lambda n=nixl_name: self.receiver.sender_gone(n))
-        await asyncio.sleep(1.0)  # at most one round a second
-
-    async def _watch_routers(self) -> None:
-        """Abort the requests of routers whose registry lease lapsed (see router_leases.py)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.options.router_grace_s / 2))
-            self.leases.retain(self.streams)
-            routers = self.leases.routers()
-            if not routers:
-                continue
-            try:
-                alive = await asyncio.to_thread(self.shell.registry.routers_alive, routers)
-            except Exception as e:  # Redis down: decide nothing until it answers again
-                log.warning("router lease check failed: %s", e)
-                continue
-            for rid in self.leases.abandoned(alive, time.time()):
-                log.warning("router of %s is gone (lease lapsed): aborting it", rid)
-                self.router_lost += 1
-                self.commands.put(lambda r=rid: self._abort(r))
+    def _router_gone(self, request_id: str) -> None:
+        self.router_lost += 1
+        self.commands.put(lambda: self._abort(request_id))
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
         """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)

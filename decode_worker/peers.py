@@ -1,14 +1,21 @@
-"""The other workers as a decode worker finds them: by registry load, and by Ray actor name (a
-worker's id, its agent's name and its actor's name are one string)."""
+"""The other processes as a decode worker sees them: workers by registry load and by Ray actor name
+(a worker's id, its agent's name and its actor's name are one string); whether a sender it waits
+on is gone; which routers' leases lapsed."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable, Container
 
 import ray
 
+from decode_worker.router_leases import RouterLeases
 from kvtransfer.agent import split_nixl_name
 from worker_runtime.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 async def migration_targets(registry: Registry, self_id: str, to: str | None) -> list[tuple[str, object]]:
@@ -41,3 +48,43 @@ async def sender_gone(nixl_name: str) -> bool:
         return True
     except Exception:
         return False
+
+
+class SenderCheck:
+    """Pages a receiver holds for a sender's Fenced are freed early once that sender (that
+    incarnation) is gone: asks about the senders named, at most one round a second."""
+
+    def __init__(self):
+        self._round: asyncio.Future | None = None
+
+    def check(self, senders: set[str], gone: Callable[[str], None]) -> None:
+        """Start a round over `senders` unless one runs; `gone(nixl_name)` for each found gone."""
+        if senders and (self._round is None or self._round.done()):
+            self._round = asyncio.ensure_future(self._ask(senders, gone))
+
+    @staticmethod
+    async def _ask(senders: set[str], gone: Callable[[str], None]) -> None:
+        for nixl_name in senders:
+            if await sender_gone(nixl_name):
+                gone(nixl_name)
+        await asyncio.sleep(1.0)
+
+
+async def watch_routers(registry: Registry, leases: RouterLeases, live: Container[str], grace_s: float,
+                        abandon: Callable[[str], None]) -> None:
+    """Runs until cancelled: `abandon(request_id)` each request whose router's registry lease
+    lapsed (router_leases.py); `live` says which requests are still here."""
+    while True:
+        await asyncio.sleep(min(1.0, grace_s / 2))
+        leases.retain(live)
+        routers = leases.routers()
+        if not routers:
+            continue
+        try:
+            alive = await asyncio.to_thread(registry.routers_alive, routers)
+        except Exception as e:  # Redis down: decide nothing until it answers again
+            log.warning("router lease check failed: %s", e)
+            continue
+        for rid in leases.abandoned(alive, time.time()):
+            log.warning("router of %s is gone (lease lapsed): aborting it", rid)
+            abandon(rid)
