@@ -13,8 +13,8 @@ from model.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer(tiny_config().vocab_size)
 FFFD = "\ufffd"
-WORDS = ["hello", "world", "the", "stop", "here", "naïve", "café", "中文", "字", "😀", "€", "🇯🇵",
-         "ß", "नमस्ते", " ", ", ", "\n"]
+WORDS = ["hello", "world", "the", "stop", "here", "naïve", "café", "中文", "字", "😀", "€",
+         "🇯🇵", "ß", "नमस्ते", " ", ", ", "\n"]
 
 
 def first_stop(text, stops):
