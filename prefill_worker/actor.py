@@ -118,10 +118,15 @@ class PrefillWorker:
             raise TransferFailed(f"ep_group_failed: {group.failure}")
         dest = Destination(decode_target(target), peer_metadata, peer_layout)
         fut = asyncio.get_running_loop().create_future()
-        self.deliveries.open(req, dest, fut)  # ValueError if the id is in use: ids key all state here
+        d = self.deliveries.open(req, dest, fut)  # ValueError if the id is in use: ids key all state here
         self._connect_early(dest)
-        self.commands.put(lambda: self.engine.submit(req))
+        self.commands.put(lambda: self._submit(d))
         return await fut
+
+    def _submit(self, d: Delivery) -> None:
+        # Ray may run an abort() before the prefill() it follows: then the delivery ended already
+        if self.deliveries.find(d.request_id) is d:
+            self.engine.submit(d.req)
 
     async def repull(self, lost_id: str, req: GenerateRequest, target: bytes, peer_metadata: bytes,
                      peer_layout: bytes) -> dict:
