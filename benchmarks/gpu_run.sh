@@ -29,7 +29,6 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3} OUT=${OUT:-/tmp/v4serve-out} SITE=/tmp/site RUN=/tmp/v4serve-run
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$SITE:$PWD TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$OUT" $RUN
 
 install() {  # again only when .whl/ changed
     local wheels=(.whl/*.whl) stamp
@@ -55,7 +54,7 @@ v4serve() { $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main(
 job=${1:-}
 case $job in
 setup|tests-a|tests-b|tests-c|tests|kernels|kv|ep|pd-slice|serve-start|serve-bench|serve-stop|triton-cache|pytest|python)
-    shift; install ;;
+    shift; mkdir -p "$OUT" $RUN; install ;;
 *) usage ;;
 esac
 case $job in
