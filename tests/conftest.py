@@ -53,7 +53,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 @contextlib.contextmanager
 def _ray_refused(nodeid: str):
-    import ray
+    try:
+        import ray
+    except ImportError:  # a GPU host may run the kernel tests without Ray installed
+        yield
+        return
 
     def refuse(*args, **kwargs):
         raise RuntimeError(f"{nodeid} starts Ray: mark it @pytest.mark.cluster")
