@@ -12,7 +12,8 @@ migration of running requests in and out.
     loop: apply commands → poll transfers in and out → engine.step() (in a thread) → route chunks
 
 Each request a caller reads (or will read, once attached) has one stream record (streams.py:
-STARTING → STREAMING → ENDED, UNATTACHED → STREAMING, ...).
+STARTING → STREAMING → ENDED, UNATTACHED → STREAMING, ...). The prefill worker's NIXL metadata,
+which its acks need, comes with the request: the router hands its registry entry (`prefill_info`).
 
 Only the loop mutates the engine and the pools (calls from the event loop queue commands), so the
 model step can run off the event loop without locks.
@@ -20,9 +21,9 @@ model step can run off the event loop without locks.
 A worker may be one rank of an expert-parallel decode group (`start(seat)`, worker_runtime/ep_group.py):
 its engine then steps in lockstep with its peers. When the group breaks, the worker leaves the
 registry and ends its process: to the routers it is a dead decode worker, and they move its
-requests on (re-pull or recompute) as for any other; the group is restarted as a whole. A transfer that fails (corrupt, lease expired,
-prefill worker gone) falls back to prefilling locally: the request is recomputed, never lost, never
-decoded from unverified pages.
+requests on (re-pull or recompute) as for any other; the group is restarted as a whole. A transfer
+that fails (corrupt, lease expired, prefill worker gone) falls back to prefilling locally: the
+request is recomputed, never lost, never decoded from unverified pages.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ import torch
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from decode_worker.inbound import Inbound
 from decode_worker.outbound import Outbound
-from decode_worker.peers import SenderCheck, migration_targets, watch_routers
+from decode_worker.peers import KnownPeers, SenderCheck, migration_targets, watch_routers
 from decode_worker.router_leases import RouterLeases
-from decode_worker.streams import Phase, Stream, Streams
+from decode_worker.streams import Phase, Streams
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
@@ -50,7 +51,7 @@ from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, shell_method
-from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class DecodeWorker:
         self.outbound = Outbound(self.sender, self.pools, self.engine)
         self.streams = Streams()  # one record per request streamed (or to be attached) here
         self.commands = Commands()  # changes from actor methods, applied by the loop
-        self.peer_epochs: dict[str, str] = {}  # agent name → epoch loaded (acks reach it)
+        self.peers = KnownPeers(self.agent)  # the NIXL peers loaded (acks and migrations reach them)
         self.migrations = 0  # ids of migrated requests at their target: "<id>>m<n>"
         self.finished = 0  # requests that ended here with a finish reason
         self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
@@ -94,7 +95,8 @@ class DecodeWorker:
     stop = shell_method("stop")
 
     async def start(self, seat: Seat | None = None) -> dict:
-        """Start serving; with a `seat`, first join that expert-parallel group."""
+        """Start serving; with a `seat`, first join that expert-parallel group and capture the
+        decode graphs with its peers."""
         if await self.shell.join(seat, self.engine.model) and self.options.decode_graphs:
             # every rank captures the same buckets now: their exchanges pair up
             self.engine.graphs = await asyncio.to_thread(DecodeGraphs, self.engine.model, self.pools,
@@ -128,9 +130,11 @@ class DecodeWorker:
         self.receiver.set_faults(receiver)
 
     # --- requests -------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest, prefill=None, repull_id: str | None = None):
+    async def generate(self, req: GenerateRequest, prefill=None, repull_id: str | None = None,
+                       prefill_info: WorkerInfo | None = None):
         """Stream `TokenChunk`s of `req`; with a prefill actor, its KV is computed there (or, with
-        `repull_id`, re-sent from what it still holds of that request)."""
+        `repull_id`, re-sent from what it still holds of that request). `prefill_info`: that
+        worker's registry entry (the router hands it), whose NIXL metadata acks need."""
         if req.request_id in self.streams:  # ids key all per-request state here: never mix two
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST,
                                                                  "request id already in progress"))
@@ -138,13 +142,13 @@ class DecodeWorker:
         s = self.streams.open(req.request_id)
         self.leases.add(req.request_id, req.router)
         try:
-            sender = None if prefill is None else await self._connect(prefill)
+            peer = None if prefill is None else await self.peers.load_prefill(prefill, prefill_info)
         except BaseException:  # the caller went away before anything started
             self.streams.cancel(s)
             raise
         self.streams.start(s)
-        self.commands.put(lambda: self._start(req, prefill if sender else None, repull_id, sender))
-        async for chunk in self._stream(s):
+        self.commands.put(lambda: self._start(req, prefill if peer else None, repull_id, peer))
+        async for chunk in self.streams.read(s, abandoned=self._abort_soon):
             yield chunk
 
     async def attach(self, request_id: str):
@@ -154,50 +158,24 @@ class DecodeWorker:
             yield TokenChunk(request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no migrated request to attach"))
             return
         self.streams.attach(s)
-        async for chunk in self._stream(s):
+        async for chunk in self.streams.read(s, abandoned=self._abort_soon):
             yield chunk
 
-    async def _stream(self, s: Stream):
-        finished = False
-        try:
-            while True:
-                chunk = await s.queue.get()
-                yield chunk
-                if chunk.finish_reason or chunk.error or chunk.moved:
-                    finished = True
-                    return
-        finally:
-            self.streams.close(s)
-            if not finished:  # the caller went away: abort everywhere
-                self.commands.put(lambda: self._abort(s.request_id))
-
-    async def _connect(self, prefill) -> str | None:
-        """Load the prefill worker's NIXL metadata (once per epoch) so acks can reach it; its
-        NIXL name, or None — local prefill — if it cannot be reached."""
-        try:
-            name, epoch, metadata = await prefill.peer_info.remote()
-        except Exception as e:
-            log.warning("prefill worker unreachable, prefilling locally: %s", e)
-            return None
-        return self._load_peer(name, epoch, metadata)
-
-    def _load_peer(self, name: str, epoch: str, metadata: bytes) -> str:
-        if self.peer_epochs.get(name) != epoch:
-            self.agent.add_peer(name, metadata)
-            self.peer_epochs[name] = epoch
-        return self.agent.peer(name).nixl_name
-
     async def abort(self, request_id: str) -> bool:
-        self.commands.put(lambda: self._abort(request_id))
+        self._abort_soon(request_id)
         return True
 
-    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, sender: str | None) -> None:
+    def _abort_soon(self, request_id: str) -> None:
+        self.commands.put(lambda: self._abort(request_id))  # the loop alone touches the engine
+
+    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, peer: tuple[str, str] | None) -> None:
         target = None if prefill is None else self.inbound.expect_prefill(
-            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill, sender)
+            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill, peer[0])
         if target is None:  # local prefill, or no room for a transfer now: queue for local prefill
             self.engine.submit(req)
             return
-        args = (req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes())
+        # the prefill worker refuses if it is another incarnation than the one loaded (acks would miss it)
+        args = (req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes(), peer[1])
         ref = prefill.repull.remote(repull_id, *args) if repull_id else prefill.prefill.remote(*args)
         asyncio.ensure_future(self._watch_prefill(req.request_id, ref))
 
@@ -258,7 +236,7 @@ class DecodeWorker:
         rid = req.request_id
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} already in progress")
-        sender = self._load_peer(source_name, source_epoch, source_metadata)
+        sender = self.peers.load(source_name, source_epoch, source_metadata)
         # nobody attaches after this (the source resumed it, or the router lost it): then it is aborted
         s = self.streams.migrated_in(rid, until=time.time() + 2 * self.options.lease_s + 5.0)
         self.leases.add(rid, req.router)
@@ -278,8 +256,7 @@ class DecodeWorker:
                 self.commands.run()
                 self._poll_transfers()
                 self._expire_unattached()
-                self.senders.check(self.receiver.unfenced_senders(),
-                                   lambda n: self.commands.put(lambda: self.receiver.sender_gone(n)))
+                self.senders.check(self.receiver.unfenced_senders(), self._sender_gone)
                 if self.shell.group is not None:
                     await self._group_step(self.shell.group)
                 elif self.engine.has_work():
@@ -309,7 +286,7 @@ class DecodeWorker:
             await group.wait_idle(self.commands, self._poll_transfers, self.engine.has_work)
 
     def _poll_transfers(self) -> bool:
-        """While the group idles: poll transfers in and out, → whether any are still in flight."""
+        """Poll transfers in and out (routing what they produced) → whether any are still in flight."""
         self._route(self.inbound.poll())
         self._route(self.outbound.poll())
         return bool(self.inbound or self.outbound)
@@ -335,9 +312,12 @@ class DecodeWorker:
             log.warning("migrated request %s was never attached: aborting it", s.request_id)
             self._abort(s.request_id)
 
+    def _sender_gone(self, nixl_name: str) -> None:
+        self.commands.put(lambda: self.receiver.sender_gone(nixl_name))
+
     def _router_gone(self, request_id: str) -> None:
         self.router_lost += 1
-        self.commands.put(lambda: self._abort(request_id))
+        self._abort_soon(request_id)
 
     async def drain(self, settle_s: float = 2.0, timeout_s: float | None = None, migrate: bool = False) -> dict:
         """Scale-down: stop being chosen, finish (or with `migrate`, move to other decode workers)

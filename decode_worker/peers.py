@@ -1,6 +1,6 @@
-"""The other processes as a decode worker sees them: workers by registry load and by Ray actor name
-(a worker's id, its agent's name and its actor's name are one string); whether a sender it waits
-on is gone; which routers' leases lapsed."""
+"""The other processes as a decode worker sees them: the NIXL peers it loaded; workers by registry
+load and by Ray actor name (a worker's id, its agent's name and its actor's name are one string);
+whether a sender it waits on is gone; which routers' leases lapsed."""
 
 from __future__ import annotations
 
@@ -12,10 +12,55 @@ from collections.abc import Callable, Container
 import ray
 
 from decode_worker.router_leases import RouterLeases
-from kvtransfer.agent import split_nixl_name
+from kvtransfer.agent import Agent, metadata_epoch, split_nixl_name
 from worker_runtime.registry import Registry
+from worker_runtime.wire import WorkerInfo
 
 log = logging.getLogger(__name__)
+
+
+class StalePeer(RuntimeError):
+    """Metadata of an incarnation of a peer that a later one already replaced here."""
+
+
+class KnownPeers:
+    """The peers whose NIXL metadata this worker loaded (so that its acks reach them), by agent
+    name: each incarnation (epoch) loaded once. A restarted peer is a new peer: its new epoch
+    replaces the old one, and the old one is never loaded again, whoever still names it (a
+    router whose registry view predates the restart)."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self.epochs: dict[str, str] = {}  # agent name → epoch loaded
+        self.retired: set[tuple[str, str]] = set()  # (agent name, epoch) replaced since
+
+    def load(self, name: str, epoch: str, metadata: bytes) -> str:
+        """Load (once) the peer incarnation `name`/`epoch` → its NIXL name. Raises StalePeer for
+        a retired incarnation, ValueError for metadata that is not that incarnation's."""
+        if (name, epoch) in self.retired:
+            raise StalePeer(f"{name} restarted since epoch {epoch}")
+        old = self.epochs.get(name)
+        if old != epoch:
+            if metadata_epoch(metadata) != epoch:
+                raise ValueError(f"metadata of {name} is of epoch {metadata_epoch(metadata)}, not {epoch}")
+            self.agent.add_peer(name, metadata)
+            if old is not None:
+                self.retired.add((name, old))
+            self.epochs[name] = epoch
+        return self.agent.peer(name).nixl_name
+
+    async def load_prefill(self, prefill, info: WorkerInfo | None) -> tuple[str, str] | None:
+        """Load the metadata of the prefill worker `prefill` (an actor) → (its NIXL name, its
+        epoch), or None if it cannot be reached or is stale: the caller prefills locally. The
+        metadata is its registry entry `info`, which the router hands with the request; a caller
+        without one (tests, tools) has the worker asked."""
+        try:
+            name, epoch, metadata = ((info.agent, info.epoch, info.metadata) if info is not None
+                                     else await prefill.peer_info.remote())
+            return self.load(name, epoch, metadata), epoch
+        except Exception as e:
+            log.warning("prefill worker unreachable or stale, prefilling locally: %s", e)
+            return None
 
 
 async def migration_targets(registry: Registry, self_id: str, to: str | None) -> list[tuple[str, object]]:

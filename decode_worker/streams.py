@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from worker_runtime.wire import TokenChunk
@@ -111,6 +112,23 @@ class Streams:
         s.queue.put_nowait(chunk)
         if chunk.error is not None and s.state is P.UNATTACHED:
             self.drop(s)
+
+    async def read(self, s: Stream, abandoned: Callable[[str], None]) -> AsyncIterator[TokenChunk]:
+        """Yield a STREAMING record's chunks up to its last (a finish reason, an error, `Moved`),
+        then close it. A reader that goes away first closes it too, and `abandoned(request_id)`
+        is called: nobody will read the rest."""
+        finished = False
+        try:
+            while True:
+                chunk = await s.queue.get()
+                yield chunk
+                if chunk.finish_reason or chunk.error or chunk.moved:
+                    finished = True
+                    return
+        finally:
+            self.close(s)
+            if not finished:
+                abandoned(s.request_id)
 
     def overdue(self, now: float) -> list[Stream]:
         """Unattached streams nobody attached to by their `until`."""

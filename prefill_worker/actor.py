@@ -1,6 +1,6 @@
 """The prefill worker as a Ray actor: chunked prefill, pushing the KV into the decode target.
 
-    prefill(req, target, peer metadata, peer layout) → waits until the decode side verified
+    prefill(req, target, peer metadata, peer layout, epoch) → waits until the decode side verified
     loop: apply commands → engine.step() (in a thread) → WRITE the compressed pages each chunk
           made final (transfer overlaps the next chunks) → for each finished prompt: WRITE the
           rest (last pages, SWA window, compress-state rings), TransferDone with the header →
@@ -77,7 +77,8 @@ class PrefillWorker:
     stop = shell_method("stop")
 
     async def start(self, seat: Seat | None = None) -> dict:
-        """Start serving; with a `seat`, first join that expert-parallel group."""
+        """Start serving; with a `seat`, first join that expert-parallel group (its ranks then
+        prefill in lockstep)."""
         await self.shell.join(seat, self.engine.model)
         return self.shell.serve(self._loop)
 
@@ -110,12 +111,15 @@ class PrefillWorker:
         return bool(self.deliveries) or bool(self.commands) or self.engine.has_work()
 
     # --- requests -------------------------------------------------------------------------
-    async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes) -> dict:
+    async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes,
+                      epoch: str | None = None) -> dict:
         """Prefill `req` and deliver its KV into `target`; returns once the receiver verified it.
-        Raises TransferFailed if it could not be delivered."""
+        `epoch`: the incarnation of this worker whose metadata the decode side loaded (from the
+        registry). Raises TransferFailed if it could not be delivered."""
         group = self.shell.group
         if group is not None and group.state is GroupState.FAILED:
             raise TransferFailed(f"ep_group_failed: {group.failure}")
+        self._check_epoch(epoch)
         dest = Destination(decode_target(target), peer_metadata, peer_layout)
         fut = asyncio.get_running_loop().create_future()
         d = self.deliveries.open(req, dest, fut)  # ValueError if the id is in use: ids key all state here
@@ -124,20 +128,26 @@ class PrefillWorker:
         return await fut
 
     def _submit(self, d: Delivery) -> None:
-        # Ray may run an abort() before the prefill() it follows: then the delivery ended already
+        # an abort() that Ray ran before this prefill() was applied first: the delivery ended already
         if self.deliveries.find(d.request_id) is d:
             self.engine.submit(d.req)
 
     async def repull(self, lost_id: str, req: GenerateRequest, target: bytes, peer_metadata: bytes,
-                     peer_layout: bytes) -> dict:
+                     peer_layout: bytes, epoch: str | None = None) -> dict:
         """Deliver the KV made (or being made) here for request `lost_id`, whose decode worker was
         lost, into `target` of another decode worker; returns once verified there. Raises
         TransferFailed if this worker does not hold it (any more): the caller recomputes."""
+        self._check_epoch(epoch)
         dest = Destination(decode_target(target), peer_metadata, peer_layout)
         fut = asyncio.get_running_loop().create_future()
         self._connect_early(dest)
         self.commands.put(lambda: self._repull(lost_id, req, dest, fut))
         return await fut
+
+    def _check_epoch(self, epoch: str | None) -> None:
+        """A decode side that loaded another incarnation's metadata would send its acks there."""
+        if epoch is not None and epoch != self.shell.agent.epoch:
+            raise TransferFailed(f"peer_restarted: {self.worker_id} is epoch {self.shell.agent.epoch}, not {epoch}")
 
     def _repull(self, lost_id: str, req: GenerateRequest, dest: Destination, fut: asyncio.Future) -> None:
         d = self.deliveries.find(lost_id)

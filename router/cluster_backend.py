@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.placement import place, placement_request
 from router.prefix_index import PrefixIndex
 from worker_runtime.registry import ROUTER_LEASE_S, Registry
-from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerLoad
+from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class ClusterBackend:
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # one per process: its registry lease
         self.loads: dict[str, WorkerLoad] = {}
         self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
+        self.workers: dict[str, WorkerInfo] = {}  # worker id → its registry entry (NIXL metadata: prefill peers)
         self.placed = Counter()  # worker id → requests placed here since its last load report
         self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
         self._actors: dict[str, tuple[str | None, object]] = {}  # worker id → (incarnation, handle)
@@ -99,6 +100,7 @@ class ClusterBackend:
             self.index.remove_worker(gone)
         self.loads = fresh
         self.epochs = {w.worker_id: w.epoch for w in workers}
+        self.workers = {w.worker_id: w for w in workers}
         self.placed.clear()
         if self.metrics is not None:
             for role in ("prefill", "decode"):
@@ -218,7 +220,9 @@ class ClusterBackend:
         except ValueError:
             prefill, prefill_id, repull_id = None, None, None  # the decode worker prefills itself
         self.decode_of[client_id] = (worker_id, rid)
-        stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id)
+        # the prefill worker's registry entry: the decode worker loads its NIXL metadata from it
+        stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id,
+                                                                         self.workers.get(prefill_id))
         finished, attached = False, False
         try:
             while True:

@@ -1,6 +1,7 @@
 """The decode worker's stream records (decode_worker/streams.py): every transition, the illegal ones
 refused, chunk delivery, and the table's invariants after a seeded random walk of events."""
 
+import asyncio
 import random
 
 import pytest
@@ -62,6 +63,31 @@ def test_migrated_in_waits_for_attach_and_is_dropped_on_an_error():
     assert b.state is P.ENDED and "b" not in streams
     streams.deliver(chunk("b"))  # late chunks of an ended stream go nowhere
     assert list(streams.live()) == [a]
+
+
+def test_a_reader_reads_to_the_last_chunk_and_one_that_leaves_abandons_the_request():
+    streams = Streams()
+    abandoned = []
+
+    async def read(rid: str, leave_after: int | None) -> list:
+        s = streams.open(rid)
+        streams.start(s)
+        for c in (chunk(rid), chunk(rid), chunk(rid, error=True), chunk(rid)):
+            streams.deliver(c)
+        got = []
+        reader = streams.read(s, abandoned=abandoned.append)
+        async for c in reader:
+            got.append(c)
+            if len(got) == leave_after:
+                break
+        await reader.aclose()  # what Ray does with the generator of a caller that went away
+        assert s.state is P.ENDED and rid not in streams
+        return got
+
+    assert len(asyncio.run(read("whole", None))) == 3  # up to the error: the last chunk
+    assert abandoned == []
+    assert len(asyncio.run(read("left", 1))) == 1
+    assert abandoned == ["left"]
 
 
 @pytest.mark.parametrize("event", sorted(MOVES))
