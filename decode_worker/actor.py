@@ -50,7 +50,7 @@ from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
-from worker_runtime.shell import WorkerShell, shell_method
+from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 FENCE_WAIT_S = 120.0
 
 
+@serves_shell  # Ray methods ep_listen, ep_wake, ep_status, peer_info, stop: the shell's
 class DecodeWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
@@ -88,12 +89,6 @@ class DecodeWorker:
         self.senders = SenderCheck()  # are the senders whose pages wait for their Fenced still there?
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
-    ep_listen = shell_method("ep_listen")
-    ep_wake = shell_method("ep_wake")
-    ep_status = shell_method("ep_status")
-    peer_info = shell_method("peer_info")
-    stop = shell_method("stop")
-
     async def start(self, seat: Seat | None = None) -> dict:
         """Start serving; with a `seat`, first join that expert-parallel group and capture the
         decode graphs with its peers."""

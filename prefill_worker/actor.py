@@ -45,12 +45,13 @@ from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.model_loader import load_replica
 from worker_runtime.options import WorkerOptions
-from worker_runtime.shell import WorkerShell, shell_method
+from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import GenerateRequest, TransferHeader
 
 log = logging.getLogger(__name__)
 
 
+@serves_shell  # Ray methods ep_listen, ep_wake, ep_status, peer_info, stop: the shell's
 class PrefillWorker:
     def __init__(self, worker_id: str, options: WorkerOptions):
         torch.set_num_threads(options.threads)
@@ -70,12 +71,6 @@ class PrefillWorker:
         self.commands = Commands()  # changes from actor methods, applied by the loop
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
-    ep_listen = shell_method("ep_listen")
-    ep_wake = shell_method("ep_wake")
-    ep_status = shell_method("ep_status")
-    peer_info = shell_method("peer_info")
-    stop = shell_method("stop")
-
     async def start(self, seat: Seat | None = None) -> dict:
         """Start serving; with a `seat`, first join that expert-parallel group (its ranks then
         prefill in lockstep)."""

@@ -10,10 +10,10 @@ engine and transfers.
         leave_group(reason, ..)   the group broke: stop heart-beating and leave the registry
         stop()                    cancel the loops, leave the registry
 
-The actor keeps what is its own (engine, transfers, requests, its loop) and holds a shell. The
-Ray methods that the shell answers alone are declared on each actor class as one line each,
-`ep_status = shell_method("ep_status")`: Ray finds actor methods on the class, so they must be
-real methods there. The shell never calls back into the actor except through the `load` and
+The actor keeps what is its own (engine, transfers, requests, its loop) and holds a shell as
+`self.shell`. The Ray methods the shell answers alone (SHELL_METHODS) the actor class gets from
+`@serves_shell`, each forwarding to the shell: Ray finds actor methods on the class, so they must
+be real methods there. The shell never calls back into the actor except through the `load` and
 `busy` functions it is handed.
 """
 
@@ -137,9 +137,21 @@ class WorkerShell:
         await asyncio.to_thread(self.registry.deregister, self.worker_id)
 
 
-def shell_method(name: str):
-    """The actor method `name` that forwards to `WorkerShell.<name>` of the actor's `self.shell`
-    (a coroutine where the shell's is one, so it runs on the actor's event loop alike)."""
+# what Ray calls on a worker that its shell answers alone (the launcher, the group's peers, the
+# decode workers' `sender_gone`)
+SHELL_METHODS = ("ep_listen", "ep_wake", "ep_status", "peer_info", "stop")
+
+
+def serves_shell(cls: type) -> type:
+    """Class decorator of a worker actor holding `self.shell`: adds SHELL_METHODS to the class."""
+    for name in SHELL_METHODS:
+        setattr(cls, name, _forward(name))
+    return cls
+
+
+def _forward(name: str):
+    """A method calling `WorkerShell.<name>` of `self.shell` (a coroutine where the shell's is
+    one, so that it runs on the actor's event loop alike)."""
     target = getattr(WorkerShell, name)
     if inspect.iscoroutinefunction(target):
         @functools.wraps(target)
