@@ -47,6 +47,7 @@ from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
+from worker_runtime.in_process import InProcess
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
@@ -62,7 +63,9 @@ FENCE_WAIT_S = 120.0
 
 @serves_shell  # Ray methods ep_listen, ep_wake, ep_status, peer_info, stop: the shell's
 class DecodeWorker:
-    def __init__(self, worker_id: str, options: WorkerOptions):
+    def __init__(self, worker_id: str, options: WorkerOptions, local: InProcess | None = None):
+        """`local`: serve as a worker of this process (worker_runtime/in_process.py) instead of a
+        Ray actor with a NIXL agent."""
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
         cfg, model, self.pools = load_replica(options, options.decode_ep.size > 1)
@@ -73,7 +76,7 @@ class DecodeWorker:
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs), graphs)
-        self.shell = WorkerShell(worker_id, "decode", options, self.pools, self._load, options.decode_ep)
+        self.shell = WorkerShell(worker_id, "decode", options, self.pools, self._load, options.decode_ep, local)
         self.agent, self.layout = self.shell.agent, self.shell.layout
         self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)
         self.sender = Sender(self.agent, self.layout, stuck_s=options.lease_s)  # migrations out
@@ -86,7 +89,7 @@ class DecodeWorker:
         self.finished = 0  # requests that ended here with a finish reason
         self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
         self.router_lost = 0  # requests aborted so
-        self.senders = SenderCheck()  # are the senders whose pages wait for their Fenced still there?
+        self.senders = SenderCheck(self.shell.get_actor)  # are the senders whose pages wait for their Fenced still there?
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
     async def start(self, seat: Seat | None = None) -> dict:
@@ -200,7 +203,7 @@ class DecodeWorker:
         ids = [rid for rid in ids if rid not in self.outbound][:limit]
         if not ids:
             return []
-        targets = await migration_targets(self.shell.registry, self.worker_id, to)
+        targets = await migration_targets(self.shell.registry, self.worker_id, to, self.shell.get_actor)
         if not targets:
             return [{"request_id": rid, "moved": False, "reason": "no target"} for rid in ids]
         return list(await asyncio.gather(*(self._migrate_one(rid, *targets[i % len(targets)])

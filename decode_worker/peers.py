@@ -1,6 +1,7 @@
 """The other processes as a decode worker sees them: the NIXL peers it loaded; workers by registry
-load and by Ray actor name (a worker's id, its agent's name and its actor's name are one string);
-whether a sender it waits on is gone; which routers' leases lapsed."""
+load and by actor name (a worker's id, its agent's name and its actor's name are one string;
+`get_actor` is Ray's, or `InProcess.get_actor` for workers of one process); whether a sender it
+waits on is gone; which routers' leases lapsed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Container
+from typing import Any
 
 import ray
 
@@ -63,7 +65,8 @@ class KnownPeers:
             return None
 
 
-async def migration_targets(registry: Registry, self_id: str, to: str | None) -> list[tuple[str, object]]:
+async def migration_targets(registry: Registry, self_id: str, to: str | None,
+                            get_actor: Callable[[str], Any]) -> list[tuple[str, object]]:
     """(worker id, actor) of the decode workers to migrate to: `to`, or every other one not
     draining, least loaded first. Workers gone since their last heartbeat are left out."""
     if to is None:
@@ -76,18 +79,18 @@ async def migration_targets(registry: Registry, self_id: str, to: str | None) ->
     out = []
     for name in names:
         try:
-            out.append((name, ray.get_actor(name)))
+            out.append((name, get_actor(name)))
         except ValueError:
             continue
     return out
 
 
-async def sender_gone(nixl_name: str) -> bool:
+async def sender_gone(nixl_name: str, get_actor: Callable[[str], Any]) -> bool:
     """Whether the sender incarnation `nixl_name` is gone for good: its actor is dead or serves
     under another epoch now. An unreachable one (a partition) is not: it may still write."""
     name, epoch = split_nixl_name(nixl_name)
     try:
-        actor = await asyncio.to_thread(ray.get_actor, name)
+        actor = await asyncio.to_thread(get_actor, name)
         return (await asyncio.wait_for(actor.peer_info.remote(), 5.0))[1] != epoch
     except (ValueError, ray.exceptions.RayActorError):
         return True
@@ -99,7 +102,8 @@ class SenderCheck:
     """Pages a receiver holds for a sender's Fenced are freed early once that sender (that
     incarnation) is gone: asks about the senders named, at most one round a second."""
 
-    def __init__(self):
+    def __init__(self, get_actor: Callable[[str], Any]):
+        self._get_actor = get_actor
         self._round: asyncio.Future | None = None
 
     def check(self, senders: set[str], gone: Callable[[str], None]) -> None:
@@ -107,10 +111,9 @@ class SenderCheck:
         if senders and (self._round is None or self._round.done()):
             self._round = asyncio.ensure_future(self._ask(senders, gone))
 
-    @staticmethod
-    async def _ask(senders: set[str], gone: Callable[[str], None]) -> None:
+    async def _ask(self, senders: set[str], gone: Callable[[str], None]) -> None:
         for nixl_name in senders:
-            if await sender_gone(nixl_name):
+            if await sender_gone(nixl_name, self._get_actor):
                 gone(nixl_name)
         await asyncio.sleep(1.0)
 

@@ -42,6 +42,7 @@ from prefill_worker.delivery import (
 from prefill_worker.engine import PrefillConfig, PrefillEngine
 from prefill_worker.prefix_store import PrefixStore
 from worker_runtime.commands import Commands
+from worker_runtime.in_process import InProcess
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.model_loader import load_replica
 from worker_runtime.options import WorkerOptions
@@ -53,7 +54,9 @@ log = logging.getLogger(__name__)
 
 @serves_shell  # Ray methods ep_listen, ep_wake, ep_status, peer_info, stop: the shell's
 class PrefillWorker:
-    def __init__(self, worker_id: str, options: WorkerOptions):
+    def __init__(self, worker_id: str, options: WorkerOptions, local: InProcess | None = None):
+        """`local`: serve as a worker of this process (worker_runtime/in_process.py) instead of a
+        Ray actor with a NIXL agent."""
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
         _, model, self.pools = load_replica(options, options.prefill_ep.size > 1)
@@ -61,7 +64,8 @@ class PrefillWorker:
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
                                                   max_running=options.max_seqs), store=self.store)
-        self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self.engine.load, options.prefill_ep)
+        self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self.engine.load, options.prefill_ep,
+                                 local)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
         self.sender = Sender(self.shell.agent, self.shell.layout, stuck_s=options.lease_s)
         self.deliveries = Deliveries(hold_s=options.lease_s)  # one record per request, by engine id

@@ -25,7 +25,9 @@ import dataclasses
 import logging
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -53,12 +55,13 @@ class ClusterBackend:
     def __init__(self, registry: Registry, tokenizer, model_name: str, max_model_len: int,
                  placement: PlacementConfig, metrics: RouterMetrics | None = None,
                  max_waiting_per_worker: int = 64, refresh_s: float = 0.2, max_retargets: int = 2,
-                 lease_s: float = ROUTER_LEASE_S):
+                 lease_s: float = ROUTER_LEASE_S, get_actor: Callable[[str], Any] = ray.get_actor):
         self.registry, self.tokenizer, self.model_name = registry, tokenizer, model_name
         self.max_model_len, self.placement, self.metrics = max_model_len, placement, metrics
         self.max_waiting_per_worker, self.refresh_s = max_waiting_per_worker, refresh_s
         self.max_retargets = max_retargets  # decode workers a request may lose before it fails
         self.lease_s = lease_s  # this router's registry lease, renewed every refresh_s
+        self.get_actor = get_actor  # worker id → its handle (Ray's; InProcess.get_actor in one process)
         self.index = PrefixIndex(placement.page_size)
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # one per process: its registry lease
         self.loads: dict[str, WorkerLoad] = {}
@@ -140,7 +143,7 @@ class ClusterBackend:
         epoch = self.epochs.get(worker_id)
         cached = self._actors.get(worker_id)
         if cached is None or cached[0] != epoch:
-            cached = self._actors[worker_id] = (epoch, ray.get_actor(worker_id))
+            cached = self._actors[worker_id] = (epoch, self.get_actor(worker_id))
         return cached[1]
 
     async def generate(self, req: GenerateRequest):

@@ -1,8 +1,10 @@
 """The shell every worker actor holds: what a prefill and a decode worker do alike around their
 engine and transfers.
 
-    WorkerShell(worker_id, role, options, pools, load, ep)
-        agent, layout, registry   the NIXL agent over the pools, the layout it publishes, the registry
+    WorkerShell(worker_id, role, options, pools, load, ep, local)
+        agent, layout, registry   the KV agent over the pools (NIXL; in-process with `local`), the
+                                  layout it publishes, the registry
+        get_actor(name)           another worker's handle (Ray's; `local`'s for workers of one process)
         join(seat, model)         an expert-parallel rank joins its group (ep_group.py) before serving
         serve(*loops)             start the worker's loops and its registry heartbeat (once)
         info() / peer_info()      what the registry publishes / what a peer loads to reach this worker
@@ -26,10 +28,13 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 
+import ray
+
 from kvtransfer.agent import Agent
 from model.kv_pool import KVPools
 from worker_runtime.ep_group import ExpertParallelGroup, Seat, join, listen
 from worker_runtime.heartbeat import heartbeat_loop
+from worker_runtime.in_process import InProcess
 from worker_runtime.kv_link import layout_of, pool_buffers
 from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 from worker_runtime.registry import Registry
@@ -42,11 +47,14 @@ DEREGISTER_WAIT_S = 5.0  # leaving the registry never holds a failing worker up 
 
 class WorkerShell:
     def __init__(self, worker_id: str, role: str, options: WorkerOptions, pools: KVPools,
-                 load: Callable[[], WorkerLoad], ep: ExpertParallelOptions):
+                 load: Callable[[], WorkerLoad], ep: ExpertParallelOptions, local: InProcess | None = None):
         self.worker_id, self.role, self.options, self.ep = worker_id, role, options, ep
         self._load = load
-        # NIXL's progress thread spins a core; on CPU pools the worker loop's polling drives transfers.
-        self.agent = Agent(worker_id, pool_buffers(pools), progress_thread=pools.buffers["swa"].is_cuda)
+        self.get_actor = ray.get_actor if local is None else local.get_actor
+        if local is not None:
+            self.agent = local.agent(worker_id, pool_buffers(pools))
+        else:  # NIXL's progress thread spins a core; on CPU pools the worker loop's polling drives transfers
+            self.agent = Agent(worker_id, pool_buffers(pools), progress_thread=pools.buffers["swa"].is_cuda)
         self.layout = layout_of(pools)
         self.registry = Registry(options.registry_url, options.cluster)
         self.draining = False

