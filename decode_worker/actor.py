@@ -47,8 +47,8 @@ from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
-from worker_runtime.in_process import InProcess
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
+from worker_runtime.in_process import InProcess
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell

@@ -42,8 +42,8 @@ from prefill_worker.delivery import (
 from prefill_worker.engine import PrefillConfig, PrefillEngine
 from prefill_worker.prefix_store import PrefixStore
 from worker_runtime.commands import Commands
-from worker_runtime.in_process import InProcess
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
+from worker_runtime.in_process import InProcess
 from worker_runtime.model_loader import load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell

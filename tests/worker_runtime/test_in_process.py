@@ -49,7 +49,6 @@ def test_http_router_prefill_decode_in_one_process(tiny_official_ckpt, registry_
     shared = [rng.randrange(256) for _ in range(150)]  # a prefix the prefill worker caches
     prompts = [(shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(20, 160))]
                for i in range(6)]
-    greedy = SamplingParams(temperature=0.0)
     seeded = [SamplingParams(temperature=1.0, top_k=40, seed=100 + i) for i in range(3)]
     options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="inproc", max_tokens=MAX_TOKENS,
                             max_seqs=16, prefill_token_budget=96, heartbeat_s=0.2)
