@@ -1,9 +1,10 @@
 """Shared pytest configuration: repository root on sys.path, GPU tests skipped without CUDA, the
 `cluster` marker enforced, and session-wide tiny checkpoints.
 
-Tiers: `pytest -m "not cluster and not slow and not gpu"` is the fast tier (no Ray);
-`.ci/run` runs everything but `gpu` and `slow`. A test that starts Ray without the `cluster`
-marker fails, so the fast tier stays free of Ray by construction.
+Tiers: `pytest -m "not cluster and not slow and not gpu"` is the fast tier (no Ray, a few
+minutes on 2 cores); `.ci/run` runs everything but `gpu` and `exhaustive`; `exhaustive` cases are
+`slow` too. A test that starts Ray without the `cluster` marker fails, so the fast tier stays free
+of Ray by construction.
 
 `tiny_ckpt_cfg` is the tiny config with `index_topk=128` (the indexer's top-k then covers every
 compressed entry of prompts up to 512 tokens, so oracle comparisons do not depend on the order
@@ -33,7 +34,11 @@ from model.checkpoint import expected_shapes, write_checkpoint  # noqa: E402
 from model.tiny import random_weights, tiny_config  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("exhaustive") is not None:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -35,6 +35,7 @@ def test_the_top_level_holds_the_benchmarks_and_their_helpers_only():
     assert {p.stem for p in BENCHMARKS.glob("*.py")} == set(MAIN_OPTIONS) | HELPERS
 
 
+@pytest.mark.slow  # a Python process per benchmark: CI runs it, the fast tier does not
 @pytest.mark.parametrize("name", sorted(MAIN_OPTIONS))
 def test_help_prints_the_docstring_and_the_main_options_without_a_gpu(name):
     script = BENCHMARKS / f"{name}.py"

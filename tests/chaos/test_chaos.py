@@ -1,5 +1,5 @@
 """The chaos matrix as tests: the short subset (`ci=True` scenarios) runs with the CPU suite, the
-rest is marked `slow` (`pytest -m slow tests/chaos`, or `python -m tests.chaos.run_matrix` for the
+rest is marked `exhaustive` (`pytest -m exhaustive tests/chaos`, or `python -m tests.chaos.run_matrix` for the
 whole matrix and its report)."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_chaos_subset(scenario, tiny_official_ckpt, small_load):
     _run(scenario, tiny_official_ckpt, small_load)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("scenario", FULL, ids=[s.name for s in FULL])
 def test_chaos_matrix(scenario, tiny_official_ckpt, full_load):
     _run(scenario, tiny_official_ckpt, full_load)

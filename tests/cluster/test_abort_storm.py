@@ -35,7 +35,7 @@ def cluster(tiny_official_ckpt):
     c.stop()
 
 
-@pytest.mark.parametrize("n_requests", [400, pytest.param(1000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n_requests", [400, pytest.param(1000, marks=pytest.mark.exhaustive)])
 def test_abort_storm_leaves_no_pages(cluster, n_requests):
     rng = random.Random(7)
 

@@ -21,7 +21,8 @@ def v4serve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.fixture(scope="module", params=["official", "hf"])
+# the HF format again: the same CLI in subprocesses, so CI runs it and the fast tier does not
+@pytest.fixture(scope="module", params=["official", pytest.param("hf", marks=pytest.mark.slow)])
 def tiny_dir(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"cli_{request.param}")
     result = v4serve("make-tiny", "--out", str(out), "--seed", "3", "--format", request.param)
@@ -59,7 +60,7 @@ def test_generate_greedy_matches_transformers_greedy(tiny_dir):
 
 # the official layout in the CI subset (the HF layout's case adds ~14 s on a 2-core machine; both
 # layouts load through the same code once read, which the greedy test above covers for each)
-@pytest.mark.parametrize("tiny_dir", ["official", pytest.param("hf", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("tiny_dir", ["official", pytest.param("hf", marks=pytest.mark.exhaustive)], indirect=True)
 def test_generate_logits_out_and_sampling_is_reproducible(tiny_dir, tmp_path):
     args = ["generate", "--model", str(tiny_dir), "--prompt", "héllo wörld", "--max-new-tokens", "6",
             "--temperature", "0.9", "--top-p", "0.9", "--seed", "11", "--chunk-size", "3"]

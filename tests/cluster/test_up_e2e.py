@@ -117,7 +117,7 @@ def prompt_ids(w) -> list[int]:
 
 
 # 1P1D adds ~45 s on a 2-core CI machine; its cluster still serves the gRPC test below there
-@pytest.mark.parametrize("up", [pytest.param((1, 1), marks=pytest.mark.slow), (2, 2)], ids=["1P1D", "2P2D"],
+@pytest.mark.parametrize("up", [pytest.param((1, 1), marks=pytest.mark.exhaustive), (2, 2)], ids=["1P1D", "2P2D"],
                          indirect=True)
 def test_openai_sdk_32_concurrent_equal_generate(up, reference):
     work = workload(32, seed=1)

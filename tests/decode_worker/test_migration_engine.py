@@ -44,8 +44,8 @@ def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> None:
 
 
 # the production encoding in the CI subset; the others add ~20 s on a 2-core machine
-@pytest.mark.parametrize("kv_dtype", [pytest.param("fp32", marks=pytest.mark.slow),
-                                      pytest.param("bf16", marks=pytest.mark.slow), "fp8_pack"])
+@pytest.mark.parametrize("kv_dtype", [pytest.param("fp32", marks=pytest.mark.exhaustive),
+                                      pytest.param("bf16", marks=pytest.mark.exhaustive), "fp8_pack"])
 def test_bounced_requests_equal_generate(model, kv_dtype):
     rng = random.Random(1)
     engines = [DecodeEngine(model, KVPools(model.cfg, kv_dtype, max_tokens=512, max_seqs=4),

@@ -14,6 +14,9 @@ import torch
 from model.kernels.mhc import mhc
 from tests.model.test_moe_hopper_build import hopper_compile, without_interpreter
 
+# compiles kernels for Hopper on the CPU: a minute on 2 cores, so CI runs it and the fast tier does not
+pytestmark = pytest.mark.slow
+
 HC, D, MIX = 4, 4096, 24
 
 

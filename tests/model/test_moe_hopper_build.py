@@ -17,6 +17,9 @@ from model.kernels.moe.packed_experts import PackedExperts
 from model.moe import MoE
 from model.tiny import tiny_config
 
+# compiles kernels for Hopper on the CPU: a minute on 2 cores, so CI runs it and the fast tier does not
+pytestmark = pytest.mark.slow
+
 _TL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
               torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -141,8 +144,8 @@ def check_operand_layouts() -> None:
 
 @pytest.mark.parametrize("path, fmt, T", [
     ("fused", "fp4", 64), ("fused", "fp4", 1), ("grouped", "fp4", 8192), ("grouped_decode", "fp4", 1),
-    pytest.param("fused", "fp8", 64, marks=pytest.mark.slow),
-    pytest.param("grouped", "fp8", 8192, marks=pytest.mark.slow),
+    pytest.param("fused", "fp8", 64, marks=pytest.mark.exhaustive),
+    pytest.param("grouped", "fp8", 8192, marks=pytest.mark.exhaustive),
 ])
 def test_kernels_compile_for_hopper_without_spills(path, fmt, T):
     """The interpreter checks neither Triton's compile-time rules, nor the inline PTX, nor register

@@ -13,6 +13,9 @@ import pytest
 from model.kernels.attention import sparse_attention_wgmma
 from tests.model.test_moe_hopper_build import without_interpreter
 
+# compiles kernels for Hopper on the CPU: a minute on 2 cores, so CI runs it and the fast tier does not
+pytestmark = pytest.mark.slow
+
 MODULE = "tests.model.test_sparse_attention_hopper_build"
 
 _POINTERS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "ml_ptr": "*fp32", "seq_ptr": "*i32",
