@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from decode_worker.router_leases import RouterLeases
-from kvtransfer.agent import Agent, metadata_epoch, split_nixl_name
+from kvtransfer.transport import TransferAgent, metadata_epoch, split_nixl_name
 from worker_runtime.registry import Registry
 from worker_runtime.wire import WorkerInfo
 
@@ -31,7 +31,7 @@ class KnownPeers:
     replaces the old one, and the old one is never loaded again, whoever still names it (a
     router whose registry view predates the restart)."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: TransferAgent):
         self.agent = agent
         self.epochs: dict[str, str] = {}  # agent name → epoch loaded
         self.retired: set[tuple[str, str]] = set()  # (agent name, epoch) replaced since

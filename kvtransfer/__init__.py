@@ -17,9 +17,9 @@ from .receiver import OutOfPages, Receiver, ReceiverEvent
 from .regions import Span, SpanBatch, coalesce, layer_byte_range
 from .sender import (LayoutMismatch, LeaseExpired, NotConnected, Posted, RequestClosed, Sender,
                      SenderEvent, StaleTarget)
-from .agent import Agent, RemotePeer, TransferError
+from .agent import Agent
 from .local_agent import AgentDirectory, LocalAgent
-from .transport import TransferAgent
+from .transport import RemotePeer, TransferAgent, TransferError
 from .write_plan import SendPart
 
 __all__ = [

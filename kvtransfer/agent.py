@@ -25,63 +25,18 @@ import logging
 import secrets
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from .cuda_ipc import CudaIpcPath, host_id
-from .regions import Span, SpanBatch, as_batch
+from .regions import Span, SpanBatch
+from .transport import RemotePeer, TransferError, check_pools, resolve_write
 
 log = logging.getLogger(__name__)
 
 
 _FEW_SPANS = 32   # up to this many spans, descriptors are built in Python
-
-
-class TransferError(RuntimeError):
-    """NIXL refused or failed to post a transfer."""
-
-
-@dataclass(frozen=True)
-class RemotePeer:
-    """A peer loaded from its metadata blob. pools: kind -> (base address, nbytes, device id);
-    host: its host id; ipc: kind -> exported CUDA IPC handle (empty unless it offers them);
-    uuid: its GPU's UUID."""
-
-    name: str
-    epoch: str
-    nixl_name: str
-    mem_type: str
-    pools: tuple[tuple[str, tuple[int, int, int]], ...]
-    host: str = ""
-    ipc: tuple[tuple[str, str], ...] = ()
-    uuid: str = ""
-
-    def pool(self, kind: str) -> tuple[int, int, int]:
-        region = self.regions.get(kind)
-        if region is None:
-            raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
-        return region
-
-    @cached_property
-    def regions(self) -> dict[str, tuple[int, int, int]]:
-        """kind -> (base address, nbytes, device id), looked up on every write. Cached on this
-        incarnation's object: a restarted peer is a new RemotePeer, so nothing derived from an
-        old registration is ever reused for it."""
-        return dict(self.pools)
-
-
-def metadata_epoch(metadata: bytes) -> str:
-    """The incarnation (epoch) an agent's metadata blob describes."""
-    return str(json.loads(metadata)["epoch"])
-
-
-def split_nixl_name(nixl_name: str) -> tuple[str, str]:
-    """'<name>#<epoch>' -> (name, epoch)."""
-    name, _, epoch = nixl_name.rpartition("#")
-    return name, epoch
 
 
 class Agent:
@@ -104,18 +59,12 @@ class Agent:
 
         if not name or "#" in name:
             raise ValueError(f"agent name must be non-empty without '#': {name!r}")
-        devices = {t.device for t in pools.values()}
-        if len(devices) > 1:
-            raise ValueError(f"all pools must live on one device, got {devices}")
-        for kind, t in pools.items():
-            if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
-                raise ValueError(f"pool {kind!r} must be a contiguous uint8 [pages, bytes] tensor")
+        device = check_pools(pools)
         self.name = name
         self.epoch = secrets.token_hex(8)
         self.nixl_name = f"{name}#{self.epoch}"
         self.pools: dict[str, torch.Tensor] = dict(pools)
         self._bases = {k: t.data_ptr() for k, t in self.pools.items()}   # registered once
-        device = next(iter(devices)) if devices else torch.device("cpu")
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
         self._device = device
@@ -218,14 +167,10 @@ class Agent:
         Raises KeyError for an unknown peer or kind, ValueError for out-of-range spans,
         TransferError when the transfer is refused or cannot be posted.
         """
-        batch = as_batch(spans)
-        if not batch.count:
+        target = resolve_write(self._peers, peer_name, spans, epoch)
+        if target is None:
             return None
-        peer = self._peers.get(peer_name)
-        if peer is None:
-            raise KeyError(f"unknown peer {peer_name!r}")
-        if epoch is not None and epoch != peer.epoch:
-            raise TransferError(f"{peer_name!r} is now epoch {peer.epoch}, not {epoch}")
+        peer, batch = target
         local, remote = self._descriptors(peer, batch)    # checks every span's range
         mapping = self._ipc.mapping(peer) if self._ipc is not None else None
         if mapping is not None:

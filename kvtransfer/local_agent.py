@@ -34,9 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .agent import RemotePeer, TransferError
-from .regions import Span, SpanBatch, as_batch
-from .transport import check_pools
+from .regions import Span, SpanBatch
+from .transport import RemotePeer, TransferError, check_pools, resolve_write
 
 PATH = "local"
 
@@ -152,14 +151,10 @@ class LocalAgent:
         """Post a write of spans into peer `peer_name`'s pools; it lands when state() says so.
         sync_stream is accepted for the interface: copies run on the current stream, after the
         work that produced the data."""
-        batch = as_batch(spans)
-        if not batch.count:
+        target = resolve_write(self._peers, peer_name, spans, epoch)
+        if target is None:
             return None
-        peer = self._peers.get(peer_name)
-        if peer is None:
-            raise KeyError(f"unknown peer {peer_name!r}")
-        if epoch is not None and epoch != peer.epoch:
-            raise TransferError(f"{peer_name!r} is now epoch {peer.epoch}, not {epoch}")
+        peer, batch = target
         self._check_ranges(peer, batch)
         if self._closed or self._dead:
             raise TransferError(f"agent {self.nixl_name} is closed")

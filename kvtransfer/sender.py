@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import faults as F
-from .agent import RemotePeer, TransferError, metadata_epoch, split_nixl_name
+from .transport import RemotePeer, TransferError, metadata_epoch, split_nixl_name
 from .checksum import pool_checksums
 from .layout import LayoutDescriptor
 from .metrics import TransferMetrics

@@ -15,13 +15,59 @@ incarnation, so nothing addressed to its previous one reaches it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 
-from .agent import RemotePeer
-from .regions import Span, SpanBatch
+from .regions import Span, SpanBatch, as_batch
+
+
+class TransferError(RuntimeError):
+    """The transfer was refused or could not be posted (NIXL, or an in-process peer gone)."""
+
+
+@dataclass(frozen=True)
+class RemotePeer:
+    """A peer loaded from its metadata blob. pools: kind -> (base address, nbytes, device id);
+    host: its host id; ipc: kind -> exported CUDA IPC handle (empty unless it offers them);
+    uuid: its GPU's UUID."""
+
+    name: str
+    epoch: str
+    nixl_name: str
+    mem_type: str
+    pools: tuple[tuple[str, tuple[int, int, int]], ...]
+    host: str = ""
+    ipc: tuple[tuple[str, str], ...] = ()
+    uuid: str = ""
+
+    def pool(self, kind: str) -> tuple[int, int, int]:
+        region = self.regions.get(kind)
+        if region is None:
+            raise KeyError(f"peer {self.name!r} has no pool {kind!r}")
+        return region
+
+    @cached_property
+    def regions(self) -> dict[str, tuple[int, int, int]]:
+        """kind -> (base address, nbytes, device id), looked up on every write. Cached on this
+        incarnation's object: a restarted peer is a new RemotePeer, so nothing derived from an
+        old registration is ever reused for it."""
+        return dict(self.pools)
+
+
+def metadata_epoch(metadata: bytes) -> str:
+    """The incarnation (epoch) an agent's metadata blob describes."""
+    return str(json.loads(metadata)["epoch"])
+
+
+def split_nixl_name(nixl_name: str) -> tuple[str, str]:
+    """'<name>#<epoch>' -> (name, epoch)."""
+    name, _, epoch = nixl_name.rpartition("#")
+    return name, epoch
 
 
 class TransferAgent(Protocol):
@@ -82,3 +128,19 @@ def check_pools(pools: Mapping[str, torch.Tensor]) -> torch.device:
         if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"pool {kind!r} must be a contiguous uint8 [pages, bytes] tensor")
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def resolve_write(peers: Mapping[str, RemotePeer], peer_name: str, spans: SpanBatch | Sequence[tuple[str, Span]],
+                  epoch: str | None) -> tuple[RemotePeer, SpanBatch] | None:
+    """The loaded peer and the span batch of `write(peer_name, spans, epoch)`; None when there are
+    no spans. Raises KeyError for an unknown peer, TransferError when `epoch` names another
+    incarnation than the one loaded."""
+    batch = as_batch(spans)
+    if not batch.count:
+        return None
+    peer = peers.get(peer_name)
+    if peer is None:
+        raise KeyError(f"unknown peer {peer_name!r}")
+    if epoch is not None and epoch != peer.epoch:
+        raise TransferError(f"{peer_name!r} is now epoch {peer.epoch}, not {epoch}")
+    return peer, batch
