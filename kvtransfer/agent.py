@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import secrets
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -31,7 +30,7 @@ import torch
 
 from .cuda_ipc import CudaIpcPath, host_id
 from .regions import Span, SpanBatch
-from .transport import RemotePeer, TransferError, check_pools, resolve_write
+from .transport import RemotePeer, TransferError, check_pools, incarnation, memory_of, resolve_write
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +56,12 @@ class Agent:
                  progress_thread: bool = True, cuda_ipc: bool = True, time_ipc_writes: bool = False):
         from nixl._api import nixl_agent, nixl_agent_config   # optional dependency
 
-        if not name or "#" in name:
-            raise ValueError(f"agent name must be non-empty without '#': {name!r}")
         device = check_pools(pools)
         self.name = name
-        self.epoch = secrets.token_hex(8)
-        self.nixl_name = f"{name}#{self.epoch}"
+        self.epoch, self.nixl_name = incarnation(name)
         self.pools: dict[str, torch.Tensor] = dict(pools)
         self._bases = {k: t.data_ptr() for k, t in self.pools.items()}   # registered once
-        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        self.device_id = (device.index or 0) if device.type == "cuda" else 0
+        self.mem_type, self.device_id = memory_of(device)
         self._device = device
         self._nixl = nixl_agent(self.nixl_name,
                                 nixl_agent_config(enable_prog_thread=progress_thread,

@@ -26,7 +26,6 @@ Not thread-safe, like the NIXL agent: drive every agent of a directory from one 
 from __future__ import annotations
 
 import json
-import secrets
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from .regions import Span, SpanBatch
-from .transport import RemotePeer, TransferError, check_pools, resolve_write
+from .transport import RemotePeer, TransferError, check_pools, incarnation, memory_of, resolve_write
 
 PATH = "local"
 
@@ -84,16 +83,12 @@ class LocalAgent:
 
     def __init__(self, name: str, pools: Mapping[str, torch.Tensor], directory: AgentDirectory, *,
                  land_after_polls: int = 1):
-        if not name or "#" in name:
-            raise ValueError(f"agent name must be non-empty without '#': {name!r}")
         device = check_pools(pools)
         self.name = name
-        self.epoch = secrets.token_hex(8)
-        self.nixl_name = f"{name}#{self.epoch}"
+        self.epoch, self.nixl_name = incarnation(name)
         self.pools: dict[str, torch.Tensor] = dict(pools)
         self._flat = {k: t.view(-1) for k, t in self.pools.items()}
-        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        self.device_id = (device.index or 0) if device.type == "cuda" else 0
+        self.mem_type, self.device_id = memory_of(device)
         self._device = device
         self.land_after_polls = land_after_polls
         self.writes_by_path = {PATH: 0}

@@ -16,6 +16,7 @@ incarnation, so nothing addressed to its previous one reaches it.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -128,6 +129,19 @@ def check_pools(pools: Mapping[str, torch.Tensor]) -> torch.device:
         if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"pool {kind!r} must be a contiguous uint8 [pages, bytes] tensor")
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def incarnation(name: str) -> tuple[str, str]:
+    """A fresh (epoch, NIXL name "<name>#<epoch>") for an agent named `name` (non-empty, no '#')."""
+    if not name or "#" in name:
+        raise ValueError(f"agent name must be non-empty without '#': {name!r}")
+    epoch = secrets.token_hex(8)
+    return epoch, f"{name}#{epoch}"
+
+
+def memory_of(device: torch.device) -> tuple[str, int]:
+    """(NIXL memory type, device id) of pools on `device`."""
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
 def resolve_write(peers: Mapping[str, RemotePeer], peer_name: str, spans: SpanBatch | Sequence[tuple[str, Span]],
