@@ -2,7 +2,7 @@
 quantised to e4m3 per 128 along K, `act_quant.fake_quantize`, as the W8A8 projections already
 quantise theirs), against how far the W8A8 projections move it now. The question behind it: the
 FP4 experts on an H200 are bound in part by turning codes into bf16 MMA operands, and e4m3
-operands convert for fewer instructions, but only with FP8 activations (docs/benchmarks.md,
+operands convert for fewer instructions, but only with FP8 activations (docs/journal/,
 round v33, with why the per-32 scales may eat that saving).
 
     python benchmarks/research/expert_activation_error.py --out e.json [--device cuda] [--prompts 32]

@@ -4,7 +4,7 @@
 
 The decode gate/up kernel is bound by the instructions that turn FP4 codes into MMA operands
 (Nsight Compute at 256 tokens, H200: 0.63 issued per scheduler-cycle, the conversion's LOP3 /
-HMUL2 / SHF / IMAD 60% of them; docs/benchmarks.md round v36). The e4m3 alternative:
+HMUL2 / SHF / IMAD 60% of them; docs/journal/gpu-rounds-v29-v36.md, round v36). The e4m3 alternative:
 
 * each 32-bit word of codes becomes two registers of e4m3 in five instructions (`_E4M3_PTX`; the
   bf16 path takes twelve for the same eight codes), with no multiply: an e2m1 code whose bits are

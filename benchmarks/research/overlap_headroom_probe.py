@@ -3,7 +3,7 @@ streaming kernel reads HBM beside it.
 
     python benchmarks/research/overlap_headroom_probe.py --out h.json [--layers 15] [--steps 1x8192 1x32768 64x8192]
 
-A batch-1 step is a chain of latency-bound kernels (docs/benchmarks.md, rounds v28-v39): its
+A batch-1 step is a chain of latency-bound kernels (docs/journal/, rounds v28-v39): its
 own traffic averages ~1.5 TB/s on an H200 whose copy rate is 4.2. A per-layer persistent kernel
 would stream the next products' weights while the chain's latency-bound kernels (mHC entries,
 norms, RoPE, gate, select, attention) run; that pays only if HBM traffic beside those kernels
@@ -26,7 +26,7 @@ persistent design needs is there; if the step slows in proportion, it is not. Ba
 bandwidth-bound step, is the control: it must leave the streamer little, the two together near
 the copy rate. Each launch reads on from where the last stopped (`streamer_graph`): launches over
 the same chunks read them from L2, which measures the streamer's presence on the SMs rather than
-HBM traffic (docs/benchmarks.md, round v43, keeps such a run as that control).
+HBM traffic (docs/journal/gpu-rounds-v37-v44.md, round v43, keeps such a run as that control).
 """
 
 from __future__ import annotations

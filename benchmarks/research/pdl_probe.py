@@ -7,7 +7,7 @@ with `decode_config`'s tiles and K splits; twelve layers of weights, so none is 
 launched plainly and with PDL as kernels/common/pdl.py uses it (each kernel waits for its predecessor
 first, none triggers early). Replay medians, two rounds; each form's outputs are checked against
 the torch reference. (Round v19 also measured early triggers, on entry and after the K loop:
-both slower than plain; docs/benchmarks.md.)
+both slower than plain; docs/journal/.)
 """
 
 from __future__ import annotations

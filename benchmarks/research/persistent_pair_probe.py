@@ -3,7 +3,7 @@ of one-token products a decode layer runs back to back: the grouped wo_a, then w
 
     python benchmarks/research/persistent_pair_probe.py --out p.json [--programs 132 264 396]
 
-A per-layer persistent kernel (docs/benchmarks.md, round v43) replaces each launch boundary of
+A per-layer persistent kernel (docs/journal/gpu-rounds-v37-v44.md, round v43) replaces each launch boundary of
 the batch-1 chain by a grid-wide wait. Whether that pays is this measurement, on the simplest
 dependent pair, with the production product's body (`fp8_gemm.a8_tile`, one output tile and K
 split a work item) in every form, so only the boundary and the schedule differ:
