@@ -120,7 +120,8 @@ def test_a_decorated_actor_class_answers_the_shell_methods_through_its_shell(reg
         for name in SHELL_METHODS:  # Ray runs coroutine methods on the actor's event loop: keep which are
             assert inspect.iscoroutinefunction(getattr(Actor, name)) == inspect.iscoroutinefunction(
                 getattr(WorkerShell, name)), name
-        assert inspect.signature(Actor.ep_wake).parameters.keys() == {"self", "meeting"}
+        # the forwarder keeps the shell method's parameters (Ray may add its own tracing one)
+        assert {"self", "meeting"} <= inspect.signature(Actor.ep_wake).parameters.keys()
         asyncio.run(actor.stop())
     finally:
         shell.agent.close()
