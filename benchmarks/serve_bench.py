@@ -1,28 +1,48 @@
-"""Served load against a running v4serve: ISL/OSL requests at fixed concurrencies through the
-router's OpenAI HTTP API, streamed, the way SGLang's `bench_serving --max-concurrency` drives a
-server (closed loop: each of c clients sends its next request when its last one ends).
+"""Served load against a running v4serve: ISL/OSL requests through the router's OpenAI HTTP API,
+streamed, at fixed concurrencies (closed loop, the way SGLang's `bench_serving --max-concurrency`
+drives a server: each of c clients sends its next request when its last one ends), at fixed
+request rates (open loop: Poisson arrivals, each request sent at its time whatever the others
+do), and the goodput of each SLO tier (DistServe): the highest Poisson rate at which ≥ 90% of
+the requests meet both the tier's TTFT and its ITL p99 target.
 
     v4serve up ... &                       # any deployment (P/D or aggregated)
     python benchmarks/serve_bench.py --url http://127.0.0.1:8000 --isl 8192 --osl 1024 \\
         --concurrency 1 16 64 256 --gpus 4 --label pd --out serve.json
+    python benchmarks/serve_bench.py --isl 8192 --osl 1024 --gpus 4 --label pd --out goodput.json \\
+        --goodput interactive batch --start-rate 1 --rate-requests 100
 
 Prompts are random token ids (distinct per request, so no prefix-cache hits), sent as
 `prompt` id lists with `ignore_eos` so every request produces exactly OSL tokens;
 `return_token_ids` makes each streamed chunk carry its tokens. Per level:
 
 * TTFT: request sent → first token; ITL: the gaps between a request's token chunks (one token
-  each on a decode step); E2E: sent → last token. Percentiles over the level's requests / gaps.
+  each on a decode step); E2E: sent → last token. Percentiles over the level's requests / gaps,
+  and over the requests' own ITL p99 (what a tier judges).
 * output tok/s: tokens produced / (first request sent → last request done); total tok/s adds the
   prompt tokens; both also per GPU (`--gpus`).
+* attainment per tier: the share of the level's requests that met it; a failed request (HTTP
+  error, error in the stream, fewer tokens) meets none. Tiers: `--slo NAME:TTFT_S:ITL_P99_MS`,
+  by default interactive (1.5 s, 30 ms) and batch (4 s, 100 ms) for ISL 8192 / OSL 1024; a small
+  model on a CPU states its own.
 * KV transfer per request: the router's `v4serve_kv_transfer_wire_seconds` histogram (the
   sender's first write posted → verified on the decode worker), its mean over the level from
   /metrics before and after; also reservation → verified (`v4serve_kv_transfer_seconds`, which
   holds the wait for the prefill), and the transfers that failed by reason (the decode worker then
   prefilled the request itself).
 
+Goodput (`--goodput TIER...`): from `--start-rate`, double the rate while ≥ `--attainment` of a
+level's requests meet the tier, halve while they do not, then bisect between the highest passing
+and the lowest failing rate to `--precision` (relative) or `--max-levels` rates a tier. A level
+holds `--rate-requests` requests; every rate of the run scales the same seeded arrival draw, and a
+level measured for one tier serves the others. Every level run is kept in the JSON, with each
+request's TTFT and ITL p99, so `--resume` of that file (same deployment) judges its levels
+against the tiers of this run and runs only the rates it lacks: a search can go on across
+commands of limited length.
+
 Against: the same run on an aggregated deployment of the same GPUs (P/D is judged by what it
-gains or loses there, at each concurrency), and SGLang's published figures for V4-Flash on 4×
-H200 (TP4, FP4 experts; total tok/s per GPU at the same ISL / OSL) for scale.
+gains or loses there), and SGLang's published figures for V4-Flash on 4× H200 (TP4, FP4 experts;
+total tok/s per GPU at the same ISL / OSL) for scale. `plot_results.py --latency-load` draws the
+latency and attainment against rate of several runs on one figure.
 
 A level stops sending new requests after `--level-budget-s` (the requests in flight finish), so
 a slow level reports fewer requests than asked for rather than running on; the JSON says how many.
@@ -35,55 +55,16 @@ import asyncio
 import json
 import random
 import re
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def percentiles_ms(xs: list[float]) -> dict[str, float]:
-    """p50 / p90 / p99 of seconds, in ms."""
-    return {q: 1e3 * pct(xs, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))}
-
-
-async def one(session: httpx.AsyncClient, url: str, prompt: list[int], osl: int) -> dict:
-    """One streamed request; a 429 (the router's admission control: every decode worker's queue
-    is full) is retried after its Retry-After, as a client of an OpenAI API does. TTFT and E2E
-    count from the first attempt."""
-    body = {"model": "v4serve", "prompt": prompt, "max_tokens": osl, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    sent = time.perf_counter()
-    stamps, tokens, retries = [], 0, 0
-    while not stamps:
-        async with session.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code == 429:
-                retries += 1
-                await resp.aread()
-                await asyncio.sleep(float(resp.headers.get("retry-after", 1.0)))
-                continue
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-                if n:
-                    stamps.append(time.perf_counter())
-                    tokens += n
-    if tokens != osl:
-        raise RuntimeError(f"asked for {osl} tokens (ignore_eos), got {tokens}")
-    return {"sent": sent, "ttft": stamps[0] - sent, "e2e": stamps[-1] - sent, "done": stamps[-1],
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens, "retries": retries}
+from benchmarks.serving_load import (TARGET, TIERS, Tier, closed_loop, meets, one, open_loop,  # noqa: E402
+                                     poisson_arrivals, records_from_columns, search_goodput, summarize)
+from benchmarks.serving_load import pct  # noqa: E402,F401  (pd_bench.py imports it from here)
 
 
 async def transfer_totals(session: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -105,65 +86,153 @@ def mean_ms(before: dict, after: dict, key: str) -> float | None:
     return 1e3 * (after[f"{key}_sum"] - before[f"{key}_sum"]) / n if n else None
 
 
-async def level(session, url: str, c: int, n: int, isl: int, osl: int, vocab: int, seed: int,
-                budget_s: float) -> dict:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(2, vocab) for _ in range(isl)] for _ in range(n)]
-    before = await transfer_totals(session, url)
-    start = time.perf_counter()
-    rows: list[dict] = []
+def dumps(obj) -> str:
+    """Indented JSON with each list of numbers on one line (the per-request columns)."""
+    return re.sub(r"\[[^\[\]{}\"]*\]", lambda m: re.sub(r"\s+", " ", m.group(0)).replace("[ ", "[").replace(" ]", "]"),
+                  json.dumps(obj, indent=1))
 
-    async def client():
-        while prompts and time.perf_counter() - start < budget_s:
-            rows.append(await one(session, url, prompts.pop(), osl))
 
-    await asyncio.gather(*(client() for _ in range(c)))
-    after = await transfer_totals(session, url)
-    span = max(r["done"] for r in rows) - start
-    itl = [g for r in rows for g in r["itl"]]
-    out_tokens = sum(r["tokens"] for r in rows)
-    return {"concurrency": c, "requests": len(rows), "asked": n, "seconds": span,
-            "output_tok_s": out_tokens / span, "total_tok_s": (out_tokens + isl * len(rows)) / span,
-            "ttft_ms": percentiles_ms([r["ttft"] for r in rows]), "itl_ms": percentiles_ms(itl),
-            "e2e_ms_p50": 1e3 * statistics.median(r["e2e"] for r in rows),
-            "retried_429": sum(r["retries"] for r in rows),
-            "kv_transfers": int(after["wire_count"] - before["wire_count"]),
+class Bench:
+    """One run: the levels measured so far (by concurrency and by rate, a resumed file's
+    included) and the JSON they are written to after each."""
+
+    def __init__(self, session: httpx.AsyncClient, args, tiers: tuple[Tier, ...]):
+        self.session, self.args, self.tiers = session, args, tiers
+        self.out = {"label": args.label, "gpus": args.gpus, "isl": args.isl, "osl": args.osl,
+                    "rate_requests": args.rate_requests, "seed": args.seed,
+                    "slo": {"target": args.attainment, "tiers": [t.as_json() for t in tiers],
+                            "meets": "TTFT ≤ ttft_s and the request's own ITL p99 ≤ itl_p99_ms; a failed request meets none"},
+                    "goodput": {}, "levels": []}
+        self.by_rate: dict[float, dict] = {}
+        self.by_concurrency: dict[int, dict] = {}
+
+    def keep(self, level: dict) -> None:
+        self.out["levels"].append(level)
+        if level["mode"] == "poisson":
+            self.by_rate[level["rate"]] = level
+        else:
+            self.by_concurrency[level["concurrency"]] = level
+        self.save()
+
+    def save(self) -> None:
+        if self.args.out:  # after every level: a later one may not finish
+            self.args.out.write_text(dumps(self.out))
+
+    def resume(self, path: Path) -> None:
+        """Keep the levels of an earlier run of the same shape, judged against this run's tiers."""
+        old = json.loads(path.read_text())
+        for key in ("isl", "osl", "rate_requests", "seed"):  # the same levels, or they would not compare
+            if old.get(key) != self.out[key]:
+                raise SystemExit(f"--resume {path}: its {key} is {old.get(key)}, this run's {self.out[key]}")
+        for level in old["levels"]:
+            records = records_from_columns(level["per_request"])
+            level["attainment"] = {t.name: sum(meets(r, t) for r in records) / len(records) if records else 0.0
+                                   for t in self.tiers}
+            self.keep(level)
+
+    async def level(self, mode: str, value: float, n: int) -> dict:
+        a = self.args
+        rng = random.Random(f"prompts {a.seed} {len(self.out['levels'])}")  # distinct from every other level's
+        prompts = [[rng.randrange(2, a.vocab) for _ in range(a.isl)] for _ in range(n)]
+        before = await transfer_totals(self.session, a.url)
+        if mode == "closed":
+            rows, start = await closed_loop(self.session, a.url, prompts, a.osl, int(value), a.level_budget_s)
+            head = {"mode": "closed", "concurrency": int(value)}
+        else:
+            offsets = poisson_arrivals(n, value, a.seed)
+            rows, start = await open_loop(self.session, a.url, prompts, a.osl, offsets, a.level_budget_s)
+            head = {"mode": "poisson", "rate": value}
+        after = await transfer_totals(self.session, a.url)
+        level = {**head, "asked": n, **summarize(rows, start, a.isl, self.tiers)}
+        level.update(
+            output_tok_s_per_gpu=level["output_tok_s"] / a.gpus, total_tok_s_per_gpu=level["total_tok_s"] / a.gpus,
+            kv_transfers=int(after["wire_count"] - before["wire_count"]),
             # KV the decode side recomputed instead (by reason: "expired" = its reservation's lease ran out)
-            "kv_transfer_failures": {k.removeprefix("failed_"): int(v - before.get(k, 0.0))
-                                     for k, v in after.items() if k.startswith("failed_") and v > before.get(k, 0.0)},
-            "kv_transfer_ms_mean": mean_ms(before, after, "wire"),
-            "kv_reserved_to_verified_ms_mean": mean_ms(before, after, "reserved")}
+            kv_transfer_failures={k.removeprefix("failed_"): int(v - before.get(k, 0.0))
+                                  for k, v in after.items() if k.startswith("failed_") and v > before.get(k, 0.0)},
+            kv_transfer_ms_mean=mean_ms(before, after, "wire"),
+            kv_reserved_to_verified_ms_mean=mean_ms(before, after, "reserved"))
+        print(json.dumps({k: v for k, v in level.items() if k != "per_request"}), flush=True)
+        self.keep(level)
+        return level
+
+    async def at_rate(self, rate: float) -> dict:
+        return self.by_rate.get(rate) or await self.level("poisson", rate, self.args.rate_requests)
 
 
-async def main_async(args) -> list[dict]:
+async def main_async(args, tiers: tuple[Tier, ...]) -> dict:
     timeout = httpx.Timeout(args.read_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as session:
+        bench = Bench(session, args, tiers)
+        if args.resume:
+            bench.resume(args.resume)
         # sent at once, so the router spreads them over the workers: each worker process compiles
         # and allocates what its first prompt needs before the measured levels
-        await asyncio.gather(*(one(session, args.url, [random.Random(-1 - i).randrange(2, args.vocab)
-                                                       for _ in range(args.isl)], 4) for i in range(args.warmup)))
-        out = []
-        for k, c in enumerate(args.concurrency):
-            n = max(c * args.rounds, args.min_requests)
-            r = await level(session, args.url, c, n, args.isl, args.osl, args.vocab, seed=k, budget_s=args.level_budget_s)
-            r.update(label=args.label, gpus=args.gpus, isl=args.isl, osl=args.osl,
-                     output_tok_s_per_gpu=r["output_tok_s"] / args.gpus, total_tok_s_per_gpu=r["total_tok_s"] / args.gpus)
-            print(json.dumps(r), flush=True)
-            out.append(r)
-            if args.out:  # after every level: a later one may not finish
-                args.out.write_text(json.dumps(out, indent=1))
-        return out
+        warm = await asyncio.gather(*(one(session, args.url, [random.Random(-1 - i).randrange(2, args.vocab)
+                                                              for _ in range(args.isl)], 4) for i in range(args.warmup)))
+        if any(r["error"] for r in warm):
+            raise SystemExit(f"warm-up failed: {[r['error'] for r in warm if r['error']][:3]}")
+        for c in args.concurrency:
+            if c not in bench.by_concurrency:
+                await bench.level("closed", c, max(c * args.rounds, args.min_requests))
+        for rate in args.rates:
+            await bench.at_rate(rate)
+        for name in args.goodput:
+            g = await search_goodput(bench.at_rate, name, args.attainment, args.start_rate, args.precision,
+                                     args.max_levels)
+            g["requests_per_s_per_gpu"] = g["requests_per_s"] / args.gpus
+            bench.out["goodput"][name] = g
+            bench.save()
+        bench.out["levels"].sort(key=lambda l: (l["mode"], l.get("concurrency") or l.get("rate")))
+        bench.save()
+        return bench.out
 
 
-def main() -> None:
+def report(out: dict) -> None:
+    """The levels and the goodput as Markdown."""
+    names = [t["name"] for t in out["slo"]["tiers"]]
+    print(f"| level | requests (failed) | output tok/s/GPU | total tok/s/GPU | TTFT p50 / p90 / p99 ms | "
+          f"ITL p50 / p90 / p99 ms | attainment {' / '.join(names)} | KV transfer ms |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def f(x, spec):
+        return "–" if x is None else format(x, spec)
+    for r in out["levels"]:
+        name = f"c={r['concurrency']}" if r["mode"] == "closed" else f"rate={r['rate']:g}/s"
+        t, i = r["ttft_ms"], r["itl_ms"]
+        print(f"| {name} | {r['requests']} ({r['failed']}) | {r['output_tok_s_per_gpu']:.0f} | {r['total_tok_s_per_gpu']:.0f} | "
+              f"{f(t['p50'], '.0f')} / {f(t['p90'], '.0f')} / {f(t['p99'], '.0f')} | "
+              f"{f(i['p50'], '.1f')} / {f(i['p90'], '.1f')} / {f(i['p99'], '.1f')} | "
+              f"{' / '.join(format(r['attainment'][n], '.0%') for n in names)} | {f(r['kv_transfer_ms_mean'], '.1f')} |")
+    for name, g in out["goodput"].items():
+        lo, hi = g["passing"], g["failing"]
+        print(f"goodput {name}: {g['requests_per_s']:.3g} requests/s ({g['requests_per_s_per_gpu']:.3g} per GPU); "
+              f"passing {f(lo and lo['rate'], '.3g')}, failing {f(hi and hi['rate'], '.3g')}"
+              f"{'' if g['converged'] else ' (not converged)'}")
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--isl", type=int, default=8192)
     ap.add_argument("--osl", type=int, default=1024)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--rounds", type=int, default=1, help="requests per level = concurrency × rounds")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=None,
+                    help="closed-loop levels (default 1 16 64 256 unless --rates or --goodput is given)")
+    ap.add_argument("--rounds", type=int, default=1, help="requests per closed-loop level = concurrency × rounds")
     ap.add_argument("--min-requests", type=int, default=1)
+    ap.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop levels: Poisson arrivals, requests/s")
+    ap.add_argument("--rate-requests", type=int, default=100, help="requests per open-loop level")
+    ap.add_argument("--seed", type=int, default=0, help="of the arrival draw (and the prompts)")
+    ap.add_argument("--slo", type=Tier.parse, nargs="+", default=list(TIERS), metavar="NAME:TTFT_S:ITL_P99_MS",
+                    help=f"the SLO tiers (default {' '.join(t.spec() for t in TIERS)})")
+    ap.add_argument("--attainment", type=float, default=TARGET,
+                    help="share of a level's requests that must meet a tier for the rate to count")
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="TIER", help="search the goodput of these tiers")
+    ap.add_argument("--start-rate", type=float, default=1.0, help="the goodput search's first rate (requests/s)")
+    ap.add_argument("--precision", type=float, default=0.1, help="stop when failing / passing rate - 1 ≤ this")
+    ap.add_argument("--max-levels", type=int, default=8, help="at most this many rates a tier's search measures")
+    ap.add_argument("--resume", type=Path, default=None, help="a JSON of an earlier run: its levels are not run again")
     ap.add_argument("--level-budget-s", type=float, default=600.0, help="stop sending new requests after this")
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of the deployment (per-GPU rates)")
@@ -171,15 +240,18 @@ def main() -> None:
     ap.add_argument("--read-timeout-s", type=float, default=600.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    rows = asyncio.run(main_async(args))
-    print("| c | requests | output tok/s/GPU | total tok/s/GPU | TTFT p50 / p99 ms | ITL p50 / p90 / p99 ms | KV transfer ms |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        kv = "–" if r["kv_transfer_ms_mean"] is None else f"{r['kv_transfer_ms_mean']:.1f}"
-        print(f"| {r['concurrency']} | {r['requests']} | {r['output_tok_s_per_gpu']:.0f} | {r['total_tok_s_per_gpu']:.0f} | "
-              f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p90']:.1f} / "
-              f"{r['itl_ms']['p99']:.1f} | {kv} |")
+    args = ap.parse_args(argv)
+    tiers = tuple(args.slo)
+    if len({t.name for t in tiers}) != len(tiers):
+        ap.error("--slo: tier names must differ")
+    unknown = set(args.goodput) - {t.name for t in tiers}
+    if unknown:
+        ap.error(f"--goodput {' '.join(sorted(unknown))}: not a tier of --slo ({' '.join(t.name for t in tiers)})")
+    if args.concurrency is None:
+        args.concurrency = [] if args.rates or args.goodput else [1, 16, 64, 256]
+    out = asyncio.run(main_async(args, tiers))
+    report(out)
+    return out
 
 
 if __name__ == "__main__":

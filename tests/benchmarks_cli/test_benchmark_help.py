@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 MAIN_OPTIONS = {
-    "serve_bench": ["--url", "--isl", "--osl", "--concurrency", "--gpus", "--out"],
+    "serve_bench": ["--url", "--isl", "--osl", "--concurrency", "--rates", "--goodput", "--slo", "--attainment",
+                    "--gpus", "--out"],
     "kv_transfer_bench": ["--device", "--tokens", "--path", "--per-layer", "--out"],
     "decode_step_bench": ["--out", "--layers", "--batches", "--contexts", "--activations"],
     "kernel_bench": ["--out", "--batch", "--context", "--only"],
@@ -28,7 +29,7 @@ MAIN_OPTIONS = {
     "pd_gpu_slice": ["--out", "--layers", "--requests", "--concurrency"],
     "stub_http_worker": ["--port", "--delay-ms"],
 }
-HELPERS = {"gpu_ceilings", "flash_model", "plot_results"}  # imported or run on results, no --help
+HELPERS = {"gpu_ceilings", "flash_model", "plot_results", "serving_load"}  # imported or run on results, no --help
 
 
 def test_the_top_level_holds_the_benchmarks_and_their_helpers_only():
