@@ -1,5 +1,5 @@
-"""Incremental detokenisation with stop strings, at a cost per token that does not grow with the
-text generated so far.
+"""Incremental detokenisation with stop strings, at a cost per token that grows neither with the
+text generated so far nor with the length of the stop strings.
 
     d = Detokenizer(tokenizer, stop_strings)
     for token in stream: text += d.push(token); if d.stopped: break
@@ -14,18 +14,27 @@ string): what cannot be final yet is held back until a later token decides it.
   decode), so each step decodes `tokens[prefix:]` and takes the text past
   `decode(tokens[prefix:read])`: `tokens[prefix:read]` is the context, `tokens[read:]` the tokens
   whose text is not all committed. Once the window's text ends cleanly (no U+FFFD: no character
-  still incomplete) the window moves up, so a step decodes a handful of tokens (tokens whose
-  text keeps ending in U+FFFD stay in the window until it ends cleanly: beyond three tokens only
-  invalid bytes do that). DecodeStream itself is not used: it needs a `tokenizers.Tokenizer`, and
-  the tiny models' byte tokenizer is none.
-* A trailing run of U+FFFD is held back: it may be a UTF-8 sequence still incomplete (byte-level
-  decoding gives one U+FFFD for it, byte-fallback decoders one per byte).
-* Stop strings: an Aho-Corasick automaton over them is fed each committed character once; its
-  state is the longest suffix of the text that begins some stop string, so that suffix (at most
-  the longest stop string minus one character) is what is held back, and a stop string is found
-  where it completes, across token boundaries, at O(new text) per token. The text stops at the
-  first position where any stop string completes (the longest one ending there): the same
-  wherever the token boundaries fall.
+  still incomplete) the window moves up, so a step decodes a handful of tokens. A window whose
+  text keeps ending in U+FFFD (a run of invalid bytes) moves up too once more than
+  `HOLD_TOKENS` tokens are past `read`: an incomplete UTF-8 character is at most three bytes, so
+  the text of every token but the last four is final, if it decodes alike with the window cut
+  there (`decode(a) + decode(b) == decode(a + b)`: no character straddles the cut). Without that
+  such a run would be decoded whole at every step. DecodeStream itself is not used: it needs a
+  `tokenizers.Tokenizer`, and the tiny models' byte tokenizer is none.
+* A trailing run of U+FFFD is held back (up to that cut): it may be a UTF-8 sequence still
+  incomplete (byte-level decoding gives one U+FFFD for it, byte-fallback decoders one per byte).
+* Stop strings: a Knuth-Morris-Pratt matcher per stop string is fed each committed character
+  once. Its failure tables are extended only as far as the text ever matched the stop string, so
+  a request pays nothing up front for long stop strings (an automaton built over them in full
+  would cost time and memory in their total length, per request, before the first token). The
+  matchers tell the longest suffix of the text that begins some stop string; that suffix (at
+  most the longest stop string minus one character) is what is held back, in a deque that each
+  character enters and leaves once, and a stop string is found where it completes, across token
+  boundaries. The text stops at the first position where any stop string completes (the longest
+  one ending there): the same wherever the token boundaries fall. A character costs O(1) per
+  stop string it currently continues or starts (amortised: a failure move gives back a
+  character a match gained), whatever the stop strings' length; `examined` counts that work
+  (comparisons, failure moves and table entries, characters into and out of the held-back text).
 
 `resume(tokenizer, stop_strings, tokens, emitted)` rebuilds the state a detokenizer had after
 `tokens` with `emitted` characters released (a migrated request: MigrationHeader carries both) by
@@ -34,53 +43,71 @@ running the window over `tokens` once, so the stream continues exactly.
 
 from __future__ import annotations
 
+from collections import deque
+
 REPLACEMENT = "\ufffd"
+HOLD_TOKENS = 4  # tokens a trailing U+FFFD run may still be completed by (a character: ≤ 4 bytes)
 
 
 class StopMatcher:
-    """Aho-Corasick automaton over stop strings: state 0 is the empty match."""
+    """Where the text fed so far stands against each stop string: Knuth-Morris-Pratt per stop
+    string, with each failure table extended only as far as the text ever matched, so building
+    costs nothing and a stop string's length costs nothing unless the text follows it that far.
+
+    `partial`: the longest suffix of the text that begins some stop string (what must be held
+    back). `steps` counts the work done: comparisons, failure moves, table entries computed."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self._goto: list[dict[str, int]] = [{}]
-        self.depth = [0]
-        ends = [0]                                  # length of the stop string ending in a state
-        for s in stops:
-            state = 0
-            for ch in s:
-                nxt = self._goto[state].get(ch)
-                if nxt is None:
-                    nxt = self._goto[state][ch] = len(self._goto)
-                    self._goto.append({})
-                    self.depth.append(self.depth[state] + 1)
-                    ends.append(0)
-                state = nxt
-            ends[state] = len(s)
-        self._fail = [0] * len(self._goto)
-        # the longest stop string that is a suffix of a state's text (0: none), by breadth
-        self._out = list(ends)
-        queue = list(self._goto[0].values())
-        for state in queue:
-            for ch, nxt in self._goto[state].items():
-                f = self._fail[state]
-                while f and ch not in self._goto[f]:
-                    f = self._fail[f]
-                self._fail[nxt] = self._goto[f].get(ch, 0)
-                self._out[nxt] = ends[nxt] or self._out[self._fail[nxt]]
-                queue.append(nxt)
+        self.stops = stops
+        self._tables: list[list[int]] = [[0] for _ in stops]  # KMP failure tables, as far as needed
+        self._starting: dict[str, list[int]] = {}  # first character → the stop strings it begins
+        for i, s in enumerate(stops):
+            self._starting.setdefault(s[0], []).append(i)
+        self._matched: dict[int, int] = {}  # stop string → characters of it the text ends with (> 0)
+        self.steps = 0
 
-    def step(self, state: int, ch: str) -> int:
-        while state and ch not in self._goto[state]:
-            state = self._fail[state]
-        return self._goto[state].get(ch, 0)
+    @property
+    def partial(self) -> int:
+        return max(self._matched.values(), default=0)
 
-    def feed(self, state: int, text: str) -> tuple[int, int, int]:
-        """Feed `text` from `state` up to the first completed stop string:
-        (state, index in text just past it, its length), or (state, -1, 0) when none completes."""
-        for i, ch in enumerate(text):
-            state = self.step(state, ch)
-            if self._out[state]:
-                return state, i + 1, self._out[state]
-        return state, -1, 0
+    def feed(self, text: str) -> tuple[int, int]:
+        """Feed `text` up to the first completed stop string: (index in text just past it, its
+        length; the longest one completing there), or (-1, 0) when none completes."""
+        stops, steps = self.stops, 0
+        for at, ch in enumerate(text):
+            matched = {}
+            for i, m in self._matched.items():
+                s = stops[i]
+                steps += 1
+                while m and s[m] != ch:  # each fall gives back a character a match gained
+                    m = self._fail(i, m)
+                    steps += 1
+                if s[m] == ch:
+                    matched[i] = m + 1
+            for i in self._starting.get(ch, ()):
+                steps += 1
+                matched.setdefault(i, 1)
+            self._matched = matched
+            done = [m for i, m in matched.items() if m == len(stops[i])]
+            if done:
+                self.steps += steps
+                return at + 1, max(done)
+        self.steps += steps
+        return -1, 0
+
+    def _fail(self, i: int, m: int) -> int:
+        """The longest proper border of stop string i's first m characters (m > 0), extending
+        its failure table up to there if needed."""
+        s, table = self.stops[i], self._tables[i]
+        while len(table) < m:  # table[q]: border of s[:q + 1]
+            q = len(table)
+            k = table[q - 1]
+            while k and s[q] != s[k]:
+                k = table[k - 1]
+                self.steps += 1
+            table.append(k + 1 if s[q] == s[k] else 0)
+            self.steps += 1
+        return table[m - 1]
 
 
 class Detokenizer:
@@ -94,9 +121,14 @@ class Detokenizer:
         self._context = 0  # len(decode(tokens[prefix:read]))
         self._taken = 0  # characters of the window past the context already committed
         self._matcher = StopMatcher(self.stop_strings) if self.stop_strings else None
-        self._state = 0  # the matcher's state after the committed text
-        self._held = ""  # committed text not released: it may begin a stop string
+        self._held: deque[str] = deque()  # committed characters not released: they may begin a stop string
+        self._moved = 0  # characters into and out of _held
         self._skip = 0  # (resume) characters still to commit that were released before
+
+    @property
+    def examined(self) -> int:
+        """The stop-string path's work so far (StopMatcher.steps + characters held and released)."""
+        return (self._matcher.steps if self._matcher is not None else 0) + self._moved
 
     @classmethod
     def resume(cls, tokenizer, stop_strings: tuple[str, ...], tokens: list[int], emitted: int) -> Detokenizer:
@@ -106,7 +138,7 @@ class Detokenizer:
         committed = "".join(d._absorb(t) for t in tokens)
         d.emitted = d._skip = emitted
         releasable = d._release(committed)  # what that worker would release now, if anything:
-        d._held = releasable + d._held  # it goes out with the next token instead
+        d._held.extendleft(reversed(releasable))  # it goes out with the next token instead
         d.emitted -= len(releasable)
         return d
 
@@ -127,9 +159,7 @@ class Detokenizer:
         self._taken += len(new)
         out = self._release(new)
         if not self.stopped:  # no stop string can complete any more: release what was held
-            out += self._held
-            self.emitted += len(self._held)
-            self._held = ""
+            out += self._take(len(self._held))
         return out
 
     # --- the token window
@@ -142,9 +172,20 @@ class Detokenizer:
         self.tokens.append(token)
         window = self._decode(self._prefix)
         start = self._context + self._taken
-        end = len(window.rstrip(REPLACEMENT)) if window.endswith(REPLACEMENT) else len(window)
+        clean = not window.endswith(REPLACEMENT)
+        end = len(window) if clean else len(window.rstrip(REPLACEMENT))
+        if not clean and len(self.tokens) - self._read > HOLD_TOKENS:
+            # a run of invalid bytes: the text of all but the last tokens is final if no
+            # character straddles the cut
+            cut = len(self.tokens) - HOLD_TOKENS
+            head = self._decode(self._prefix, cut)
+            if head + self._decode(cut) == window:
+                end = max(start, end, len(head))
+                self._prefix = self._read = cut
+                self._context, self._taken = 0, end - len(head)
+                return window[start:end]
         new = window[start:end] if end > start else ""
-        if end == len(window) and len(window) > self._context:  # ends cleanly: move the window up
+        if clean and len(window) > self._context:  # ends cleanly: move the window up
             self._prefix, self._read = self._read, len(self.tokens)
             self._context = len(self._decode(self._prefix, self._read))
             self._taken = 0
@@ -154,26 +195,37 @@ class Detokenizer:
 
     # --- stop strings
 
+    def _take(self, n: int) -> str:
+        """Release the first `n` held characters."""
+        held = self._held
+        if n == len(held):
+            out = "".join(held)
+            held.clear()
+        else:
+            out = "".join([held.popleft() for _ in range(n)])
+        self._moved += n
+        self.emitted += n
+        return out
+
     def _release(self, new: str) -> str:
         """Commit `new`; return the part of the held-back and new text that is released now."""
         if self._skip:  # (resume) released by the worker before: only the matcher sees it
             seen, new = new[:self._skip], new[self._skip:]
             self._skip -= len(seen)
             if self._matcher is not None:
-                for ch in seen:
-                    self._state = self._matcher.step(self._state, ch)
-        buf = self._held + new
+                self._matcher.feed(seen)  # no stop string completes in released text
         if self._matcher is None:
-            self._held = ""
-            self.emitted += len(buf)
-            return buf
-        self._state, end, length = self._matcher.feed(self._state, new)
-        if end >= 0:  # a stop string completes: release what precedes it, nothing more ever
-            out = buf[:max(0, len(self._held) + end - length)]
-            self.stopped, self._held = True, ""
-            self.emitted += len(out)
+            out = self._take(len(self._held)) + new if self._held else new
+            self.emitted += len(new)
             return out
-        keep = min(self._matcher.depth[self._state], len(buf))
-        out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
-        self.emitted += len(out)
-        return out
+        end, length = self._matcher.feed(new)
+        if end >= 0:  # a stop string completes: release what precedes it, nothing more ever
+            self._held.extend(new[:end])
+            self._moved += end
+            out = self._take(max(0, len(self._held) - length))
+            self.stopped = True
+            self._held.clear()
+            return out
+        self._held.extend(new)
+        self._moved += len(new)
+        return self._take(len(self._held) - min(self._matcher.partial, len(self._held)))

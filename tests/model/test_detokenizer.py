@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from model.detokenizer import Detokenizer
+from model.detokenizer import HOLD_TOKENS, Detokenizer
 from model.tiny import tiny_config
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -25,12 +25,22 @@ def first_stop(text, stops):
 
 
 def naive(tok, stops, tokens):
-    """(text released per token, then by flush; stopped): everything re-decoded at every step; a
-    trailing U+FFFD run and a suffix that begins a stop string are held back."""
-    out, emitted = [], 0
+    """(text released per token, then by flush; stopped): everything re-decoded at every step.
+    The final text is the text up to its trailing U+FFFD run; but once more than HOLD_TOKENS
+    tokens came since the text last ended cleanly (a run of invalid bytes), the text of all but
+    the last HOLD_TOKENS tokens is final too if it decodes alike cut off there (no character
+    straddles the cut). Of the final text, a suffix that begins a stop string is held back."""
+    out, emitted, final, read = [], 0, 0, 0
     for n in range(1, len(tokens) + 1):
         text = tok.decode(tokens[:n])
-        stable = text.rstrip(FFFD)
+        if not text.endswith(FFFD):
+            read = n if len(text) > len(tok.decode(tokens[:read])) else read
+        elif n - read > HOLD_TOKENS:
+            head = tok.decode(tokens[:n - HOLD_TOKENS])
+            if head + tok.decode(tokens[n - HOLD_TOKENS:n]) == text:
+                final, read = max(final, len(head)), n - HOLD_TOKENS
+        final = max(final, len(text.rstrip(FFFD)))
+        stable = text[:final]
         at = first_stop(stable, stops)
         if at is not None:
             return out + [text[emitted:max(at, emitted)]], True
@@ -247,3 +257,76 @@ def test_decoding_cost_is_linear_in_the_stream():
     tok = CountingTok(BYTES)
     naive(tok, (), tokens[:1000])
     assert tok.decoded > 20 * 1000
+
+
+@pytest.mark.parametrize("run", [[0xC3], [0xF0, 0x9F], [0xE2, 0x82, 0xC3], [0x80]],
+                         ids=["C3", "F09F", "E282C3", "80"])
+def test_a_run_of_invalid_bytes_is_released_as_it_comes_at_a_bounded_cost(run):
+    """A model stuck on bytes that never form a character: its text (U+FFFD each) goes out as it
+    comes, but for the last tokens, and each step decodes a bounded window."""
+    tokens = run * (3000 // len(run)) + list(" end 😀".encode())
+    assert naive(BYTES, (), tokens[:300]) == stream(Detokenizer(BYTES), tokens[:300])
+    tok = CountingTok(BYTES)
+    d = Detokenizer(tok)
+    out = [d.push(t) for t in tokens[:1000]]
+    released = "".join(out)
+    assert BYTES.decode(tokens).startswith(released)
+    assert len(released) >= len(BYTES.decode(tokens[:1000 - 2 * HOLD_TOKENS]))
+    out += [d.push(t) for t in tokens[1000:]] + [d.flush()]
+    assert "".join(out) == BYTES.decode(tokens) and out[-5:] == ["", "", "", "😀", ""]
+    assert tok.decoded < 20 * len(tokens), tok.decoded
+
+
+def stop_heavy_text():
+    """Text that follows long stop strings a long way without completing one: runs of x (the
+    x-run stops), runs of ab (the periodic ones: failure chains as deep as the run)."""
+    return ("x" * 3000 + "y" + "ab" * 1500 + "c") * 3
+
+
+def never_completing(length):
+    """16 stop strings of `length` characters the text above follows for all but their last one."""
+    xs = tuple("x" * (length - 1) + chr(ord("A") + i) for i in range(8))
+    abs_ = tuple(("ab" * length)[:length - 1] + chr(ord("0") + i) for i in range(8))
+    return xs + abs_
+
+
+def test_stop_strings_cost_what_the_text_matches_not_their_length():
+    """16 stop strings of 4,096 characters: nothing is paid for them up front, and the work per
+    character of text stays within a constant per stop string, at every token (a cost per token
+    in the stop strings' length, such as copying the held-back text, would add 4,095 a token)."""
+    text = stop_heavy_text()
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]  # 7-character tokens
+    stops = never_completing(4096)
+
+    def run(stops):
+        d = Detokenizer(PieceTok(pieces), stops)
+        assert d.examined <= len(stops)  # building
+        out, chars = [], 0
+        for i, piece in enumerate(pieces):
+            out.append(d.push(i))
+            chars += len(piece)
+            assert d.examined <= (4 * len(stops) + 2) * chars, (i, d.examined)
+            assert chars - d.emitted <= max(map(len, stops)) - 1
+        out.append(d.flush())
+        assert "".join(out) == text and not d.stopped
+        return d.examined
+
+    long = run(stops)
+    assert long <= 2 * run(never_completing(64))  # the same work with stop strings of 64 characters
+
+
+def test_long_stop_strings_allocate_nothing_up_front():
+    """The router lets 16 stop strings fill the request body (no limit per string): a request
+    must not get an automaton built over all of it before its first token."""
+    import tracemalloc
+
+    letters = bytes.maketrans(bytes(range(256)), b"abcdefgh" * 32)
+    stops = tuple(random.Random(i).randbytes(65536).translate(letters).decode() for i in range(16))
+    tracemalloc.start()
+    try:
+        d = Detokenizer(BYTES, stops)
+        size, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, peak  # the stop strings themselves (1 MiB) are the caller's
+    assert d.push(ord("a")) == "" and d.push(ord("z")) == "az"
