@@ -3,10 +3,15 @@
 (docs/journal/) shows. CPU only: it reads JSON and draws with matplotlib.
 
     python benchmarks/plot_results.py
+    python benchmarks/plot_results.py --latency-load serve_pd.json serve_agg.json --out load.png
+
+The second draws only the latency and SLO attainment against request rate of serve_bench.py runs
+(its Poisson levels), several deployments on one figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -184,11 +189,61 @@ def overlap_headroom() -> None:
     fig.savefig(IMG / "overlap_headroom_h200_h100.png", dpi=110)
 
 
+def latency_vs_load(paths: list[Path], out: Path):
+    """TTFT p90, ITL p99 (every gap of a level) and each tier's SLO attainment against the Poisson
+    request rate, for serve_bench.py runs (e.g. P/D and aggregated on the same GPUs) on one figure:
+    a colour per run, a line style per tier; the tiers' targets (the first run's) and the
+    attainment target drawn across, and each run's goodput per tier in the legend. → the figure."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    styles = ("-", "--", ":", "-.")
+    fig, (ttft, itl, att) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for k, (path, r) in enumerate(zip(paths, runs)):
+        levels = sorted((lv for lv in r["levels"] if lv["mode"] == "poisson"), key=lambda lv: lv["rate"])
+        rates = [lv["rate"] for lv in levels]
+        name = f"{r['label'] or Path(path).stem} ({r['gpus']} GPU{'' if r['gpus'] == 1 else 's'})"
+        ms = [[float("nan") if v is None else v for v in (lv["ttft_ms"]["p90"], lv["itl_ms"]["p99"])] for lv in levels]
+        ttft.plot(rates, [m[0] for m in ms], "o-", color=f"C{k}", label=name)
+        itl.plot(rates, [m[1] for m in ms], "o-", color=f"C{k}", label=name)
+        for j, tier in enumerate(t["name"] for t in r["slo"]["tiers"]):
+            g = r["goodput"].get(tier)
+            good = f": goodput {g['requests_per_s']:.3g} req/s, {g['requests_per_s_per_gpu']:.3g}/GPU" if g else ""
+            att.plot(rates, [lv["attainment"][tier] for lv in levels], marker="o", markersize=4,
+                     linestyle=styles[j % len(styles)], color=f"C{k}", label=f"{name}, {tier}{good}")
+    slo = runs[0]["slo"]
+    for j, t in enumerate(slo["tiers"]):
+        style = dict(color="grey", linewidth=0.9, linestyle=styles[j % len(styles)])
+        ttft.axhline(1e3 * t["ttft_s"], **style, label=f"{t['name']} SLO: TTFT ≤ {t['ttft_s']:g} s")
+        itl.axhline(t["itl_p99_ms"], **style, label=f"{t['name']} SLO: ITL p99 ≤ {t['itl_p99_ms']:g} ms")
+    att.axhline(slo["target"], color="k", linewidth=0.9, linestyle=":", label=f"target: {slo['target']:.0%} of requests")
+    for ax, ylabel in ((ttft, "TTFT p90 (ms)"), (itl, "ITL p99 (ms)"), (att, "share of requests meeting the tier")):
+        ax.set_xlabel("request rate, Poisson arrivals (requests/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ttft.set_yscale("log")
+    itl.set_yscale("log")
+    att.set_ylim(0, 1.05)
+    shapes = sorted({f"ISL {r['isl']} / OSL {r['osl']}" for r in runs})
+    fig.suptitle(f"Latency and SLO attainment against load, {', '.join(shapes)}", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return fig
+
+
 if __name__ == "__main__":
-    IMG.mkdir(parents=True, exist_ok=True)
-    decode_step()  # docs/results.md
-    kv_transfer()
-    serve_flash()
-    decode_step_v21()  # docs/journal/
-    power()
-    overlap_headroom()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--latency-load", type=Path, nargs="+", metavar="SERVE_JSON",
+                    help="draw only latency and attainment against request rate of these serve_bench.py results")
+    ap.add_argument("--out", type=Path, default=IMG / "serve_latency_load.png", help="where --latency-load draws")
+    args = ap.parse_args()
+    if args.latency_load:
+        latency_vs_load(args.latency_load, args.out)
+    else:
+        IMG.mkdir(parents=True, exist_ok=True)
+        decode_step()  # docs/results.md
+        kv_transfer()
+        serve_flash()
+        decode_step_v21()  # docs/journal/
+        power()
+        overlap_headroom()

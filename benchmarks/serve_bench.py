@@ -184,8 +184,6 @@ async def main_async(args, tiers: tuple[Tier, ...]) -> dict:
             g["requests_per_s_per_gpu"] = g["requests_per_s"] / args.gpus
             bench.out["goodput"][name] = g
             bench.save()
-        bench.out["levels"].sort(key=lambda l: (l["mode"], l.get("concurrency") or l.get("rate")))
-        bench.save()
         return bench.out
 
 
@@ -198,7 +196,7 @@ def report(out: dict) -> None:
 
     def f(x, spec):
         return "–" if x is None else format(x, spec)
-    for r in out["levels"]:
+    for r in sorted(out["levels"], key=lambda r: (r["mode"], r.get("concurrency") or r.get("rate"))):
         name = f"c={r['concurrency']}" if r["mode"] == "closed" else f"rate={r['rate']:g}/s"
         t, i = r["ttft_ms"], r["itl_ms"]
         print(f"| {name} | {r['requests']} ({r['failed']}) | {r['output_tok_s_per_gpu']:.0f} | {r['total_tok_s_per_gpu']:.0f} | "

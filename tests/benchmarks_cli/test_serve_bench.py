@@ -27,9 +27,10 @@ class LoadServer:
     included (the ones in flight, for a service time of `window_s`). Above `ttft_knee` its first
     token comes after `ttft_s[1]` instead of `ttft_s[0]`; above `gap_knee` each later token after
     `gap_s[1]` instead of `gap_s[0]`. The steps are far wider than the scheduling noise of a busy
-    machine, so whether a request meets a tier depends only on its load."""
+    machine, so whether a request meets a tier depends only on its load (`loads`, in the order
+    the requests came)."""
 
-    def __init__(self, window_s=0.05, ttft_knee=3, gap_knee=6, ttft_s=(0.01, 0.3), gap_s=(0.004, 0.06)):
+    def __init__(self, window_s=0.05, ttft_knee=3, gap_knee=6, ttft_s=(0.01, 0.4), gap_s=(0.004, 0.2)):
         self.window_s, self.ttft_knee, self.gap_knee, self.ttft_s, self.gap_s = window_s, ttft_knee, gap_knee, ttft_s, gap_s
         self.arrivals: list[float] = []  # time.perf_counter() of each completion request
         self.loads: list[int] = []
@@ -228,7 +229,7 @@ def test_the_search_stops_at_max_levels_and_reports_zero_when_nothing_passes():
 # ---------------------------------------------------------------- the benchmark end to end
 
 N, SEED, WINDOW = 30, 0, 0.05
-TIERS_ARG = ["interactive:0.15:30", "batch:2:30"]  # LoadServer: load ≤ 3 meets the first, ≤ 6 the second
+TIERS_ARG = ["interactive:0.2:100", "batch:2:100"]  # LoadServer: load ≤ 3 meets the first, ≤ 6 the second
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +237,7 @@ def served(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "synthetic.json"
     server = LoadServer(window_s=WINDOW, ttft_knee=3, gap_knee=6)
     with server as url:
-        argv = ["--url", url, "--isl", "16", "--osl", "10", "--vocab", "1000", "--warmup", "1", "--gpus", "2",
+        argv = ["--url", url, "--isl", "16", "--osl", "4", "--vocab", "1000", "--warmup", "1", "--gpus", "2",
                 "--label", "synthetic", "--concurrency", "2", "--rates", "16", "--rate-requests", str(N),
                 "--seed", str(SEED), "--slo", *TIERS_ARG, "--goodput", "interactive", "batch", "--start-rate", "16",
                 "--precision", "0.1", "--max-levels", "8"]
@@ -244,7 +245,7 @@ def served(tmp_path_factory):
         served_before = len(server.arrivals)
         resumed = serve_bench.main([*argv, "--warmup", "0", "--resume", str(out), "--out", str(out.with_suffix(".2.json"))])
         assert len(server.arrivals) == served_before  # every level came from the file
-    return {"result": result, "file": json.loads(out.read_text()), "resumed": resumed}
+    return {"result": result, "file": json.loads(out.read_text()), "resumed": resumed, "loads": server.loads}
 
 
 @pytest.mark.parametrize("tier, knee", [("interactive", 3), ("batch", 6)])
@@ -253,8 +254,8 @@ def test_goodput_search_brackets_the_servers_known_goodput(served, tier, knee):
     g = served["result"]["goodput"][tier]
     lo, hi = g["passing"]["rate"], g["failing"]["rate"]
     assert g["converged"] and hi / lo - 1 <= 0.1
-    # the client's send times jitter by a few ms against a 50 ms window: a tolerance of a fifth
-    assert lo <= 1.2 * truth and hi >= truth / 1.2, (lo, hi, truth)
+    # a late send (a busy machine) bunches arrivals, which can only raise the load: more room below
+    assert lo <= 1.2 * truth and hi >= truth / 1.5, (lo, hi, truth)
     assert g["passing"]["attainment"] >= 0.9 > g["failing"]["attainment"]
     assert g["requests_per_s"] == lo and g["requests_per_s_per_gpu"] == lo / 2
 
@@ -262,10 +263,10 @@ def test_goodput_search_brackets_the_servers_known_goodput(served, tier, knee):
 def test_the_json_holds_every_level_its_mode_percentiles_attainment_and_the_goodput(served):
     r = served["file"]
     assert r == json.loads(json.dumps(served["result"]))
-    assert (r["label"], r["gpus"], r["isl"], r["osl"]) == ("synthetic", 2, 16, 10)
+    assert (r["label"], r["gpus"], r["isl"], r["osl"]) == ("synthetic", 2, 16, 4)
     assert r["slo"]["target"] == 0.9
-    assert r["slo"]["tiers"] == [{"name": "interactive", "ttft_s": 0.15, "itl_p99_ms": 30.0},
-                                 {"name": "batch", "ttft_s": 2.0, "itl_p99_ms": 30.0}]
+    assert r["slo"]["tiers"] == [{"name": "interactive", "ttft_s": 0.2, "itl_p99_ms": 100.0},
+                                 {"name": "batch", "ttft_s": 2.0, "itl_p99_ms": 100.0}]
     closed = [lv for lv in r["levels"] if lv["mode"] == "closed"]
     poisson = {lv["rate"]: lv for lv in r["levels"] if lv["mode"] == "poisson"}
     assert [lv["concurrency"] for lv in closed] == [2] and closed[0]["requests"] == 2
@@ -285,11 +286,13 @@ def test_the_json_holds_every_level_its_mode_percentiles_attainment_and_the_good
     for rate, lv in poisson.items():
         assert lv["requests"] == lv["asked"] == N
         assert lv["arrival_rate"] == pytest.approx(rate * (N - 1) / unit_arrivals(N, SEED)[-1], rel=0.15)
-    # away from the server's known goodput, each level falls on its side of the target
-    for tier, knee in (("interactive", 3), ("batch", 6)):
-        truth = known_goodput(N, SEED, WINDOW, knee, 0.9)
-        assert all(lv["attainment"][tier] >= 0.9 for x, lv in poisson.items() if x < truth / 1.2)
-        assert all(lv["attainment"][tier] < 0.9 for x, lv in poisson.items() if x > truth * 1.2)
+    # each level's attainment is the share of its requests the server loaded at most to the knee
+    loads = served["loads"][3:]  # after the warm-up request and the closed-loop level's two
+    assert [lv["mode"] for lv in r["levels"]] == ["closed"] + ["poisson"] * len(poisson)  # in the order run
+    for i, lv in enumerate(r["levels"][1:]):
+        level_loads = loads[i * N:(i + 1) * N]
+        for tier, knee in (("interactive", 3), ("batch", 6)):
+            assert lv["attainment"][tier] == pytest.approx(sum(x <= knee for x in level_loads) / N), (lv["rate"], tier)
     rates = sorted(poisson)
     assert poisson[rates[-1]]["ttft_ms"]["p90"] > 10 * poisson[rates[0]]["ttft_ms"]["p90"]
 
