@@ -19,7 +19,9 @@
 #                          own session (it outlives this shell); MODE pd: prefill on GPUs 0-1, decode
 #                          on 2-3, each an expert-parallel group of 2; agg: two aggregated groups of 2
 #                          on the same 4 GPUs; smoke: one prefill and one decode worker sharing GPU 0
-#   serve-bench LABEL GPUS OSL WARMUP C...  serve_bench.py against it (ISL 8192): $OUT/serve_LABEL.json
+#   serve-bench LABEL GPUS OSL WARMUP C...  serve_bench.py against it (ISL 8192): $OUT/serve_LABEL.json;
+#                          closed-loop levels at concurrencies C; or, in place of C..., serve_bench.py's
+#                          own options (the first starting with --), e.g. --goodput interactive batch
 #   serve-stop             stop it (and what Ray and Valkey left running)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
@@ -104,9 +106,10 @@ serve-start)
     done
     echo "ready after $(( $(date +%s) - start )) s"; grep "v4serve ready" "$RUN/up_$mode.log" ;;
 serve-bench)
-    [ $# -ge 5 ] || { echo "serve-bench LABEL GPUS OSL WARMUP C..." >&2; exit 2; }
+    [ $# -ge 5 ] || { echo "serve-bench LABEL GPUS OSL WARMUP (C... | --OPTION...)" >&2; exit 2; }
     label=$1 gpus=$2 osl=$3 warmup=$4; shift 4
-    $PYTHON benchmarks/serve_bench.py --isl 8192 --osl "$osl" --concurrency "$@" --gpus "$gpus" --warmup "$warmup" \
+    case $1 in --*) ;; *) set -- --concurrency "$@" ;; esac
+    $PYTHON benchmarks/serve_bench.py --isl 8192 --osl "$osl" "$@" --gpus "$gpus" --warmup "$warmup" \
         --label "$label" --out "$OUT/serve_$label.json" ;;
 serve-stop)
     pid=$(cat $RUN/up.pid 2>/dev/null)
