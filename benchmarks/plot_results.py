@@ -211,7 +211,7 @@ def latency_vs_load(paths: list[Path], out: Path):
                      linestyle=styles[j % len(styles)], color=f"C{k}", label=f"{name}, {tier}{good}")
     slo = runs[0]["slo"]
     for j, t in enumerate(slo["tiers"]):
-        style = dict(color="grey", linewidth=0.9, linestyle=styles[j % len(styles)])
+        style = {"color": "grey", "linewidth": 0.9, "linestyle": styles[j % len(styles)]}
         ttft.axhline(1e3 * t["ttft_s"], **style, label=f"{t['name']} SLO: TTFT ≤ {t['ttft_s']:g} s")
         itl.axhline(t["itl_p99_ms"], **style, label=f"{t['name']} SLO: ITL p99 ≤ {t['itl_p99_ms']:g} ms")
     att.axhline(slo["target"], color="k", linewidth=0.9, linestyle=":", label=f"target: {slo['target']:.0%} of requests")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import json
 import math
 import threading
@@ -118,7 +119,7 @@ def test_poisson_arrivals_have_the_asked_mean_rate_exponential_gaps_and_a_seeded
     times = poisson_arrivals(4000, 5.0, seed=3)
     assert times[0] == 0.0 and times == sorted(times)
     assert (len(times) - 1) / times[-1] == pytest.approx(5.0, rel=0.05)
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     mean = sum(gaps) / len(gaps)
     cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
     assert cv == pytest.approx(1.0, abs=0.08)  # exponential gaps, not a regular ticker
