@@ -123,8 +123,8 @@ def _drop_thinking(msgs: list[Message]) -> list[Message]:
     return out
 
 
-def _render(i: int, msgs: list[Message], thinking: bool, effort: str | None, drop: bool) -> str:
-    m, last_user = msgs[i], _last_user_index(msgs)
+def _render(i: int, msgs: list[Message], last_user: int, thinking: bool, effort: str | None, drop: bool) -> str:
+    m = msgs[i]
     out = REASONING_EFFORT_MAX if (i == 0 and thinking and effort == "max") else ""
     if m.role == "system":
         out += m.content
@@ -151,7 +151,9 @@ def encode_messages(messages: list[Message], thinking_mode: str = "chat",
         raise ChatFormatError("reasoning_effort must be 'high' or 'max'", "reasoning_effort")
     thinking = thinking_mode == "thinking"
     msgs = _drop_thinking(list(messages)) if (thinking and drop_thinking) else list(messages)
-    return BOS + "".join(_render(i, msgs, thinking, reasoning_effort, drop_thinking) for i in range(len(msgs)))
+    last_user = _last_user_index(msgs)  # once: per message it made long conversations quadratic
+    return BOS + "".join(_render(i, msgs, last_user, thinking, reasoning_effort, drop_thinking)
+                         for i in range(len(msgs)))
 
 
 # --------------------------------------------------------------------------- decoding

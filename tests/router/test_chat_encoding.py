@@ -87,3 +87,68 @@ def test_reasoning_splitter(deltas, reasoning, content):
         c.append(y)
     x, y = s.flush()
     assert "".join(r) + x == reasoning and "".join(c) + y == content
+
+
+def _reference_encoding(msgs, mode, effort, drop=True):
+    """The encoding rule written out directly, message by message (the last user turn looked up
+    each time, as the official encoder does): the reference for random message lists."""
+    from router.chat_encoding import BOS, EOS, Message
+    thinking = mode == "thinking"
+
+    def last_user(ms):
+        return max((i for i, m in enumerate(ms) if m.role in ("user", "developer")), default=-1)
+
+    if thinking and drop:
+        last = last_user(msgs)
+        msgs = [m if m.role in ("user", "system") or i >= last else Message("assistant", m.content)
+                for i, m in enumerate(msgs) if m.role != "developer" or i >= last]
+    out = BOS
+    for i, m in enumerate(msgs):
+        lu = last_user(msgs)
+        out += REASONING_EFFORT_MAX if (i == 0 and thinking and effort == "max") else ""
+        if m.role == "system":
+            out += m.content
+        elif m.role in ("user", "developer"):
+            out += U + m.content
+        else:
+            out += (m.reasoning_content + TE if thinking and (not drop or i > lu) else "") + m.content + E
+        if m.role in ("user", "developer") and (i + 1 == len(msgs) or msgs[i + 1].role == "assistant"):
+            out += A + (TS if thinking and (not drop or i >= lu) else TE)
+    return out
+
+
+def test_encoding_matches_the_reference_on_random_conversations():
+    import random
+    rng = random.Random(5)
+    for _ in range(400):
+        raw = []
+        for j in range(rng.randrange(1, 9)):
+            role = rng.choice(["system", "developer", "user", "assistant"])
+            m = {"role": role, "content": f"{role[0]}{j}"}
+            if role == "assistant" and rng.random() < 0.5:
+                m["reasoning_content"] = f"r{j}"
+            raw.append(m)
+        msgs = parse_messages(raw)
+        for mode in ("chat", "thinking"):
+            for effort in (None, "max"):
+                for drop in (True, False):
+                    assert encode_messages(msgs, mode, effort, drop) == _reference_encoding(msgs, mode, effort, drop)
+
+
+def test_encoding_time_is_linear_in_the_message_count():
+    """System messages and no user turn: the case where looking up the last user turn per message
+    costs a full scan each time."""
+    import time
+
+    def cost(n):
+        msgs = parse_messages([{"role": "system", "content": "s"}] * n)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            encode_messages(msgs, "thinking")
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    small, large = cost(2000), cost(8000)
+    assert large < 8 * small + 0.01, (small, large)  # 4x the messages: far from 16x the time
+    assert cost(16000) < 0.5
