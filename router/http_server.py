@@ -13,16 +13,15 @@ race, and the loser is cancelled, which makes the dispatcher abort the backend r
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
-import re
 import time
 
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
+from router.json_body import parse_json
 from router.openai_format import SSE_DONE, ResponseBuilder, sse
 from router.openai_protocol import Limits, finalize, parse_chat, parse_completion
 from worker_runtime.wire import ErrorCode
@@ -34,45 +33,17 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
         (b"x-accel-buffering", b"no")]
 _THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
 
-# Deeper bodies are refused before json.loads sees them: its C parser recurses once per level,
-# and a body that reaches the interpreter's recursion limit leaves the thread's stack so deep
-# that anything the collector finalises on the way out fails too. No OpenAI request nests
-# anywhere near this (a tool's JSON schema is the deepest part, a dozen levels at most).
-MAX_JSON_DEPTH = 128
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# Bodies larger than this are parsed and validated in a thread: the event loop keeps serving
+# other clients (health probes, token streams) meanwhile.
+_THREAD_PARSE_BYTES = 64 << 10
 
 
 class _ClientGone(Exception):
     pass
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def nests_deeper_than(text: str, limit: int) -> bool:
-    """Whether a JSON text nests brackets more than `limit` levels deep, brackets inside strings
-    not counted; linear time, constant stack. Unbalanced text may get either answer: json.loads
-    rejects it anyway."""
-    if text.count("[") + text.count("{") <= limit:
-        return False  # too few opening brackets to get that deep: the common case, and fast
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
-    return any(d > limit for d in itertools.accumulate(1 if c in "[{" else -1 for c in brackets))
-
-
-def parse_json(body: bytes):
-    """Strict JSON from raw bytes: UTF-8 only, no NaN/Infinity, at most MAX_JSON_DEPTH deep."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from None
-    if nests_deeper_than(text, MAX_JSON_DEPTH):
-        raise invalid(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except ValueError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
+def _draft(parse, body: bytes, limits: Limits):
+    return parse(parse_json(body), limits)
 
 
 class HTTPApp:
@@ -142,7 +113,10 @@ class HTTPApp:
                 body = await self._read_body(scope, receive)
         except TimeoutError:
             raise invalid(f"the request body did not arrive within {self.body_read_timeout_s:g} s") from None
-        draft = parse(parse_json(body), self.limits)
+        if len(body) > _THREAD_PARSE_BYTES:
+            draft = await asyncio.to_thread(_draft, parse, body, self.limits)
+        else:
+            draft = _draft(parse, body, self.limits)
         ids = draft.prompt_ids if draft.prompt_ids is not None else await self._tokenize(draft.prompt_text)
         parsed = finalize(draft, ids, self.limits, time.time())
         slot = self.dispatcher.admit()

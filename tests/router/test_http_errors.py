@@ -13,7 +13,7 @@ from harness import RouterThread, wait_for
 
 from router.config import RouterConfig
 from router.errors import APIError
-from router.http_server import MAX_JSON_DEPTH, nests_deeper_than, parse_json
+from router.json_body import MAX_JSON_DEPTH, nests_deeper_than, parse_json
 from worker_runtime.wire import ErrorCode
 
 GOOD = {"model": "stub", "prompt": "hi", "max_tokens": 4}
