@@ -25,6 +25,10 @@ from router.openai_protocol import Limits
 
 log = logging.getLogger("v4serve.router")
 
+# After the grace period the requests still running are ended with an error; this is the time
+# their handlers get to write it before the servers cancel them.
+_SHUTDOWN_TAIL_S = 2.0
+
 
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without signal handling: the process that embeds the router owns its signals."""
@@ -44,6 +48,7 @@ class RouterHandle:
     _http: _EmbeddedServer | None
     _http_task: asyncio.Task | None
     _grpc: GRPCServer | None
+    _stopping: asyncio.Future | None = None
 
     @property
     def http_url(self) -> str | None:
@@ -57,16 +62,25 @@ class RouterHandle:
         return None if self.grpc_port is None else f"{self.config.host}:{self.grpc_port}"
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish within the grace period, abort the rest."""
+        """Stop accepting, let in-flight requests finish within the grace period, then end the
+        rest with an error their clients see (an SSE error event and [DONE], a gRPC status).
+        Idempotent."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         grace = self.config.shutdown_grace_s
+        self.dispatcher.close()
         waits = []
         if self._http is not None:
-            self._http.should_exit = True
+            self._http.should_exit = True  # uvicorn closes its listener and idle connections at once
             waits.append(self._http_task)
         if self._grpc is not None:
-            waits.append(self._grpc.stop(grace))
-        await asyncio.gather(*waits, return_exceptions=True)
+            waits.append(asyncio.ensure_future(self._grpc.stop(grace + _SHUTDOWN_TAIL_S)))
+        await self.dispatcher.drain(grace)
         await self.dispatcher.abort_all()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -99,7 +113,7 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
         app = HTTPApp(backend, dispatcher, limits, keys, metrics, config.max_body_bytes, config.body_read_timeout_s)
         uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level, access_log=False,
                             ws="none", ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
-                            timeout_graceful_shutdown=config.shutdown_grace_s, timeout_keep_alive=30,
+                            timeout_graceful_shutdown=config.shutdown_grace_s + _SHUTDOWN_TAIL_S, timeout_keep_alive=30,
                             server_header=False, proxy_headers=False)
         http = _EmbeddedServer(uv)
         http_task = asyncio.create_task(http.serve(sockets=[sock]))

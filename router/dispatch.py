@@ -1,26 +1,36 @@
 """One generation from admission to its last token, shared by the HTTP and gRPC front doors.
 
     slot = dispatcher.admit()                          # 429 / RESOURCE_EXHAUSTED before any work
-    outcome = await dispatcher.execute(slot, req, emit, arrival)
+    outcome = await dispatcher.execute(slot, req, emit, arrival, owner)
 
 `execute` relays the backend's `TokenChunk`s to `emit` under the request's deadline and records
 the latency metrics. Whatever way it ends other than a finish reason — an error chunk, the
-deadline, the client going away (the calling task is cancelled), an `Abort` by request id — the
-backend is told `abort(request_id)`, so prefill and decode free the request's pages.
+deadline, the client going away (the calling task is cancelled), an `Abort` by request id, the
+router shutting down — the backend is told `abort(request_id)`, so prefill and decode free the
+request's pages.
+
+Admission and placement happen in one step of the event loop: both front doors call `execute`
+right after `admit`, with no await between, and the backend places the request in the first step
+of its `generate`. A backend that counts the requests it placed (router/cluster_backend.py) thus
+sees every request admitted before the next admission decision, however large the burst.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from router.errors import APIError, reason_label
+from router.errors import APIError, shutting_down
 from router.metrics import RouterMetrics
 from worker_runtime.wire import ErrorCode, GenerateRequest, TokenChunk, Usage
 
+log = logging.getLogger("v4serve.router.dispatch")
+
 Emit = Callable[[TokenChunk], Awaitable[None]]
+_SETTLE_TIMEOUT_S = 10.0  # closing and aborting a finished request's backend stream, at most
 
 
 @dataclass(frozen=True)
@@ -43,19 +53,40 @@ class Slot:
             self._dispatcher._active -= 1
 
 
+class _Running:
+    """A request in `execute`: its task, the API key identity that made it, and, once something
+    ended it from outside, the error it ends with and its metrics label."""
+
+    __slots__ = ("task", "owner", "running", "ended_by")
+
+    def __init__(self, task: asyncio.Task, owner: str | None):
+        self.task, self.owner, self.running = task, owner, True
+        self.ended_by: tuple[APIError, tuple[str, str]] | None = None
+
+    def end(self, err: APIError, label: tuple[str, str]) -> bool:
+        if not self.running or self.ended_by is not None:
+            return False
+        self.ended_by = (err, label)
+        self.task.cancel()
+        return True
+
+
 class Dispatcher:
     def __init__(self, backend, metrics: RouterMetrics, max_concurrent: int, retry_after_s: float):
         self.backend = backend
         self.metrics = metrics
         self.max_concurrent = max_concurrent
         self.retry_after_s = retry_after_s
+        self.closing = False  # set by the shutdown: no more admissions
         self._active = 0
-        self._inflight: dict[str, asyncio.Task] = {}
-        self._aborted: set[str] = set()
+        self._inflight: dict[str, _Running] = {}  # request id → its run, until its backend stream is settled
+        self._settling: set[asyncio.Task] = set()
 
     # --- admission
     def admit(self) -> Slot:
         """A slot, or APIError(OVERLOADED) when the pools or the router are over their limits."""
+        if self.closing:
+            raise shutting_down()
         retry = self.backend.overloaded()
         if retry is not None:
             raise APIError(ErrorCode.OVERLOADED, "the serving pools are over their queue limits; retry later",
@@ -67,10 +98,10 @@ class Dispatcher:
         return Slot(self)
 
     def rejected(self, err: APIError) -> None:
-        """Count a request that failed before `execute` (validation, auth, admission)."""
+        """Count a request that failed outside `execute` (validation, auth, admission, a bug)."""
         if not err.counted:
             err.counted = True
-            self.metrics.request_finished("error", reason_label(err.code))
+            self.metrics.request_finished("error", err.reason)
 
     @property
     def active(self) -> int:
@@ -80,28 +111,49 @@ class Dispatcher:
         return request_id in self._inflight
 
     # --- abort by id (gRPC Abort, shutdown)
-    async def abort(self, request_id: str) -> bool:
-        """Cancel an in-flight request of this router (its stream ends CANCELLED); always tells the
-        backend too, since the request may run through another router replica."""
-        task = self._inflight.get(request_id)
-        if task is not None:
-            self._aborted.add(request_id)
-            task.cancel()
+    async def abort(self, request_id: str, owner: str | None = None) -> bool:
+        """Cancel an in-flight request (its stream ends CANCELLED). `owner` None (API keys off):
+        any request, and the backend is told too, since the request may run through another
+        router replica. `owner` set: only a request of this router made with that key; nothing
+        else is touched, since another replica's request cannot be checked."""
+        run = self._inflight.get(request_id)
+        if owner is not None and (run is None or run.owner != owner):
+            return False
+        if run is not None:
+            run.end(APIError(ErrorCode.CANCELLED, "the request was aborted"), ("cancelled", "aborted"))
         await self.backend.abort(request_id)
-        return task is not None
+        return run is not None
 
-    async def abort_all(self) -> None:
-        for rid in list(self._inflight):
-            await self.abort(rid)
+    def close(self) -> None:
+        """Admit nothing more (the shutdown's first step)."""
+        self.closing = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, at most `timeout_s`; whether none is."""
+        end = time.monotonic() + timeout_s
+        while any(r.running for r in self._inflight.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return not any(r.running for r in self._inflight.values())
+
+    async def abort_all(self, timeout_s: float = _SETTLE_TIMEOUT_S) -> None:
+        """End every request still running with `shutting_down` (an SSE error event, a gRPC
+        status), and wait, at most `timeout_s`, until their backend streams are settled."""
+        for run in list(self._inflight.values()):
+            run.end(shutting_down(), ("error", "shutdown"))
+        end = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < end:
+            await asyncio.sleep(0.01)
 
     # --- execution
-    async def execute(self, slot: Slot, req: GenerateRequest, emit: Emit, arrival: float) -> Outcome:
-        """Relay `req`'s chunks to `emit`; `arrival` is the perf_counter() time the request came in."""
+    async def execute(self, slot: Slot, req: GenerateRequest, emit: Emit, arrival: float,
+                      owner: str | None = None) -> Outcome:
+        """Relay `req`'s chunks to `emit`; `arrival` is the perf_counter() time the request came
+        in, `owner` the identity of the API key it came with (None: keys off)."""
         rid = req.request_id
         if rid in self._inflight:
             slot.release()
             raise APIError(ErrorCode.INVALID_REQUEST, f"request_id '{rid}' is already in flight", "request_id")
-        self._inflight[rid] = asyncio.current_task()
+        run = self._inflight[rid] = _Running(asyncio.current_task(), owner)
         self.metrics.in_flight.inc()
         relay = _Relay(self.metrics, arrival)
         gen = self.backend.generate(req)
@@ -122,36 +174,54 @@ class Dispatcher:
             outcome_label = ("success", relay.finish.finish_reason)
         except TimeoutError:
             err = APIError(ErrorCode.DEADLINE_EXCEEDED, "the request did not finish before its deadline")
-            err.counted, outcome_label = True, ("error", reason_label(err.code))
+            err.counted, outcome_label = True, ("error", err.reason)
             raise err from None
         except APIError as err:
-            err.counted, outcome_label = True, ("error", reason_label(err.code))
+            err.counted, outcome_label = True, ("error", err.reason)
             raise
         except asyncio.CancelledError:
-            if rid not in self._aborted:
+            if run.ended_by is None:
                 raise
-            asyncio.current_task().uncancel()  # our own Abort: end the request as CANCELLED, not the task
-            outcome_label = ("cancelled", "aborted")
-            err = APIError(ErrorCode.CANCELLED, "the request was aborted")
+            asyncio.current_task().uncancel()  # ended by us (Abort, shutdown): the request ends, not the task
+            err, outcome_label = run.ended_by
             err.counted = True
             raise err from None
         except Exception as exc:  # a broken backend or transport: reason-coded, never a bare 500 trace
-            outcome_label = ("error", reason_label(ErrorCode.INTERNAL))
             err = APIError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
-            err.counted = True
+            err.counted, outcome_label = True, ("error", err.reason)
             raise err from exc
         finally:
-            await _close_quietly(gen)
-            if relay.finish is None:
-                await asyncio.shield(self.backend.abort(rid))
-            self._inflight.pop(rid, None)
-            self._aborted.discard(rid)
+            # The bookkeeping first, with no await before it: a second cancellation (a gRPC
+            # deadline firing while the first one unwinds) must not skip it.
+            run.running = False
             self.metrics.in_flight.dec()
             slot.release()
             relay.done(outcome_label)
+            await self._settle(rid, run, gen, abort=relay.finish is None)
         usage = relay.finish.usage or Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=relay.tokens)
         self.metrics.usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         return Outcome(relay.finish.finish_reason, usage)
+
+    async def _settle(self, rid: str, run: _Running, gen, abort: bool) -> None:
+        """Close the backend stream, and abort the request there if it did not finish, in a task
+        of its own: cancelling the caller again does not stop it. The request id stays taken
+        until then, so a reuse of it cannot meet the old request in the backend."""
+        async def settle():
+            try:
+                async with asyncio.timeout(_SETTLE_TIMEOUT_S):
+                    await _close_quietly(gen)
+                    if abort:
+                        await self.backend.abort(rid)
+            except Exception:  # noqa: BLE001 - the request has ended; a failing abort is logged, not raised
+                log.exception("settling request %s in the backend failed", rid)
+            finally:
+                if self._inflight.get(rid) is run:
+                    del self._inflight[rid]
+
+        task = asyncio.ensure_future(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        await asyncio.shield(task)
 
 
 class _Relay:

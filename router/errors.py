@@ -24,13 +24,16 @@ class APIError(Exception):
     """A request that ends with a reason-coded error (raised anywhere, rendered at the edge)."""
 
     def __init__(self, code: ErrorCode, message: str, param: str | None = None,
-                 retry_after: float | None = None, openai_code: str | None = None):
+                 retry_after: float | None = None, openai_code: str | None = None,
+                 status: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
         self.retry_after = retry_after  # seconds, for 429
         self.openai_code = openai_code or _reason(code)
+        self.status = status  # an HTTP status other than the code's (404, 405, 415, 431, ...)
+        self.reason = reason or _reason(code)  # the `reason` label of the request metrics
         self.counted = False  # set once the request metrics have recorded this error
 
     @classmethod
@@ -39,7 +42,7 @@ class APIError(Exception):
 
     @property
     def http_status(self) -> int:
-        return self.code.http_status
+        return self.status or self.code.http_status
 
     def body(self) -> dict:
         """OpenAI-style error body."""
@@ -60,3 +63,9 @@ def _reason(code: ErrorCode) -> str:
 def reason_label(code: ErrorCode) -> str:
     """The `reason` label of the request metrics for an error code."""
     return _reason(code)
+
+
+def shutting_down() -> APIError:
+    """What a request gets when the router stops under it (or before admitting it)."""
+    return APIError(ErrorCode.NO_WORKER, "the server is shutting down; retry on another replica",
+                    openai_code="shutting_down", reason="shutdown")

@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 import time
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,14 +23,16 @@ from grpc_reflection.v1alpha import reflection
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
-from router.openai_protocol import Limits, finalize, parse_completion
+from router.openai_protocol import Limits, finalize, parse_completion, tokenize
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
+from worker_runtime.wire import ErrorCode, GenerateRequest
 
 log = logging.getLogger("v4serve.router.grpc")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "v4serve.v1.Inference"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes need no key
 _MAX_REQUEST_ID = 128
+_THREAD_PARSE_BYTES = 64 << 10  # larger messages are validated in a thread (as HTTP bodies are)
 
 
 def request_body(req: pb.GenerateRequest) -> dict:
@@ -66,29 +69,41 @@ async def _abort_with(context, err: APIError):
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, backend, dispatcher: Dispatcher, limits: Limits):
-        self.backend, self.dispatcher, self.limits = backend, dispatcher, limits
+    def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker):
+        self.backend, self.dispatcher, self.limits, self.keys = backend, dispatcher, limits, keys
+
+    def _owner(self, context) -> str | None:
+        """The identity of the API key the call came with (None: keys off)."""
+        if not self.keys.enabled:
+            return None
+        return self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
+
+    async def _request(self, request, context) -> GenerateRequest:
+        """Validated exactly as the equivalent /v1/completions body; a large message in a thread."""
+        if request.ByteSize() > _THREAD_PARSE_BYTES:
+            draft = await asyncio.to_thread(lambda: parse_completion(request_body(request), self.limits))
+        else:
+            draft = parse_completion(request_body(request), self.limits)
+        rid = _check_request_id(request.request_id) if request.request_id else None
+        ids = draft.prompt_ids
+        if ids is None:
+            ids = await tokenize(self.backend.tokenizer, draft.prompt_text)
+        req = finalize(draft, ids, self.limits, time.time(), request_id=rid).generate
+        remaining = context.time_remaining()
+        if remaining is not None:  # the client's own deadline tightens the request's
+            client_deadline = time.time() + remaining
+            if req.deadline is None or client_deadline < req.deadline:
+                req = replace(req, deadline=client_deadline)
+        return req
 
     async def Generate(self, request, context):
         arrival = time.perf_counter()
         try:
-            draft = parse_completion(request_body(request), self.limits)
-            rid = _check_request_id(request.request_id) if request.request_id else None
-            ids = draft.prompt_ids
-            if ids is None:
-                try:
-                    ids = tuple(self.backend.tokenizer.encode(draft.prompt_text))
-                except UnicodeEncodeError:
-                    raise invalid("the prompt contains invalid Unicode", "prompt") from None
-            parsed = finalize(draft, ids, self.limits, time.time(), request_id=rid)
-            req = parsed.generate
-            remaining = context.time_remaining()
-            if remaining is not None:
-                client_deadline = time.time() + remaining
-                if req.deadline is None or client_deadline < req.deadline:
-                    req = _with_deadline(req, client_deadline)
+            req = await self._request(request, context)
+            owner = self._owner(context)
             slot = self.dispatcher.admit()
-        except APIError as err:
+        except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
+            err = _as_api_error(exc, "Generate")
             self.dispatcher.rejected(err)
             await _abort_with(context, err)
             return
@@ -104,8 +119,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                     text=chunk.text))
 
         try:
-            outcome = await self.dispatcher.execute(slot, req, emit, arrival)
+            outcome = await self.dispatcher.execute(slot, req, emit, arrival, owner)
         except APIError as err:
+            self.dispatcher.rejected(err)  # an error execute did not count (a request id in use)
             await _abort_with(context, err)
             return
         u = outcome.usage
@@ -115,9 +131,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                            cached_tokens=u.cached_tokens)))
 
     async def Abort(self, request, context):
+        """With API keys on, only the caller's own requests (made with the same key) are found."""
         if not request.request_id:
             await _abort_with(context, invalid("'request_id' is required", "request_id"))
-        return pb.AbortResponse(found=await self.dispatcher.abort(request.request_id))
+        return pb.AbortResponse(found=await self.dispatcher.abort(request.request_id, self._owner(context)))
 
     async def Health(self, request, context):
         h = dict(self.backend.health())
@@ -128,9 +145,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                       max_model_len=self.limits.max_model_len)])
 
 
-def _with_deadline(req, deadline: float):
-    from dataclasses import replace
-    return replace(req, deadline=deadline)
+def _as_api_error(exc: Exception, method: str) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    log.error("unhandled error in %s", method, exc_info=exc)
+    return APIError(ErrorCode.INTERNAL, "internal server error")
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
@@ -211,7 +230,7 @@ class GRPCServer:
         self.server = grpc.aio.server(
             interceptors=[EdgeInterceptor(keys)],
             options=[("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, dispatcher, limits), self.server)
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, dispatcher, limits, keys), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -23,7 +23,7 @@ from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
 from router.json_body import parse_json
 from router.openai_format import SSE_DONE, ResponseBuilder, sse
-from router.openai_protocol import Limits, finalize, parse_chat, parse_completion
+from router.openai_protocol import Limits, finalize, parse_chat, parse_completion, tokenize
 from worker_runtime.wire import ErrorCode
 
 log = logging.getLogger("v4serve.router.http")
@@ -31,7 +31,7 @@ log = logging.getLogger("v4serve.router.http")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
-_THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
+_COUNTED = "v4serve.counted"  # scope key: the request's outcome is the dispatcher's to count
 
 # Bodies larger than this are parsed and validated in a thread: the event loop keeps serving
 # other clients (health probes, token streams) meanwhile.
@@ -70,19 +70,21 @@ class HTTPApp:
             if handler is None:
                 known = any(p == path for _, p in self.routes)
                 raise APIError(ErrorCode.INVALID_REQUEST, f"{'method ' + method + ' not allowed on' if known else 'no route'} {path}",
-                               openai_code="method_not_allowed" if known else "not_found")
+                               openai_code="method_not_allowed" if known else "not_found", status=405 if known else 404)
             if path.startswith("/v1/") and not self.keys.allows(_header(scope, b"authorization")):
                 raise APIError(ErrorCode.UNAUTHENTICATED, "a valid API key is required (Authorization: Bearer <key>)")
             await handler(scope, receive, send)
         except APIError as err:
             self.dispatcher.rejected(err)
-            status = 404 if err.openai_code == "not_found" else 405 if err.openai_code == "method_not_allowed" else None
-            await _send_error(send, err, status)
+            await _send_error(send, err)
         except _ClientGone:
             pass
-        except Exception:  # noqa: BLE001 - a bug must still answer in the OpenAI shape
+        except Exception:  # noqa: BLE001 - a bug must still answer in the OpenAI shape, and be counted
             log.exception("unhandled error on %s %s", method, path)
-            await _send_error(send, APIError(ErrorCode.INTERNAL, "internal server error"))
+            err = APIError(ErrorCode.INTERNAL, "internal server error")
+            err.counted = scope.get(_COUNTED, False)  # execute() counts the requests it ran
+            self.dispatcher.rejected(err)
+            await _send_error(send, err)
 
     # --- simple routes
     async def _models(self, scope, receive, send):
@@ -108,6 +110,11 @@ class HTTPApp:
 
     async def _generate(self, scope, receive, send, parse):
         arrival = time.perf_counter()
+        if not _is_json(_header(scope, b"content-type")):
+            # A body a web page can post without a CORS preflight (text/plain, a form) is refused,
+            # so a browser cannot be made to drive a router that has no API keys.
+            raise APIError(ErrorCode.INVALID_REQUEST, "the request body must be JSON sent with "
+                           "'Content-Type: application/json'", openai_code="unsupported_media_type", status=415)
         try:
             async with asyncio.timeout(self.body_read_timeout_s):
                 body = await self._read_body(scope, receive)
@@ -117,36 +124,30 @@ class HTTPApp:
             draft = await asyncio.to_thread(_draft, parse, body, self.limits)
         else:
             draft = _draft(parse, body, self.limits)
-        ids = draft.prompt_ids if draft.prompt_ids is not None else await self._tokenize(draft.prompt_text)
+        ids = draft.prompt_ids
+        if ids is None:
+            ids = await tokenize(self.backend.tokenizer, draft.prompt_text)
         parsed = finalize(draft, ids, self.limits, time.time())
+        owner = self.keys.identify(_header(scope, b"authorization"))
         slot = self.dispatcher.admit()
+        scope[_COUNTED] = True  # from here on the dispatcher counts the request's outcome
         try:
             req, opts = parsed.generate, parsed.options
             builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts)
+            run = self.dispatcher.execute(slot, req, _emitter(builder, send, opts.stream), arrival, owner)
             if opts.stream:
-                await self._stream(receive, send, slot, req, builder, arrival)
+                await self._stream(receive, send, run, builder)
             else:
-                await self._unary(receive, send, slot, req, builder, arrival)
+                outcome = await _unless_disconnected(receive, run)
+                await _send_json(send, 200, builder.response(outcome.finish_reason, outcome.usage))
         finally:
             slot.release()
 
-    async def _unary(self, receive, send, slot, req, builder, arrival):
-        async def emit(chunk):
-            builder.add(chunk.token_ids, chunk.text, final=chunk.finish_reason is not None)
-
-        outcome = await _unless_disconnected(receive, self.dispatcher.execute(slot, req, emit, arrival))
-        await _send_json(send, 200, builder.response(outcome.finish_reason, outcome.usage))
-
-    async def _stream(self, receive, send, slot, req, builder, arrival):
+    async def _stream(self, receive, send, run, builder):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-
-        async def emit(chunk):
-            data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
         tail = b""
         try:
-            outcome = await _unless_disconnected(receive, self.dispatcher.execute(slot, req, emit, arrival))
+            outcome = await _unless_disconnected(receive, run)
             if builder.options.include_usage:
                 tail = sse(builder.usage_chunk(outcome.usage))
         except APIError as err:  # headers are out: the error travels as an SSE event
@@ -171,40 +172,53 @@ class HTTPApp:
             if not msg.get("more_body", False):
                 return b"".join(parts)
 
-    async def _tokenize(self, text: str) -> tuple[int, ...]:
-        encode = self.backend.tokenizer.encode
-        try:
-            if len(text) > _THREAD_TOKENIZE_CHARS:
-                return tuple(await asyncio.to_thread(encode, text))
-            return tuple(encode(text))
-        except UnicodeEncodeError:
-            raise invalid("the prompt contains invalid Unicode (an unpaired surrogate)", "prompt") from None
+
+def _emitter(builder: ResponseBuilder, send, stream: bool):
+    """The `emit` of a request: SSE chunks as they come, or accumulated for one response."""
+    async def add(chunk):
+        builder.add(chunk.token_ids, chunk.text, final=chunk.finish_reason is not None)
+
+    async def write(chunk):
+        data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write if stream else add
 
 
 async def _unless_disconnected(receive, work):
-    """Run `work`; if the client disconnects first, cancel it (→ backend abort) and raise _ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+    """Await `work` in this task (admission and placement stay in one step of the event loop);
+    if the client disconnects first, cancel it (→ backend abort) and raise _ClientGone."""
+    task, gone = asyncio.current_task(), False
+
+    async def watch():
+        nonlocal gone
+        await _wait_disconnect(receive)
+        gone = True
         task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise _ClientGone() from None
+    except APIError:
+        if gone:  # ended while the client was leaving: nobody to tell
+            raise _ClientGone() from None
         raise
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, APIError):
-            pass
-        raise _ClientGone()
-    return task.result()
 
 
 async def _wait_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _is_json(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -220,13 +234,13 @@ async def _send_json(send, status: int, obj, headers=()) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send, err: APIError, status: int | None = None) -> None:
+async def _send_error(send, err: APIError) -> None:
     headers = []
     if err.retry_after is not None:
         headers.append((b"retry-after", str(max(1, math.ceil(err.retry_after))).encode()))
     if err.code is ErrorCode.UNAUTHENTICATED:
         headers.append((b"www-authenticate", b"Bearer"))
     try:
-        await _send_json(send, status or err.http_status, err.body(), headers)
+        await _send_json(send, err.http_status, err.body(), headers)
     except RuntimeError:  # the response had already started; nothing more can be said over HTTP
         pass

@@ -14,6 +14,7 @@ Fields that would change the output but are not implemented (penalties, logprobs
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from worker_runtime.wire import ErrorCode, GenerateRequest
 
 _MISSING = object()
 _MAX_SEED = 1 << 64
+_MAX_TOP_K = 1 << 31
+THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A JSON number: an int of any size (compared exactly, never converted: a 400-digit one
+    overflows a float), or a finite float."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _get(body: dict, name: str, check, what: str, default=None):
@@ -165,7 +170,8 @@ def _common(body: dict, limits: Limits, chat: bool, thinking: bool) -> dict:
     temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2, "a number in [0, 2]",
                        limits.default_temperature)
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)", 0)
+    top_k = _get(body, "top_k", lambda v: _is_int(v) and -1 <= v < _MAX_TOP_K,
+                 f"an integer in [-1, {_MAX_TOP_K}) (-1 or 0: off)", 0)
     seed = _get(body, "seed", lambda v: _is_int(v) and abs(v) < _MAX_SEED, "a 64-bit integer")
     if seed is None:
         seed = limits.default_seed if limits.default_seed is not None else secrets.randbits(63)
@@ -200,6 +206,9 @@ def parse_completion(body, limits: Limits) -> Draft:
             raise invalid("'prompt' must not be empty", "prompt")
         if any(isinstance(p, (str, list)) for p in prompt):
             raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+        if len(prompt) > limits.max_prompt_tokens:  # before checking each id of a huge one
+            raise invalid(f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}",
+                          "prompt", openai_code="context_length_exceeded")
         return Draft(prompt_text=None, prompt_ids=check_token_ids(prompt, limits, "prompt"), **common)
     raise invalid("'prompt' must be a string or an array of token ids", "prompt")
 
@@ -218,6 +227,16 @@ def parse_chat(body, limits: Limits) -> Draft:
     except ChatFormatError as e:
         raise invalid(str(e), e.param) from None
     return Draft(prompt_text=text, prompt_ids=None, **common)
+
+
+async def tokenize(tokenizer, text: str) -> tuple[int, ...]:
+    """`tokenizer.encode(text)`, in a thread for a long text so the event loop keeps serving."""
+    try:
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return tuple(await asyncio.to_thread(tokenizer.encode, text))
+        return tuple(tokenizer.encode(text))
+    except UnicodeEncodeError:
+        raise invalid("the prompt contains invalid Unicode (an unpaired surrogate)", "prompt") from None
 
 
 def finalize(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits, now: float,

@@ -39,6 +39,7 @@ class StubConfig:
     fail_with: ErrorCode | None = None  # every request fails with this code ...
     fail_after: int = 0  # ... after this many tokens
     overloaded_retry_after: float | None = None  # not None: overloaded() returns it
+    abort_delay_s: float = 0.0  # abort() takes this long (a remote call to a worker does)
 
 
 def _u64(*parts: bytes) -> int:
@@ -154,6 +155,7 @@ class StubBackend:
             self._abort_flags.discard(rid)
 
     async def abort(self, request_id: str) -> None:
+        await asyncio.sleep(self.config.abort_delay_s)
         self.aborted.append(request_id)
         if request_id in self.active:
             self._abort_flags.add(request_id)

@@ -205,3 +205,30 @@ def test_health_watch_still_streams(channel):
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
     watch.cancel()
+
+
+def test_every_error_is_counted(router, stub):
+    """A request id already in flight (refused by the dispatcher, not by validation) and a bug in
+    the request path (a tokenizer raising) each end in a status and in v4serve_requests_total."""
+    router.set_stub(token_delay_s=0.05)
+    first = stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=200, request_id="taken"), timeout=20)
+    next(first)
+    invalid = {"outcome": "error", "reason": "invalid_request"}
+    before = router.metric("v4serve_requests_total", invalid)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="y", max_tokens=2, request_id="taken"), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in e.value.details()
+    assert router.metric("v4serve_requests_total", invalid) == before + 1
+    first.cancel()
+
+    encode = router.stub.tokenizer.encode
+    internal = {"outcome": "error", "reason": "internal"}
+    before = router.metric("v4serve_requests_total", internal)
+    router.stub.tokenizer.encode = lambda text: 1 / 0 if text == "bug" else encode(text)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt="bug", max_tokens=2), timeout=10))
+    finally:
+        del router.stub.tokenizer.encode
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert router.metric("v4serve_requests_total", internal) == before + 1

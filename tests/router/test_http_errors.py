@@ -124,13 +124,14 @@ def test_body_size_limit():
     r = RouterThread(RouterConfig(http_port=0, grpc_port=None, max_body_bytes=1000))
     try:
         big = json.dumps({"prompt": "x" * 5000}).encode()
-        resp = httpx.post(r.http_url + "/v1/completions", content=big)
+        json_type = {"content-type": "application/json"}
+        resp = httpx.post(r.http_url + "/v1/completions", content=big, headers=json_type)
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_large"
 
         def chunks():  # no Content-Length: the limit applies while reading
             for i in range(0, len(big), 256):
                 yield big[i:i + 256]
-        resp = httpx.post(r.http_url + "/v1/completions", content=chunks())
+        resp = httpx.post(r.http_url + "/v1/completions", content=chunks(), headers=json_type)
         assert resp.status_code == 413
         assert httpx.post(r.http_url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
     finally:
@@ -285,7 +286,8 @@ def test_incomplete_body_times_out():
     try:
         host, port = r.http_url.split("//")[1].split(":")
         with socket.create_connection((host, int(port)), timeout=5) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"prompt\"")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"prompt\"")
             reply = b""
             while b"did not arrive" not in reply:
                 chunk = sock.recv(4096)
