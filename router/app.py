@@ -19,6 +19,7 @@ from router.auth import KeyChecker
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.grpc_server import GRPCServer
+from router.http_protocol import HeadLimits, protocol_class
 from router.http_server import HTTPApp
 from router.metrics import RouterMetrics
 from router.openai_protocol import Limits
@@ -111,8 +112,9 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
         sock = _listen(config.host, config.http_port)
         http_port = sock.getsockname()[1]
         app = HTTPApp(backend, dispatcher, limits, keys, metrics, config.max_body_bytes, config.body_read_timeout_s)
+        head = HeadLimits(config.max_header_bytes, config.max_headers, config.header_read_timeout_s)
         uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level, access_log=False,
-                            ws="none", ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+                            ws="none", http=protocol_class(head, dispatcher.rejected), ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
                             timeout_graceful_shutdown=config.shutdown_grace_s + _SHUTDOWN_TAIL_S, timeout_keep_alive=30,
                             server_header=False, proxy_headers=False)
         http = _EmbeddedServer(uv)

@@ -42,6 +42,9 @@ class RouterConfig:
     # --- limits
     max_body_bytes: int = 8 << 20
     body_read_timeout_s: float = 30.0  # a request body not complete by then is refused (400)
+    max_header_bytes: int = 16384  # HTTP request line + headers; more → 431 (a longer URL alone → 414)
+    max_headers: int = 100  # HTTP header lines; more → 431
+    header_read_timeout_s: float = 10.0  # an HTTP request head not complete by then: 408, connection closed
     max_prompt_tokens: int | None = None  # None: the backend's max_model_len
     max_tokens_limit: int = 32768  # largest max_tokens a request may ask for
     default_max_tokens: int = 256  # when the request names none (capped by the context room)
@@ -64,7 +67,8 @@ class RouterConfig:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.http_port is None and self.grpc_port is None:
             raise ValueError("at least one of http_port and grpc_port must be set")
-        for name in ("max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_concurrent_requests"):
+        for name in ("max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_concurrent_requests",
+                     "max_header_bytes", "max_headers", "header_read_timeout_s", "body_read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
