@@ -1,9 +1,16 @@
 """The router's backend over the Ray cluster (the `Backend` protocol of router/stub_backend.py).
 
 Per request, decode-first placement (router/placement.py) over the loads the workers publish
-in the registry — corrected by the requests this router placed since the last report — and the
+in the registry — corrected by the requests this router has on each decode worker now — and the
 prefix index built from the prefill workers' KV events; then one streaming call to the chosen
 decode actor, handing it the chosen prefill actor (or none: the decode worker prefills).
+
+Admission (`overloaded`) reads the same view. The load reports are up to a heartbeat old, so
+this router counts its own requests per decode worker exactly: one more when it places a request
+there (in the same step of the event loop as the admission, router/dispatch.py), one less when
+the request's stream there ends or moves on. A worker's queue is taken as the reported one, or
+this router's requests there beyond the reported running batch, whichever is larger: exact with
+one router; with several, each counts its own and sees the others' through the reports.
 
 A request's stream survives its decode worker: a worker that migrates it away ends its stream
 with `Moved` and the stream goes on from the target (`attach`); a worker that dies is replaced by
@@ -67,7 +74,7 @@ class ClusterBackend:
         self.loads: dict[str, WorkerLoad] = {}
         self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
         self.workers: dict[str, WorkerInfo] = {}  # worker id → its registry entry (NIXL metadata: prefill peers)
-        self.placed = Counter()  # worker id → requests placed here since its last load report
+        self.own = Counter()  # decode worker id → this router's requests on it now
         self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
         self._actors: dict[str, tuple[str | None, object]] = {}  # worker id → (incarnation, handle)
         self._tasks: list[asyncio.Task] = []
@@ -104,7 +111,6 @@ class ClusterBackend:
         self.loads = fresh
         self.epochs = {w.worker_id: w.epoch for w in workers}
         self.workers = {w.worker_id: w for w in workers}
-        self.placed.clear()
         if self.metrics is not None:
             for role in ("prefill", "decode"):
                 self.metrics.set_queue_depth(role, sum(l.waiting for l in fresh.values() if l.role == role))
@@ -134,8 +140,21 @@ class ClusterBackend:
 
     # --- the Backend protocol --------------------------------------------------------------
     def _view(self, role: str) -> list[WorkerLoad]:
-        return [dataclasses.replace(l, waiting=l.waiting + self.placed[l.worker_id])
-                for l in self.loads.values() if l.role == role and not l.draining]
+        """The non-draining workers of `role`; a decode worker's queue corrected by this router's
+        own requests there (see the module docstring)."""
+        out = []
+        for l in self.loads.values():
+            if l.role != role or l.draining:
+                continue
+            if role == "decode" and self.own[l.worker_id] - l.running > l.waiting:
+                l = dataclasses.replace(l, waiting=self.own[l.worker_id] - l.running)
+            out.append(l)
+        return out
+
+    def _count(self, worker_id: str, n: int) -> None:
+        self.own[worker_id] += n
+        if self.own[worker_id] <= 0:
+            del self.own[worker_id]
 
     def _actor(self, worker_id: str):
         """The actor of `worker_id`, looked up again once the registry shows a new incarnation
@@ -206,72 +225,78 @@ class ClusterBackend:
         if where is None:
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no decode worker available"))
             return
-        self.placed[where.decode_id] += 1
         worker_id, rid, prefill_id, repull_id = where.decode_id, req.request_id, where.prefill_id, None
-        epoch = self.epochs.get(worker_id, "")
-        if repull is not None:  # the KV is held by that prefill worker: it alone can re-send it
-            prefill_id, repull_id = repull
-        if prefill_id is not None:
-            self.placed[prefill_id] += 1
+        self._count(worker_id, 1)  # before any await: the next admission decision sees it
+        counted = worker_id
         try:
-            decode = self._actor(worker_id)
-        except ValueError:  # removed since our last registry view (scale-down): as if it died
-            yield _Lost(worker_id, epoch, rid, None)
-            return
-        try:
-            prefill = self._actor(prefill_id) if prefill_id is not None else None
-        except ValueError:
-            prefill, prefill_id, repull_id = None, None, None  # the decode worker prefills itself
-        self.decode_of[client_id] = (worker_id, rid)
-        # the prefill worker's registry entry: the decode worker loads its NIXL metadata from it
-        stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id,
-                                                                         self.workers.get(prefill_id))
-        finished, attached = False, False
-        try:
-            while True:
-                moved = None
-                async for ref in stream:
-                    chunk = await ref
-                    if chunk.moved is not None:
-                        moved = chunk.moved
-                        break
-                    if attached and chunk.error is not None and chunk.error.code is ErrorCode.NO_WORKER:
-                        finished = True  # it migrated there, but that worker no longer has it
+            epoch = self.epochs.get(worker_id, "")
+            if repull is not None:  # the KV is held by that prefill worker: it alone can re-send it
+                prefill_id, repull_id = repull
+            try:
+                decode = self._actor(worker_id)
+            except ValueError:  # removed since our last registry view (scale-down): as if it died
+                yield _Lost(worker_id, epoch, rid, None)
+                return
+            try:
+                prefill = self._actor(prefill_id) if prefill_id is not None else None
+            except ValueError:
+                prefill, prefill_id, repull_id = None, None, None  # the decode worker prefills itself
+            self.decode_of[client_id] = (worker_id, rid)
+            # the prefill worker's registry entry: the decode worker loads its NIXL metadata from it
+            stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id,
+                                                                             self.workers.get(prefill_id))
+            finished, attached = False, False
+            try:
+                while True:
+                    moved = None
+                    async for ref in stream:
+                        chunk = await ref
+                        if chunk.moved is not None:
+                            moved = chunk.moved
+                            break
+                        if attached and chunk.error is not None and chunk.error.code is ErrorCode.NO_WORKER:
+                            finished = True  # it migrated there, but that worker no longer has it
+                            yield _Lost(worker_id, epoch, rid, None)
+                            return
+                        attached = False
+                        self._transfer_metrics(chunk)
+                        finished = bool(chunk.finish_reason or chunk.error)
+                        yield chunk
+                        if finished:
+                            return
+                    if moved is None:
+                        yield TokenChunk(req.request_id, (),
+                                         error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
+                        finished = True
+                        return
+                    # migrated: the rest of the stream comes from the target, not a token lost or repeated
+                    worker_id, rid, prefill_id, attached = moved.worker_id, moved.request_id, None, True
+                    self._count(counted, -1)
+                    self._count(worker_id, 1)
+                    counted = worker_id
+                    epoch = self.epochs.get(worker_id, "")
+                    self.decode_of[client_id] = (worker_id, rid)
+                    self._retargeted("migrate")
+                    try:
+                        decode = self._actor(worker_id)
+                    except ValueError:
+                        finished = True
                         yield _Lost(worker_id, epoch, rid, None)
                         return
-                    attached = False
-                    self._transfer_metrics(chunk)
-                    finished = bool(chunk.finish_reason or chunk.error)
-                    yield chunk
-                    if finished:
-                        return
-                if moved is None:
-                    yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL, "stream ended early"))
-                    finished = True
-                    return
-                # migrated: the rest of the stream comes from the target, not a token lost or repeated
-                worker_id, rid, prefill_id, attached = moved.worker_id, moved.request_id, None, True
-                epoch = self.epochs.get(worker_id, "")
-                self.decode_of[client_id] = (worker_id, rid)
-                self._retargeted("migrate")
-                try:
-                    decode = self._actor(worker_id)
-                except ValueError:
-                    finished = True
-                    yield _Lost(worker_id, epoch, rid, None)
-                    return
-                stream = decode.attach.options(num_returns="streaming").remote(rid)
-        except ray.exceptions.RayActorError:
-            self._actors.pop(worker_id, None)
-            finished = True  # nothing left to abort there
-            yield _Lost(worker_id, epoch, rid, prefill_id)
+                    stream = decode.attach.options(num_returns="streaming").remote(rid)
+            except ray.exceptions.RayActorError:
+                self._actors.pop(worker_id, None)
+                finished = True  # nothing left to abort there
+                yield _Lost(worker_id, epoch, rid, prefill_id)
+            finally:
+                self.decode_of.pop(client_id, None)
+                if not finished:  # client went away: make sure the worker stops
+                    try:
+                        decode.abort.remote(rid)
+                    except Exception:
+                        pass
         finally:
-            self.decode_of.pop(client_id, None)
-            if not finished:  # client went away: make sure the worker stops
-                try:
-                    decode.abort.remote(rid)
-                except Exception:
-                    pass
+            self._count(counted, -1)
 
     def _transfer_metrics(self, chunk: TokenChunk) -> None:
         if chunk.transfer is not None and self.metrics is not None:

@@ -10,9 +10,10 @@ router shutting down — the backend is told `abort(request_id)`, so prefill and
 request's pages.
 
 Admission and placement happen in one step of the event loop: both front doors call `execute`
-right after `admit`, with no await between, and the backend places the request in the first step
-of its `generate`. A backend that counts the requests it placed (router/cluster_backend.py) thus
-sees every request admitted before the next admission decision, however large the burst.
+right after `admit` (HTTP writes the SSE headers between, which waits only on a client that has
+stopped reading), and the backend places the request in the first step of its `generate`. A
+backend that counts the requests it placed (router/cluster_backend.py) thus sees every admitted
+request before the next admission decision, however large the burst.
 """
 
 from __future__ import annotations
