@@ -16,11 +16,21 @@ workers form groups of W consecutive ids (prefill-0..W-1, prefill-W..2W-1, ...; 
 decode): for each, rank 0 hosts the rendezvous store and every
 rank starts with its `Seat` (worker_runtime/ep_group.py). A broken group is replaced as a whole, under
 the same names (`restart_group`).
+
+Supervision (cluster/supervisor.py drives it): a worker whose actor died (`dead_workers`: Ray
+says so when pinged) is replaced by a fresh actor under the same name and started
+(`replace_worker`): a new incarnation, so a new NIXL epoch, which routers and peers already treat
+as a new peer. Actors run with `max_restarts=0`: Ray would re-run only `__init__`, never
+`start()`, and would restart one rank of an expert-parallel group alone. A worker the autoscaler
+removes (`remove_worker`) is retired first, under the same lock a replacement is made under, so
+it is never brought back, and a replacement made just before is the one removed.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, replace
 
 import ray
@@ -60,6 +70,19 @@ def ray_namespace(cluster: str) -> str:
     return f"v4serve-{cluster}"
 
 
+def _dead(actor_or_ping, timeout_s: float = 5.0) -> bool:
+    """Whether Ray reports the actor dead (a ping fails with ActorDiedError); an actor that is
+    busy, or unreachable for now, is not known dead."""
+    ping = actor_or_ping if isinstance(actor_or_ping, ray.ObjectRef) else actor_or_ping.__ray_ready__.remote()
+    try:
+        ray.get(ping, timeout=timeout_s)
+    except ray.exceptions.ActorDiedError:
+        return True
+    except Exception:  # noqa: BLE001 - busy, or unreachable for now
+        return False
+    return False
+
+
 def join_ray(address: str, cluster: str) -> None:
     """Connect this process to the Ray cluster at `address`, in the namespace where the pools of
     `cluster` are named."""
@@ -77,6 +100,10 @@ class LocalCluster:
         self.registry_url = ""
         self.namespace = ray_namespace(options.worker.cluster)
         self._added = 0  # workers added after start (their ids continue the numbering)
+        self._names: dict = {}  # actor id → worker id
+        self._retired: set[str] = set()  # removed on purpose: never replaced
+        self._lock = threading.Lock()  # replacing vs retiring (removal, shutdown)
+        self._closing = False
 
     def start(self) -> "LocalCluster":
         self.registry_url = self.env.redis_url or self._start_redis()
@@ -144,11 +171,13 @@ class LocalCluster:
             name=name, resources={role: 1}, num_cpus=0, num_gpus=self.options.gpus_per_worker,
             max_concurrency=10_000, max_restarts=0)
         try:
-            return remote.remote(name, worker)
+            actor = remote.remote(name, worker)
         except ValueError as e:  # Ray's "name already taken"
             raise ValueError(f"cannot create worker {name!r}: {e} -- another process already owns the pools of "
                              f"cluster {worker.cluster!r} on this Ray cluster (choose another --cluster name, or "
                              f"serve those pools with `v4serve router`)") from None
+        self._names[actor._actor_id] = name
+        return actor
 
     def add_worker(self, role: str) -> str:
         """Start one more `role` worker (blocks until it is up); returns its id. Ids are never
@@ -165,18 +194,73 @@ class LocalCluster:
         return f"{role}-{index}"
 
     def remove_worker(self, worker_id: str) -> None:
-        """Stop and kill one worker (drain it first: this cuts whatever it is doing)."""
-        try:
-            actor = ray.get_actor(worker_id)
-        except ValueError:  # already gone
+        """Stop and kill one worker (drain it first: this cuts whatever it is doing). It is retired:
+        supervision never replaces it."""
+        with self._lock:
+            self._retired.add(worker_id)
+            try:
+                actor = ray.get_actor(worker_id)
+            except ValueError:  # already gone (died, and not replaced)
+                actor = None
+            for pool in (self.prefill, self.decode):  # in place: add_worker may append concurrently
+                pool[:] = [a for a in pool if self._names.get(a._actor_id) != worker_id]
+        if actor is None:
             return
         try:
             ray.get(actor.stop.remote(), timeout=5)
         except Exception:  # already dead: nothing to stop
             pass
         ray.kill(actor)
-        for pool in (self.prefill, self.decode):  # in place: add_worker may append concurrently
-            pool[:] = [a for a in pool if a._actor_id != actor._actor_id]
+
+    # --- supervision ------------------------------------------------------------------------
+    def dead_workers(self, role: str, timeout_s: float = 5.0) -> list[str]:
+        """`role`'s workers whose actor Ray reports dead (a ping fails with ActorDiedError); one
+        that is only slow to answer is not. Expert-parallel pools are checked by group
+        (`broken_groups`)."""
+        if self.options.ep_size(role) > 1:
+            return []
+        pool = list(getattr(self, role))
+        pings = [(self._names.get(a._actor_id), a.__ray_ready__.remote()) for a in pool]
+        deadline = time.monotonic() + timeout_s
+        return [name for name, ref in pings
+                if _dead(ref, max(0.0, deadline - time.monotonic())) and name is not None and name not in self._retired]
+
+    def replace_worker(self, worker_id: str, name_timeout_s: float = 30.0) -> dict | None:
+        """Replace dead worker `worker_id` by a fresh actor under the same name and start it
+        (blocks until it serves); → what its start returned (its new epoch among it), or None if
+        it was retired meanwhile (removed by the autoscaler, or the cluster is stopping)."""
+        role = worker_id.rsplit("-", 1)[0]
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        worker = replace(self.options.worker, registry_url=self.registry_url)
+        deadline = time.monotonic() + name_timeout_s
+        while True:
+            with self._lock:
+                if self._closing or worker_id in self._retired:
+                    return None
+                pool = getattr(self, role)
+                at = [i for i, a in enumerate(pool) if self._names.get(a._actor_id) == worker_id]
+                if not at or not _dead(pool[at[0]]):  # removed, or replaced, meanwhile
+                    return None
+                try:
+                    # Ray keeps a dead actor's name while a handle to it lives; killing frees it
+                    ray.kill(pool[at[0]])
+                    new = self._actor(cls, role, int(worker_id.rsplit("-", 1)[1]), worker)
+                except ValueError:
+                    new = None
+                if new is not None:
+                    self._names.pop(pool[at[0]]._actor_id, None)
+                    pool[at[0]] = new  # keep the handle: an actor without one is destroyed
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the name {worker_id!r} is still taken {name_timeout_s}s after its actor died")
+            time.sleep(0.2)
+        try:
+            return ray.get(new.start.remote())
+        except Exception:
+            if self._closing or worker_id in self._retired:  # removed while it started
+                return None
+            ray.kill(new)  # dead, so the next round replaces it again
+            raise
 
     @staticmethod
     def _stop_actors(actors: list) -> None:
@@ -199,6 +283,8 @@ class LocalCluster:
         return self.redis_server.connection_url
 
     def stop(self) -> None:
+        with self._lock:  # nothing is replaced from now on
+            self._closing = True
         self._stop_actors(self.prefill + self.decode)
         self.prefill, self.decode = [], []
         if self.started_ray:

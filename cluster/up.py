@@ -3,8 +3,9 @@
     v4serve up       starts the registry server and Ray unless REDIS_URL / RAY_ADDRESS name them,
                      creates the prefill and decode pools (named actors in the Ray namespace of
                      the cluster name, cluster/launcher.py), runs their autoscaler if asked, and
-                     serves (restarting any expert-parallel prefill group that breaks, as a
-                     whole); on SIGINT/SIGTERM stops the router, the actors, Ray and the registry
+                     serves, supervising the pools (cluster/supervisor.py: a worker that dies is
+                     replaced under its name, an expert-parallel group that breaks as a whole);
+                     on SIGINT/SIGTERM stops the router, the actors, Ray and the registry
                      server it started, leaving no processes behind
     v4serve router   joins the Ray cluster at RAY_ADDRESS and the registry at REDIS_URL and serves
                      the pools a `v4serve up` owns there; on SIGINT/SIGTERM stops only itself
@@ -31,6 +32,7 @@ from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.launcher import ClusterOptions, LocalCluster, join_ray
 from cluster.settings import Environment
+from cluster.supervisor import Supervisor
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from router.app import serve
@@ -80,8 +82,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
                                  worker.page_size, options.router)
         await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
         actuator = _actuator(options, cluster)
-        if options.cluster.ep_size("prefill") > 1 or options.cluster.ep_size("decode") > 1:
-            supervisor = asyncio.create_task(_restart_broken_groups(cluster))
+        supervisor = Supervisor(cluster).start()
         handle = await serve(options.router, backend, backend.metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
                    f"prefill={options.cluster.prefill} decode={options.cluster.decode} registry={cluster.registry_url} "
@@ -89,7 +90,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
         await stop.wait()
     finally:
         if supervisor is not None:
-            supervisor.cancel()
+            await supervisor.stop()
         if actuator is not None:
             await actuator.stop()
         if handle is not None:
@@ -128,19 +129,6 @@ async def run_router(options: RouterOptions, env: Environment, ready_line=print)
         if backend is not None:
             await backend.stop()
         ray.shutdown()  # disconnects; the pools belong to their owner
-
-
-async def _restart_broken_groups(cluster: LocalCluster, interval_s: float = 5.0) -> None:
-    """Replace every expert-parallel group that broke (a rank died or left it) as a whole."""
-    while True:
-        await asyncio.sleep(interval_s)
-        for role in ("prefill", "decode"):
-            try:
-                for group in await asyncio.to_thread(cluster.broken_groups, role):
-                    log.error("expert-parallel %s group %d broke: restarting it", role, group)
-                    await asyncio.to_thread(cluster.restart_group, role, group)
-            except Exception:  # Ray hiccup: the next round retries
-                log.exception("restarting expert-parallel %s groups failed", role)
 
 
 def _stop_on_signals() -> asyncio.Event:
