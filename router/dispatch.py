@@ -204,15 +204,22 @@ class Dispatcher:
         return Outcome(relay.finish.finish_reason, usage)
 
     async def _settle(self, rid: str, run: _Running, gen, abort: bool) -> None:
-        """Close the backend stream, and abort the request there if it did not finish, in a task
-        of its own: cancelling the caller again does not stop it. The request id stays taken
-        until then, so a reuse of it cannot meet the old request in the backend."""
+        """Close the backend stream; for a request that did not finish, close it and abort it
+        there in a task of its own, which cancelling the caller again does not stop. The request
+        id stays taken until then, so a reuse of it cannot meet the old request in the backend."""
+        if not abort:  # finished: closing its stream has nothing to wait for, no task needed
+            try:
+                await _close_quietly(gen)
+            finally:
+                if self._inflight.get(rid) is run:
+                    del self._inflight[rid]
+            return
+
         async def settle():
             try:
                 async with asyncio.timeout(_SETTLE_TIMEOUT_S):
                     await _close_quietly(gen)
-                    if abort:
-                        await self.backend.abort(rid)
+                    await self.backend.abort(rid)
             except Exception:  # noqa: BLE001 - the request has ended; a failing abort is logged, not raised
                 log.exception("settling request %s in the backend failed", rid)
             finally:

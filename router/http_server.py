@@ -69,7 +69,8 @@ class HTTPApp:
         try:
             if handler is None:
                 known = any(p == path for _, p in self.routes)
-                raise APIError(ErrorCode.INVALID_REQUEST, f"{'method ' + method + ' not allowed on' if known else 'no route'} {path}",
+                what = f"method {method} not allowed on" if known else "no route"
+                raise APIError(ErrorCode.INVALID_REQUEST, f"{what} {path}",
                                openai_code="method_not_allowed" if known else "not_found", status=405 if known else 404)
             if path.startswith("/v1/") and not self.keys.allows(_header(scope, b"authorization")):
                 raise APIError(ErrorCode.UNAUTHENTICATED, "a valid API key is required (Authorization: Bearer <key>)")
@@ -130,11 +131,11 @@ class HTTPApp:
         parsed = finalize(draft, ids, self.limits, time.time())
         owner = self.keys.identify(_header(scope, b"authorization"))
         slot = self.dispatcher.admit()
-        scope[_COUNTED] = True  # from here on the dispatcher counts the request's outcome
         try:
             req, opts = parsed.generate, parsed.options
             builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts)
             run = self.dispatcher.execute(slot, req, _emitter(builder, send, opts.stream), arrival, owner)
+            scope[_COUNTED] = True  # from here on the dispatcher counts the request's outcome
             if opts.stream:
                 await self._stream(receive, send, run, builder)
             else:
