@@ -9,7 +9,9 @@ answers are known, and the checks every scenario must pass:
 4. the scenario's metric counts the fault (scenarios.py says which).
 
 Faults wrap the real thing: kvtransfer fault plans set on the live workers, actor processes
-killed (`ray.kill`, or a kill point exiting the process), the Valkey server stopped and started.
+killed (`ray.kill`, SIGKILL to the process, or a kill point exiting the process), the Valkey
+server stopped and started. With `supervised`, the bed runs `v4serve up`'s supervisor
+(cluster/supervisor.py), which replaces workers that die.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import dataclasses
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +29,7 @@ import ray
 
 from cluster.launcher import ClusterOptions, LocalCluster
 from cluster.settings import Environment
+from cluster.supervisor import Supervisor
 from decode_worker.actor import DecodeWorker
 from model.checkpoint import load_checkpoint
 from model.generate import generate
@@ -52,6 +56,7 @@ class BedConfig:
     idle_timeout_s: float = 45.0  # for page accounting to come back (≥ two leases + grace)
     remote_prefill_threshold: int = 48
     split: bool = False  # decode-1's node in its own network namespace (netns.py), behind a veth link
+    supervised: bool = False  # dead workers are replaced under their names, as `v4serve up` does
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ class Bed:
         self.backend: ClusterBackend | None = None
         self.dead: set[str] = set()
         self.link = self.node = self.valkey = None  # the network split (config.split)
+        self.supervisor: Supervisor | None = None
         self._env: dict[str, str | None] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -149,6 +155,8 @@ class Bed:
                                       self.metrics, refresh_s=0.2, max_retargets=3)
         await self.backend.start()
         await self.backend.wait_for_workers(self.config.prefill, self.config.decode)
+        if self.config.supervised:
+            self.supervisor = Supervisor(self.cluster, interval_s=0.5).start()
 
     def _split(self) -> Environment:
         """A Ray of its own: the head (prefill 1, decode 1) here, a node (decode 1) in the namespace,
@@ -183,6 +191,8 @@ class Bed:
         return next(wid for wid, a in self.actors().items() if node_of.get(a._actor_id.hex()) == self.ns_node_id)
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.backend is not None:
             await self.backend.stop()
         if self.link is not None:
@@ -225,6 +235,11 @@ class Bed:
 
     def kill(self, worker_id: str) -> None:
         ray.kill(self.actor(worker_id))
+        self.dead.add(worker_id)
+
+    def kill9(self, worker_id: str) -> None:
+        """SIGKILL the worker's process (kill -9): no stop(), no deregistration."""
+        os.kill(ray.get(self.actor(worker_id).__ray_call__.remote(lambda _self: os.getpid())), signal.SIGKILL)
         self.dead.add(worker_id)
 
     async def restart(self, worker_id: str) -> str:
@@ -291,8 +306,10 @@ class Bed:
                     self.dead.add(wid)
         workers = await self._settle()
         router = {f"{name}{sorted(labels.items())}": value for name, labels, value in _samples(self.metrics)}
+        replaced = [(e.worker_id, e.detail["seconds"]) for e in self.supervisor.events
+                    if e.kind == "replaced"] if self.supervisor is not None else []
         return Observed(list(results), router, workers, sorted(self.dead), note or "", time.monotonic() - t0,
-                        {"registered": await self._registered(sorted(workers))})
+                        {"registered": await self._registered(sorted(workers)), "replaced": replaced})
 
     async def _registered(self, expected: list[str], timeout_s: float = 15.0) -> list[str]:
         """The registry's workers once they are `expected` (heartbeats re-create the keys after a

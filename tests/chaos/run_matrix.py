@@ -58,7 +58,7 @@ def run_scenario(ckpt: Path, scenario: Scenario, load: Load, refs: dict[str, lis
             return Row(scenario, Observed([], {}, {}, [], note="not run"), [], (False, "-"), skipped=why)
 
     async def go() -> Observed:
-        bed = Bed(ckpt, replace(config, split=scenario.split))
+        bed = Bed(ckpt, replace(config, split=scenario.split, supervised=scenario.supervised))
         await bed.start()
         try:
             return await bed.run(two_waves(load, scenario.waves_s) if scenario.waves_s else load, scenario.inject, rng)
@@ -119,7 +119,11 @@ def report(runs: dict[int, list[Row]], total_s: float) -> str:
             "request finishes or fails with a reason code within its deadline; finished outputs equal "
             "`v4serve generate`; page accounting returns to idle on every surviving worker; the named metric "
             "counts the fault. The network scenarios put decode-1 on a second Ray node inside its own "
-            "network namespace behind a veth pair, UCX over TCP on it (`tests/chaos/netns.py`).\n\n"
+            "network namespace behind a veth pair, UCX over TCP on it (`tests/chaos/netns.py`). In "
+            "`kill9_replaced` the bed runs the supervisor of `v4serve up` (`cluster/supervisor.py`): the "
+            "processes of prefill-0 and decode-0 are SIGKILLed while decode-0 decodes, both must be replaced "
+            "under their names and registered again within 30 s, the requests they held end with the tokens of "
+            "`generate` (or a reason code), and the second wave starts 9 s later, by when they should be back.\n\n"
             f"Run: {datetime.date.today().isoformat()}, {platform.machine()} with {_cpus()} CPU cores (shared "
             f"with other jobs), {total_s / 60:.1f} min in all. **{passed} of {len(rows) - skipped} scenario "
             f"runs passed**{f', {skipped} skipped' if skipped else ''}. Column s: seconds from the first "

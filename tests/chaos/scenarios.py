@@ -30,6 +30,7 @@ class Scenario:
     waves_s: float = 0.0  # > 0: every other request starts this much later (after a restart)
     allow_errors: bool = False  # reason-coded failures are acceptable here
     split: bool = False  # needs decode-1 behind a network namespace link (netns.py)
+    supervised: bool = False  # the bed replaces dead workers, as `v4serve up` does
 
 
 # --- injection helpers ----------------------------------------------------------------------
@@ -196,6 +197,43 @@ def restart_worker(worker: str):
     return inject
 
 
+BACK_WITHIN_S = 30.0  # a replaced worker is in the registry again within this, on CPU
+
+
+async def kill9_replaced(bed: Bed, rng: random.Random) -> str:
+    """SIGKILL decode-0 while it decodes, and prefill-0 with it; supervision must bring both
+    back under their names (new epochs) in the registry within BACK_WITHIN_S."""
+    from worker_runtime.registry import Registry
+
+    registry = Registry(bed.cluster.registry_url)
+    victims = ("prefill-0", "decode-0")
+    old = {w.worker_id: w.epoch for w in await asyncio.to_thread(registry.workers)}
+    await _pause(rng, 0.3, 1.5)
+    found = await _when(bed, "decode-0", "tokens_left", at_least=6)
+    for w in victims:
+        bed.kill9(w)
+    t0 = asyncio.get_running_loop().time()
+
+    async def back() -> bool:
+        now = {w.worker_id: w.epoch for w in await asyncio.to_thread(registry.workers)}
+        return all(now.get(v) not in (None, old.get(v)) for v in victims)
+
+    ok = await bed.until(back, BACK_WITHIN_S, every_s=0.2)
+    if ok:
+        bed.dead.difference_update(victims)
+    took = asyncio.get_running_loop().time() - t0
+    return ("SIGKILL prefill-0 and decode-0 " + ("while it decoded" if found else "(no decoding seen)")
+            + (f", both registered again {took:.1f}s later" if ok else f", not both back after {took:.0f}s"))
+
+
+def _replaced(o: Observed, workers: tuple[str, ...]) -> tuple[bool, str]:
+    """Each of `workers` was replaced once, within BACK_WITHIN_S."""
+    got = dict(o.extra.get("replaced", []))
+    ok = sorted(w for w, _ in o.extra.get("replaced", [])) == sorted(workers) and all(
+        s < BACK_WITHIN_S for s in got.values())
+    return ok, "replaced: " + (", ".join(f"{w} in {s:.1f}s" for w, s in sorted(got.items())) or "none")
+
+
 async def cut_network(bed: Bed, rng: random.Random) -> str:
     victim = await asyncio.to_thread(bed.namespaced)
     await _pause(rng, 0.0, 0.5)
@@ -291,6 +329,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("restart_prefill_same_name", "prefill-0 killed and restarted under its name",
              restart_worker("prefill-0"), waves_s=9.0,
              counted=lambda o: _counted("new prefill-0 transfers", o.workers["prefill-0"]["transfers"]["transfers"])),
+    Scenario("kill9_replaced", "prefill-0 and decode-0 processes SIGKILLed; supervision replaces them",
+             kill9_replaced, lambda o: _replaced(o, ("decode-0", "prefill-0")), waves_s=9.0, supervised=True),
     Scenario("cut_network", "veth link to decode-1's namespace drops every packet for 4-6 s", cut_network,
              lambda o: _counted("kv_transfer_failures{expired}", _failures(o, "expired")), split=True),
     Scenario("slow_network", "veth link to decode-1's namespace limited to 2 Mbit/s for 12 s", slow_network,
