@@ -49,7 +49,7 @@ class Supervisor:
         # must not starve the router's registry reads on the default executor
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="v4serve-supervisor")
 
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         self._task = asyncio.create_task(self._run())
         return self
 

@@ -102,8 +102,8 @@ def test_killed_workers_are_replaced_and_their_requests_end_well(tiny_official_c
     metrics = RouterMetrics()
 
     async def run():
-        backend = ClusterBackend(registry, ByteTokenizer(320), "tiny", 512, PlacementConfig(remote_prefill_threshold=64),
-                                 metrics, refresh_s=0.2, max_retargets=3)
+        backend = ClusterBackend(registry, ByteTokenizer(320), "tiny", 512,
+                                 PlacementConfig(remote_prefill_threshold=64), metrics, refresh_s=0.2, max_retargets=3)
         await backend.start()
         await backend.wait_for_workers(prefill=2, decode=2)
         supervisor = Supervisor(cluster, interval_s=0.5).start()
@@ -122,7 +122,7 @@ def test_killed_workers_are_replaced_and_their_requests_end_well(tiny_official_c
 
                 try:
                     await asyncio.wait_for(stream(), DEADLINE_S + 5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     error = "hung past its deadline"
                 return req.request_id, tokens, error
 

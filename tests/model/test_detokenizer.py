@@ -325,7 +325,7 @@ def test_long_stop_strings_allocate_nothing_up_front():
     tracemalloc.start()
     try:
         d = Detokenizer(BYTES, stops)
-        size, peak = tracemalloc.get_traced_memory()
+        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 64 << 10, peak  # the stop strings themselves (1 MiB) are the caller's
