@@ -101,7 +101,8 @@ def _probe_health(url: str, stop: threading.Event, worst: list) -> None:
 
 
 @pytest.mark.parametrize("body", [hostile(24_000), hostile(4_000_000), b"[" + b"[]," * 2_600_000 + b"[]]",
-                                  b"[" + b"1," * 3_900_000 + b"1]"], ids=["48KB", "8MB", "8MB of arrays", "8MB of ints"])
+                                  b"[" + b"1," * 3_900_000 + b"1]"],
+                         ids=["48KB", "8MB", "8MB of arrays", "8MB of ints"])
 def test_hostile_body_is_refused_quickly_while_health_answers(router, body):
     stop, worst = threading.Event(), [0.0]
     prober = threading.Thread(target=_probe_health, args=(router.http_url, stop, worst))
