@@ -50,6 +50,9 @@ class RouterConfig:
     default_max_tokens: int = 256  # when the request names none (capped by the context room)
     max_concurrent_requests: int = 4096  # in-flight generations; more → 429
     max_stop_strings: int = 16
+    # a stop string is held back while the text could still grow into it: its length bounds that delay
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 64
     request_timeout_s: float | None = 600.0  # per-request deadline; None: none
     overload_retry_after_s: float = 1.0  # Retry-After when the concurrency limit is hit
 

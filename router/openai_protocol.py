@@ -41,6 +41,8 @@ class Limits:
     max_tokens_limit: int
     default_max_tokens: int
     max_stop_strings: int
+    max_stop_string_chars: int
+    max_stop_token_ids: int
     default_temperature: float
     default_seed: int | None
     timeout_s: float | None
@@ -52,7 +54,8 @@ class Limits:
                    vocab_size=int(backend.tokenizer.vocab_size), max_model_len=max_len,
                    max_prompt_tokens=min(config.max_prompt_tokens or max_len, max_len),
                    max_tokens_limit=config.max_tokens_limit, default_max_tokens=config.default_max_tokens,
-                   max_stop_strings=config.max_stop_strings, default_temperature=config.default_temperature,
+                   max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars,
+                   max_stop_token_ids=config.max_stop_token_ids, default_temperature=config.default_temperature,
                    default_seed=config.default_seed, timeout_s=config.request_timeout_s)
 
 
@@ -133,6 +136,8 @@ def _stop_strings(body: dict, limits: Limits) -> tuple[str, ...]:
         raise invalid("'stop' must be a non-empty string or an array of non-empty strings", "stop")
     if len(stop) > limits.max_stop_strings:
         raise invalid(f"'stop' may hold at most {limits.max_stop_strings} strings", "stop")
+    if any(len(s) > limits.max_stop_string_chars for s in stop):
+        raise invalid(f"each 'stop' string may be at most {limits.max_stop_string_chars} characters", "stop")
     return tuple(stop)
 
 
@@ -176,6 +181,8 @@ def _common(body: dict, limits: Limits, chat: bool, thinking: bool) -> dict:
     if seed is None:
         seed = limits.default_seed if limits.default_seed is not None else secrets.randbits(63)
     stop_ids = _get(body, "stop_token_ids", lambda v: True, "", [])
+    if isinstance(stop_ids, list) and len(stop_ids) > limits.max_stop_token_ids:
+        raise invalid(f"'stop_token_ids' may hold at most {limits.max_stop_token_ids} ids", "stop_token_ids")
     return dict(
         options=ResponseOptions(
             chat=chat, stream=stream, include_usage=include_usage, thinking=thinking,

@@ -55,6 +55,8 @@ CASES = [
     ("stop wrong type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop", "invalid_request"),
     ("stop empty string", "/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "invalid_request"),
     ("stop ids out of range", "/v1/completions", {**GOOD, "stop_token_ids": [9999]}, 400, "stop_token_ids", "invalid_request"),
+    ("stop string too long", "/v1/completions", {**GOOD, "stop": ["x" * 1025]}, 400, "stop", "invalid_request"),
+    ("too many stop ids", "/v1/completions", {**GOOD, "stop_token_ids": [1] * 65}, 400, "stop_token_ids", "invalid_request"),
     ("stream not bool", "/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "invalid_request"),
     ("stream_options w/o stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
      "stream_options", "invalid_request"),
