@@ -28,7 +28,7 @@ from torch import nn
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.kernels.attention import compressor, indexer, rope as rope_ops, sparse_attention
-from model.kernels.common import rmsnorm
+from model.kernels.common import invariant, rmsnorm
 from model.kernels.gemm.fp32_out import linear_fp32_out
 from model.kv_pool import KVPools
 from model.quantized import Fp8Linear, fuse_fp8_linears, fuse_weights
@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
-    return nn.Linear(dim_in, dim_out, bias=False)
+    """A float projection (`invariant.Linear`: its rows never depend on the batch on the CPU)."""
+    return invariant.Linear(dim_in, dim_out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,4 +255,6 @@ def grouped_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
     if isinstance(proj, Fp8Linear):
         return proj.grouped(x)
     w = proj.weight.view(g, -1, x.shape[2])
-    return torch.einsum("tgi,gri->tgr", x, w)
+    if x.device.type != "cpu":
+        return torch.einsum("tgi,gri->tgr", x, w)
+    return invariant.matmul(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).to(x.dtype)

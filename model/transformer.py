@@ -19,6 +19,7 @@ from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.kernels import arrival_counter, set_impl
+from model.kernels.common.invariant import Linear
 from model.kernels.mhc import mhc
 from model.kv_pool import KVPools
 from model.moe import MoE
@@ -81,8 +82,8 @@ class MTPBlock(Block):
     def __init__(self, cfg: ModelConfig, impl: str = "torch"):
         super().__init__(cfg, cfg.num_hidden_layers, cfg.mtp_compress_ratio, impl)
         D = cfg.hidden_size
-        self.e_proj = nn.Linear(D, D, bias=False)
-        self.h_proj = nn.Linear(D, D, bias=False)
+        self.e_proj = Linear(D, D)
+        self.h_proj = Linear(D, D)
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, impl)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, impl)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, impl)
@@ -111,7 +112,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i, r, impl) for i, r in enumerate(cfg.compress_ratios))
         self.norm = RMSNorm(D, cfg.rms_norm_eps, impl)
-        self.head = nn.Linear(D, cfg.vocab_size, bias=False)
+        self.head = Linear(D, cfg.vocab_size)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))

@@ -11,6 +11,7 @@ from model.sampling import SamplingParams
 from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
+from tests.model.invariance_cases import LogitRecorder, assert_same_as_alone, long_prompts, tie_model
 from worker_runtime.wire import GenerateRequest
 
 
@@ -58,6 +59,23 @@ def test_batched_outputs_equal_single_request_outputs(model):
     got = run_all(engine, requests, arrivals=[rng.randrange(0, 30) for _ in requests])
     for r in requests:
         assert got[r.request_id] == reference(model, r), r.request_id
+    assert pools.num_free() == pools.idle_free()
+
+
+def test_long_prompts_batched_with_other_requests_give_the_logits_of_generate():
+    """Prompts of 600+ tokens on the tie-heavy model (`invariance_cases`), prefilled locally in
+    chunks of a 97-token budget beside other requests' chunks and decode steps, arriving at
+    different steps: each request's logits, every one it sampled from, are generate's bits."""
+    model = tie_model()
+    recorder = LogitRecorder(model)
+    prompts = long_prompts(21, [610, 680, 25, 640])
+    requests = [GenerateRequest(f"L{i}", tuple(p), max_tokens=5, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.9 * (i % 2), seed=i)) for i, p in enumerate(prompts)]
+    pools = KVPools(model.cfg, "fp32", max_tokens=700, max_seqs=4)
+    engine = DecodeEngine(recorder, pools, ByteTokenizer(model.cfg.vocab_size), "d0", DecodeConfig(prefill_token_budget=97))
+    recorder.engines.append(engine)
+    got = run_all(engine, requests, arrivals=[0, 2, 3, 9])
+    assert_same_as_alone(model, recorder, got, requests)
     assert pools.num_free() == pools.idle_free()
 
 

@@ -8,13 +8,14 @@ import random
 
 import pytest
 
-from decode_worker.engine import DecodeEngine
+from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams
 from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
+from tests.model.invariance_cases import LogitRecorder, assert_same_as_alone, long_prompts, tie_model
 from worker_runtime.wire import GenerateRequest, RequestState
 
 
@@ -81,6 +82,43 @@ def test_bounced_requests_equal_generate(model, kv_dtype):
         ref = generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling).token_ids
         assert out[r.request_id] == ref, r.request_id
         assert text[r.request_id] == tok.decode(ref)
+    for e in engines:
+        assert e.pools.num_free() == e.pools.idle_free()
+
+
+def test_long_prompts_bounced_between_engines_give_the_logits_of_generate():
+    """Prompts of 600+ tokens on the tie-heavy model (`invariance_cases`), prefilled locally beside
+    each other, then moved to the other engine every other step while they decode beside whatever
+    that engine runs: every logits row they sampled from is generate's bits."""
+    model = tie_model()
+    recorder = LogitRecorder(model)
+    engines = [DecodeEngine(recorder, KVPools(model.cfg, "fp8_pack", max_tokens=720, max_seqs=3),
+                            ByteTokenizer(model.cfg.vocab_size), f"d{i}", DecodeConfig(prefill_token_budget=256))
+               for i in range(2)]
+    recorder.engines += engines
+    prompts = long_prompts(41, [630, 700, 33])
+    reqs = [GenerateRequest(f"g{i}", tuple(p), max_tokens=6, ignore_eos=True,
+                            sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i)) for i, p in enumerate(prompts)]
+    engines[0].submit(reqs[0])
+    engines[0].submit(reqs[1])
+    engines[1].submit(reqs[2])
+    got = {r.request_id: [] for r in reqs}
+    done, step, moves = set(), 0, 0
+    while len(done) < len(reqs):
+        for e in engines:
+            for chunk in e.step():
+                got[chunk.request_id].extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    done.add(chunk.request_id)
+        step += 1
+        for i, e in enumerate(engines):
+            for rid in (e.decoding() if step % 2 else []):
+                if rid != "g2":
+                    move(e, engines[1 - i], rid)
+                    moves += 1
+        assert step < 200
+    assert moves >= 4
+    assert_same_as_alone(model, recorder, got, reqs, "fp8_pack")
     for e in engines:
         assert e.pools.num_free() == e.pools.idle_free()
 

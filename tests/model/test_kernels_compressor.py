@@ -47,4 +47,5 @@ def test_compress_matches_reference(fmt, layer, ratio, kind, head_dim):
     emitted = sum(e // ratio - s // ratio for s, e in ((c, c + n) for c, n in SHAPES))
     assert written.sum() == emitted > 0
     assert torch.equal(out[~written], old[~written])
-    assert rel_err(out[written], ref[written]) < 1e-5
+    # fp8_pack: an ulp between the two pooled values may move an FP8 code of the KV pack by a step
+    assert rel_err(out[written], ref[written]) < (1e-3 if fmt == "fp8_pack" and kind != "c4_indexer" else 1e-5)

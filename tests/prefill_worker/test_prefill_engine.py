@@ -12,6 +12,7 @@ from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
 from prefill_worker.engine import PrefillConfig, PrefillEngine
+from tests.model.invariance_cases import LogitRecorder, assert_same_as_alone, long_prompts, tie_model
 from worker_runtime.wire import GenerateRequest
 
 
@@ -23,13 +24,14 @@ def model():
     return m
 
 
-def run_pd(model, reqs, p_pools, prefill, d_pools, all_at_once=False):
+def run_pd(model, reqs, p_pools, prefill, d_pools, all_at_once=False, waves=None, decode=None):
     """Drive prefill → page copy → decode to completion; tokens per request. Requests go in one
-    at a time (so later ones can reuse what earlier ones cached) unless `all_at_once`."""
-    decode = DecodeEngine(model, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
+    at a time (so later ones can reuse what earlier ones cached) unless `all_at_once`, or in the
+    given `waves` (each waits for the one before to finish)."""
+    decode = decode or DecodeEngine(model, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
     by_id = {r.request_id: r for r in reqs}
     got = {r.request_id: [] for r in reqs}
-    for batch in ([reqs] if all_at_once else [[r] for r in reqs]):
+    for batch in waves or ([reqs] if all_at_once else [[r] for r in reqs]):
         for r in batch:
             prefill.submit(r)
         while prefill.has_work() or decode.has_work():
@@ -93,6 +95,32 @@ def test_prefix_cache_skips_repeated_prefixes_and_keeps_outputs(model, fmt):
     # (which diverge from the tree at 300, inside the system prompt) resume from there
     assert prefill.computed_tokens == total - 4 * 256
     assert store.events and {e.kind for e in store.events} >= {"stored"}
+    store.cache.evict_full(10 ** 9)
+    assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
+
+
+def test_long_prompts_batched_chunked_and_cached_give_the_logits_of_generate():
+    """Prompts of 600+ tokens on the tie-heavy model (`invariance_cases`): two prefilled beside
+    each other in 211-token budgets, then two that reuse the first's pages from the prefix cache
+    (one sharing its first 520 tokens, one the whole prompt), each shipped to a decode engine:
+    every request's logits, the first token's included, are generate's bits."""
+    from prefill_worker.prefix_store import PrefixStore
+
+    model = tie_model()
+    recorder = LogitRecorder(model)
+    system, own, other, tail = long_prompts(31, [520, 100, 650, 90])
+    prompts = [system + own, other, system + tail, system + own]
+    reqs = [GenerateRequest(f"k{i}", tuple(p), max_tokens=4, ignore_eos=True,
+                            sampling=SamplingParams(temperature=0.7 * (i % 2), seed=i)) for i, p in enumerate(prompts)]
+    p_pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
+    d_pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=4)
+    store = PrefixStore(p_pools, "p0")
+    prefill = PrefillEngine(recorder, p_pools, "p0", PrefillConfig(token_budget=211), store=store)
+    decode = DecodeEngine(recorder, d_pools, ByteTokenizer(model.cfg.vocab_size), "d0")
+    recorder.engines += [prefill, decode]
+    got = run_pd(model, reqs, p_pools, prefill, d_pools, waves=[reqs[:2], reqs[2:]], decode=decode)
+    assert prefill.computed_tokens <= sum(map(len, prompts)) - 2 * 512  # both late ones hit the cache
+    assert_same_as_alone(model, recorder, got, reqs)
     store.cache.evict_full(10 ** 9)
     assert p_pools.num_free() == p_pools.idle_free() and d_pools.num_free() == d_pools.idle_free()
 

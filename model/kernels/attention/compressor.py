@@ -23,6 +23,7 @@ import triton.language as tl
 
 from model.kernels import check_impl
 from model.kernels.attention.pool_io import entry_base, index_scale_at, pack_code, store_entry
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 from model.rope import Rope
 
@@ -53,8 +54,8 @@ def reference(proj, batch, pools, layer: int, ratio: int, kind: str, state_kind:
                     kv[0, :r], score[0, :r] = 0.0, float("-inf")
             else:
                 kv, score = kv[windows], score[windows]
-            pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [n, h]
-            normed = norm_weight.float() * pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps)
+            pooled = invariant.sum(kv * invariant.softmax(score, dim=1), dim=1)  # [n, h]
+            normed = norm_weight.float() * pooled * torch.rsqrt(invariant.mean(pooled.square(), -1, keepdim=True) + eps)
             entries = rope.apply(normed, torch.arange(n0, n1, device=dev) * r)
             pools.write(kind, layer, seg.seq.pages[kind], torch.arange(n0, n1, device=dev), entries)
         keep = min(ring, seg.length)  # ring rows written after the read above

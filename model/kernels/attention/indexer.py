@@ -10,12 +10,12 @@ entries of the longest request), -1 where a query sees fewer than K entries.
 
 `_select_kernel` takes a row's top k in one program: it finds the k-th largest score by
 deciding its bits from the top (counts or histograms over the row held in registers; floats made
-order-preserving as integers; the passes stop early once the k-th's bucket is to be taken
-whole, its smallest entry then being the k-th), keeps the entries above it and, of those equal
-to it, the lowest first, and writes them in entry order (a prefix sum places each), -1 after
-them. Picks are a set to the attention, so no sort: entry order is what the reference gives too
-(`select`), and it walks the pages in order; a bitonic sort of the whole row would cost the row
-times log² of it.
+order-preserving as integers, -0 as +0; the passes stop early once the k-th's bucket is to be
+taken whole, its smallest entry then being the k-th), keeps the entries above it and, of those
+equal to it, the lowest first (`invariant.top_k`'s rule, the reference's too), and writes them
+in entry order (a prefix sum places each), -1 after them. Picks are a set to the attention, so
+no sort: entry order is what the reference gives too (`select`), and it walks the pages in
+order; a bitonic sort of the whole row would cost the row times log² of it.
 
 Batched prefill needs no ks/ke arrays: each query reads its own request's pages (its row of the
 page table) from entry 0 to its own causal end (pos + 1) / 4, so programs past a query's end
@@ -33,6 +33,7 @@ from model import low_precision
 from model.kernels import check_impl, num_sms
 from model.kernels.attention.pool_io import alignment, entry_base, index_scale_at, load_entries, pack_code
 from model.kernels.attention.rope import rotate_pairs
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 from model.kernels.gemm.act_quant import quantize_blocks
 from model.rope import Rope
@@ -61,8 +62,9 @@ def reference(q, w, batch, pools, layer: int, topk: int, fp8_query: bool = False
     for seg in batch.segments:
         n = seg.end // 4
         keys = pools.read("c4_indexer", layer, seg.seq.pages["c4_indexer"], torch.arange(n, device=q.device))
-        scores = torch.einsum("shc,tc->sht", q[seg.rows], keys).relu() * c ** -0.5
-        scores = (scores * w[seg.rows].float().unsqueeze(-1)).sum(dim=1)  # [S, n]
+        # a score is one query row against one key: the same bits in any batch or chunk (`invariant`)
+        scores = invariant.dot(q[seg.rows], invariant.Rows.of(keys)).relu() * c ** -0.5  # [S, n_I, n]
+        scores = invariant.sum(scores * w[seg.rows].float().unsqueeze(-1), dim=1)  # [S, n]
         picks[seg.rows, : min(topk, n)] = select(scores, batch.positions[seg.rows], topk).int()
     return picks
 
@@ -70,11 +72,12 @@ def reference(q, w, batch, pools, layer: int, topk: int, fp8_query: bool = False
 def select(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [S, n] of queries at `positions` [S] → top-k entry ids [S, min(k, n)] in entry
     order, -1 after them where a query has fewer than k causal entries (entry j is causal for p
-    iff j < (p+1)/4)."""
+    iff j < (p+1)/4). Ties by `invariant.top_k`'s rule: equal scores (ReLU makes many, zeros
+    above all) go to the lower entries, as the select kernel takes them."""
     n = scores.shape[1]
     visible = (positions + 1) // 4
     future = torch.arange(n, device=scores.device) >= visible.unsqueeze(1)
-    top = scores.masked_fill(future, float("-inf")).topk(min(topk, n), dim=-1).indices
+    top = invariant.top_k(scores.masked_fill(future, float("-inf")), topk)[1]
     return _in_entry_order(torch.where(top >= visible.unsqueeze(1), -1, top), n)
 
 
@@ -170,7 +173,7 @@ def top_k(scores: torch.Tensor, K: int, num_warps: int | None = None, digit_bits
         raise ValueError(f"digit_bits must be 1, 2, 4 or 8, got {digit_bits}")
     R, n = scores.shape
     if n > TOPK_KERNEL_MAX_N:
-        values, idx = scores.topk(K, dim=-1)
+        values, idx = invariant.top_k(scores, K)
         return _in_entry_order(torch.where(values == float("-inf"), -1, idx), n).int()
     out = torch.empty(R, K, dtype=torch.int32, device=scores.device)
     KP = triton.next_power_of_2(K)
@@ -252,6 +255,7 @@ def _select_kernel(s_ptr, stride_s, out_ptr, stride_o, n, K, N: tl.constexpr, KP
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
     bits = tl.load(s_ptr + t * stride_s + j, mask=j < n, other=float("-inf")).to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 as +0.0: equal scores, a tie (`invariant.top_k`)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped → signed int order
     u = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order as unsigned
     # the K-th largest u: the largest x with at least K entries >= x, decided BITS bits a pass from

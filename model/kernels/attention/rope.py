@@ -17,6 +17,7 @@ import triton.language as tl
 
 from model.kernels import check_impl
 from model.kernels.attention.pool_io import entry_base, pack_code, store_entry
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 from model.rope import Rope
 
@@ -25,12 +26,12 @@ from model.rope import Rope
 # ---------------------------------------------------------------------------------------
 
 def _rms_rescale(q: torch.Tensor, eps: float) -> torch.Tensor:
-    return q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+    return q * torch.rsqrt(invariant.mean(q.float().square(), -1, keepdim=True) + eps).to(q.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    return (weight.float() * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * xf * torch.rsqrt(invariant.mean(xf.square(), -1, keepdim=True) + eps)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from model.kernels import check_impl, num_sms
 from model.kernels.attention import sparse_attention_wgmma
 from model.kernels.attention.pool_io import alignment, entry_base, load_entries, pack_code
 from model.kernels.attention.rope import rotate_pairs
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 from model.rope import Rope
 
@@ -44,31 +45,47 @@ COMBINE_HEADS = 4  # heads per `_combine_kernel` program: [4, 512] fp32, 16 regi
 # ---------------------------------------------------------------------------------------
 
 def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int, rope: Rope) -> torch.Tensor:
-    """q [T, H, d] → de-rotated output [T, H, d] float32 (see module docstring)."""
+    """q [T, H, d] → de-rotated output [T, H, d] float32 (see module docstring).
+
+    Each query attends over its own entries, laid out the same way in every batch and chunk:
+    the sink, then its window oldest first (slot j: position p - window + 1 + j), then its
+    compressed entries in entry order (CSA: its picks; HCA: every entry of the request, those
+    past its causal end masked). Masked slots hold zero keys, and the products and the softmax's
+    sum are `invariant`'s, which zeros do not change: a query's output is the same bits whatever
+    the segment's length, start or companions."""
     T, H, d = q.shape
     out = torch.empty(T, H, d, dtype=torch.float32, device=q.device)
     kind = {4: "c4", 128: "c128"}.get(ratio)
+    dev = q.device
+    cfg = pools.cfg
+    # the most entries a query can attend to (its picks, or every window of the longest context)
+    longest = window + (cfg.index_topk if picks is not None else cfg.max_position_embeddings // ratio if ratio else 0)
     for seg in batch.segments:
-        qs, qpos = q[seg.rows], batch.positions[seg.rows]
-        kpos = torch.arange(max(0, seg.start - window + 1), seg.end, device=q.device)
-        keys = pools.read("swa", layer, seg.seq.pages["swa"], kpos)
-        visible = (kpos <= qpos.unsqueeze(1)) & (kpos > qpos.unsqueeze(1) - window)  # [S, Lw]
+        qs, qpos = q[seg.rows].float(), batch.positions[seg.rows]
+        first = max(0, seg.start - window + 1)
+        keys = pools.read("swa", layer, seg.seq.pages["swa"], torch.arange(first, seg.end, device=dev))
+        kpos = qpos.unsqueeze(1) - window + 1 + torch.arange(window, device=dev)  # [S, window]
+        visible, slots = kpos >= 0, (kpos - first).clamp_min(0)
         if ratio:
             n = seg.end // ratio
-            keys = torch.cat([keys, pools.read(kind, layer, seg.seq.pages[kind], torch.arange(n, device=q.device))])
+            comp = pools.read(kind, layer, seg.seq.pages[kind], torch.arange(n, device=dev))
             if picks is None:  # HCA: every complete window at or before the query
-                comp_visible = torch.arange(n, device=q.device) < ((qpos + 1) // ratio).unsqueeze(1)
+                ids = torch.arange(n, device=dev).expand(qs.shape[0], n)
+                comp_visible = ids < ((qpos + 1) // ratio).unsqueeze(1)
             else:  # CSA: the indexer's picks (-1 = no pick)
-                p = picks[seg.rows].long()
-                comp_visible = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=q.device)
-                comp_visible.scatter_(1, torch.where(p < 0, n, p.clamp_max(n)), True)
-                comp_visible = comp_visible[:, :n]
+                ids = picks[seg.rows].long()
+                comp_visible = ids >= 0
+            comp_slots = keys.shape[0] + ids.clamp(0, n - 1) if n else torch.zeros_like(ids)  # (none: masked)
+            keys = torch.cat([keys, comp])
+            slots = torch.cat([slots, comp_slots], dim=1)
             visible = torch.cat([visible, comp_visible], dim=1)
-        logits = torch.einsum("shd,ld->hsl", qs.float(), keys) * d ** -0.5
-        logits = logits.masked_fill(~visible.unsqueeze(0), float("-inf"))
-        sinks = sink.float().view(-1, 1, 1).expand(-1, qs.shape[0], 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        out[seg.rows] = torch.einsum("hsl,ld->shd", probs, keys)
+        # each query's keys [S, L, d], zero where masked (quantised once, then gathered)
+        mine = invariant.Rows.of(keys).take(slots).masked(visible)
+        logits = invariant.dot(qs, mine) * d ** -0.5  # [S, H, L]
+        logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        sinks = sink.float().view(1, -1, 1).expand(qs.shape[0], -1, 1)
+        probs = invariant.softmax(torch.cat([sinks, logits], dim=-1), dim=-1)[..., 1:]
+        out[seg.rows] = invariant.mix(probs, mine, k_max=longest)
     return rope.apply(out, batch.positions, inverse=True)
 
 

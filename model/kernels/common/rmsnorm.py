@@ -11,12 +11,13 @@ import triton
 import triton.language as tl
 
 from model.kernels import check_impl
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    return (weight.float() * xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * xf * torch.rsqrt(invariant.mean(xf.square(), -1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> torch.Tensor:

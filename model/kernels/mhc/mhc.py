@@ -37,11 +37,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from model.kernels import arrival_counter, check_impl
-from model.kernels.common import rmsnorm
+from model.kernels.common import invariant, rmsnorm
 from model.kernels.common.pdl import launch_options
 from model.kernels.mhc.mhc_kernels import (
     _collapse_kernel,
@@ -59,33 +58,36 @@ from model.side_stream import SideStream, fork, join
 # ---------------------------------------------------------------------------------------
 
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(invariant.mean(x.square(), -1, keepdim=True) + eps)
 
 
 def reference_pre(x, fn, base, scale, hc: int, iters: int, hc_eps: float, rms_eps: float):
-    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
+    mixes = invariant.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    pre = invariant.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * invariant.sigmoid(post_w * scale[1] + post_b)
+    comb = invariant.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (invariant.sum(comb, -2, keepdim=True) + hc_eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        comb = comb / (invariant.sum(comb, -1, keepdim=True) + hc_eps)
+        comb = comb / (invariant.sum(comb, -2, keepdim=True) + hc_eps)
+    collapsed = invariant.sum(pre.unsqueeze(-1) * x, 1).to(x.dtype)
     return collapsed, post, comb
 
 
 def reference_head(x, fn, base, scale, hc_eps: float, rms_eps: float):
-    mixes = F.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    mixes = invariant.linear(_unweighted_rms(x.flatten(1).float(), rms_eps), fn.float())
+    pre = invariant.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return invariant.sum(pre.unsqueeze(-1) * x, 1).to(x.dtype)
 
 
 def reference_post(out, x, post, comb):
+    """post ⊗ out + combᵀ · x; combᵀ · x as fp32 products summed over the source stream, then
+    rounded to x's dtype (what a GEMM of comb in that dtype gives, in a fixed order)."""
     dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    mixed = invariant.sum(comb.to(dtype).float().unsqueeze(-1) * x.float().unsqueeze(2), 1).to(dtype)  # [T, hc, D]
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + mixed
 
 
 # ---------------------------------------------------------------------------------------

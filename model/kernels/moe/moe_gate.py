@@ -4,8 +4,10 @@ Semantics (`reference`, impl "torch"), per token t over E experts:
     score = sqrt(softplus(logit)) | sigmoid(logit) | softmax(logit)       (`scoring`)
     ids   = tid2eid[input_ids[t]]  (hash layers)  or  top-k of score + bias  (bias steers selection only)
     w     = score[ids], divided by Σ w + 1e-20 when `norm`, times `scale`
-→ weights [T, k] float32, ids [T, k] int64. The order of ids within a row is unspecified (torch's
-unsorted top-k; the kernel gives descending selection scores).
+→ weights [T, k] float32, ids [T, k] int64, ids by descending selection score, equal scores by
+the lower expert id (`invariant.top_k`'s rule; the kernel's arg-max rounds take the first maximum,
+which is the same order). The slot order is part of the result: the normalising sum and the
+experts' combine add in it.
 
 Kernel: one program per BT tokens holds their [BT, E] logits in registers and picks the k experts
 by k rounds of arg-max (k is 6 at V4 shapes, E = 256: no sort needed). It replaces the eight or
@@ -21,12 +23,12 @@ batch 1 (cuBLAS's split-K GEMV, its reduction, the routing).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from model.config import SCORING_FUNCS as SCORING
 from model.kernels import arrival_counter, check_impl
+from model.kernels.common import invariant
 from model.kernels.common.pdl import launch_options, wait
 
 TOKENS_PER_PROGRAM = 4  # [4, 256] fp32 logits: 8 registers a thread at 4 warps
@@ -38,12 +40,12 @@ GATE_BLOCK_D = 1024
 
 
 def score(name: str, logits: torch.Tensor) -> torch.Tensor:
-    """The gate's score function on logits [..., E] (float32)."""
+    """The gate's score function on logits [..., E] (float32; `invariant`'s activations)."""
     if name == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return invariant.softplus(logits).sqrt()
     if name == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
+        return invariant.sigmoid(logits)
+    return invariant.softmax(logits, dim=-1)
 
 
 def reference(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
@@ -52,11 +54,11 @@ def reference(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Te
     scores = score(scoring, logits)
     if tid2eid is not None:
         ids = tid2eid[input_ids].long()
-    else:
-        ids = (scores + bias.float()).topk(k, dim=-1, sorted=False).indices
+    else:  # descending selection score, equal scores by the lower expert id (`invariant.top_k`)
+        ids = invariant.top_k(scores + bias.float(), k)[1]
     weights = scores.gather(1, ids)
     if norm:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (invariant.sum(weights, -1, keepdim=True) + 1e-20)
     return weights * scale, ids
 
 

@@ -3,7 +3,8 @@
 Semantics (`reference`, impl "torch"; every kernel matches it): for each token t and slot j,
 y[t, j] = expert_{ids[t, j]}(x[t]) with expert(x) = w2 · (silu(min(w1 x, L)) · clamp(w3 x, ±L)),
 weights dequantised exactly (model/low_precision.py) and the products in fp32; then
-out[t] = Σ_j weights[t, j] · y[t, j] + shared(x[t]), summed over j in slot order, cast to x.dtype.
+out[t] = Σ_j weights[t, j] · y[t, j] + shared(x[t]), summed over the slots (`invariant.sum`),
+cast to x.dtype.
 
 Triton path. Assignments (t, j) and, with a shared expert, one shared assignment per token (a
 virtual expert E in FP8, weight 1) are sorted by expert (`sort_by_expert`: fixed-size torch ops, no
@@ -31,9 +32,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.nn.functional as F
 import triton
 
+from model.kernels.common import invariant
 from model.kernels.common.fp4 import FP4_K_BLOCK, check_fp4_block, check_fp8_block, reads_wgmma_operand
 from model.kernels.common.pdl import launch_options
 from model.kernels.moe import moe_combine, moe_shared
@@ -48,11 +49,12 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """x [n, D], w1/w3 [I, D], w2 [D, I] → [n, D]; clamping as the checkpoint was trained (limit 0: none)."""
-    gate, up = F.linear(x, w1), F.linear(x, w3)
+    """x [n, D], w1/w3 [I, D], w2 [D, I] → [n, D]; clamping as the checkpoint was trained (limit 0: none).
+    `invariant`'s products and SiLU: a row's output is the same bits whichever rows share its expert."""
+    gate, up = invariant.linear(x, w1), invariant.linear(x, w3)
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
+    return invariant.linear(invariant.silu(gate) * up, w2)
 
 
 def expert_outputs(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor]
@@ -66,8 +68,9 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, to
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """y [T, k, D], weights [T, k] → Σ_j weights · y (slot order) + shared [T, D]: fp32 sums, y.dtype out."""
-    out = (y.float() * weights.float().unsqueeze(-1)).sum(1)
+    """y [T, k, D], weights [T, k] → Σ_j weights · y (`invariant.sum` over the slots) + shared [T, D]:
+    fp32 sums, y.dtype out."""
+    out = invariant.sum(y.float() * weights.float().unsqueeze(-1), 1)
     return (out if shared is None else out + shared.float()).to(y.dtype)
 
 
