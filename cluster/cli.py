@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
                          "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
     up.add_argument("--autoscale-config", type=Path, default=None, help="JSON AutoscalerConfig for --autoscale policy")
+    up.add_argument("--prefill-resources", type=_resources, default=(), metavar="NAME=N[,NAME=N]",
+                    help="Ray custom resources each prefill worker requests besides `prefill`: pins the pool to "
+                         "the nodes started with them, e.g. v4serve_prefill=1")
+    up.add_argument("--decode-resources", type=_resources, default=(), metavar="NAME=N[,NAME=N]",
+                    help="the same for decode workers, e.g. v4serve_decode=1")
 
     sub.add_parser("router", parents=[serving],
                    help="serve the pools a `v4serve up` owns (joins RAY_ADDRESS and REDIS_URL) until "
@@ -181,6 +186,26 @@ def _cluster_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cluster name must be 1-63 of A-Z a-z 0-9 _ . - (starting with a letter "
                                          f"or digit), got {text!r}")
     return text
+
+
+def _resources(text: str) -> tuple[tuple[str, float], ...]:
+    """NAME=N[,NAME=N] → ((NAME, N), ...): Ray custom resources, N > 0."""
+    out = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, eq, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = 0.0
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name) or not value > 0:
+            raise argparse.ArgumentTypeError(f"expected NAME=N[,NAME=N] with N > 0 (Ray custom resources), got "
+                                             f"{item!r}")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"resource {name!r} given twice")
+        out[name] = value
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected NAME=N[,NAME=N], got {text!r}")
+    return tuple(out.items())
 
 
 def _tiny_model_dir(cache_dir: Path) -> Path:
@@ -265,7 +290,8 @@ def cmd_up(args: argparse.Namespace) -> None:
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
                        slots=None if autoscale_config is None else (
                            max(args.prefill, autoscale_config.prefill.max_replicas),
-                           max(args.decode, autoscale_config.decode.max_replicas))),
+                           max(args.decode, autoscale_config.decode.max_replicas)),
+                       prefill_resources=args.prefill_resources, decode_resources=args.decode_resources),
         router, autoscale=args.autoscale, autoscale_config=autoscale_config,
         start_timeout_s=float(args.start_timeout))
     asyncio.run(up.run(options, env, ready_line=lambda line: print(line, flush=True)))

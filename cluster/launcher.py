@@ -53,8 +53,20 @@ class ClusterOptions:
     # (prefill, decode) resource units a locally started Ray advertises; None: the initial pool
     # sizes. An autoscaler that may grow the pools needs their maxima here.
     slots: tuple[int, int] | None = None
+    # placement by host: Ray custom resources each prefill / decode actor requests on top of
+    # `prefill` / `decode`, e.g. (("v4serve_prefill", 1.0),): the pool then lands only on nodes
+    # started with them (`ray start --resources '{"v4serve_prefill": 8}'`)
+    prefill_resources: tuple[tuple[str, float], ...] = ()
+    decode_resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
+        for role in ("prefill", "decode"):
+            for name, amount in getattr(self, f"{role}_resources"):
+                if name in RESERVED_RESOURCES or name.startswith("node:") or not name:
+                    raise ValueError(f"{role}_resources: {name!r} is not a custom resource a pool may be pinned "
+                                     f"with (reserved: {', '.join(RESERVED_RESOURCES)}, node:*)")
+                if not amount > 0:
+                    raise ValueError(f"{role}_resources: {name}={amount}: the amount must be positive")
         for role, n in (("prefill", self.prefill), ("decode", self.decode)):
             ep = self.ep_size(role)
             if n % ep:
@@ -63,6 +75,14 @@ class ClusterOptions:
 
     def ep_size(self, role: str) -> int:
         return (self.worker.prefill_ep if role == "prefill" else self.worker.decode_ep).size
+
+    def resources(self, role: str) -> dict[str, float]:
+        """The Ray custom resources one `role` actor requests."""
+        return {role: 1, **dict(getattr(self, f"{role}_resources"))}
+
+
+# Ray's own resources and the pools' role resources: not what --prefill/decode-resources may name
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory", "prefill", "decode")
 
 
 def ray_namespace(cluster: str) -> str:
@@ -168,7 +188,7 @@ class LocalCluster:
     def _actor(self, cls, role: str, index: int, worker: WorkerOptions):
         name = f"{role}-{index}"
         remote = ray.remote(cls).options(
-            name=name, resources={role: 1}, num_cpus=0, num_gpus=self.options.gpus_per_worker,
+            name=name, resources=self.options.resources(role), num_cpus=0, num_gpus=self.options.gpus_per_worker,
             max_concurrency=10_000, max_restarts=0)
         try:
             actor = remote.remote(name, worker)
