@@ -2,7 +2,9 @@
 router (serve pools owned elsewhere), drain (empty a worker of a running cluster).
 
 Arguments are parsed and validated here, turned into frozen option objects once, and passed
-explicitly; bad input prints one line `error: ...` on stderr and exits with status 2.
+explicitly; bad input prints one line `error: ...` on stderr and exits with status 2. A start-up
+that fails (a port in use, a worker that cannot be placed or whose checkpoint is bad) prints one
+line `error: ...` and exits with status 1; `--log-level debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from model.kv_pool import STORAGE_FORMATS
+from worker_runtime.logging_setup import FORMATS, LEVELS, LogOptions, configure
 from worker_runtime.options import DEVICES, KERNELS, LOAD_FORMATS
 
 
@@ -57,42 +60,67 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except where there is none to show (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], ()) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("v4serve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="v4serve", description="DeepSeek-V4 disaggregated serving")
+    parser = argparse.ArgumentParser(prog="v4serve", description="DeepSeek-V4 disaggregated serving",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"v4serve {_version()}")
+    logs = argparse.ArgumentParser(add_help=False)  # what every command takes
+    logs.add_argument("--log-level", choices=LEVELS, default="info",
+                      help="log records from this level on (workers too); debug adds tracebacks to errors")
+    logs.add_argument("--log-format", choices=FORMATS, default="text", help="json: one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("make-tiny", help="write a small random V4 checkpoint")
-    tiny.add_argument("--out", required=True, type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--format", choices=("official", "hf"), default="official")
+    tiny = sub.add_parser("make-tiny", parents=[logs], help="write a small random V4 checkpoint")
+    tiny.add_argument("--out", required=True, type=Path, help="directory to write")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.add_argument("--format", choices=("official", "hf"), default="official", help="checkpoint layout")
 
-    conf = sub.add_parser("make-config", help="write a model's config.json alone (for --load-format dummy)")
+    conf = sub.add_parser("make-config", parents=[logs],
+                          help="write a model's config.json alone (for --load-format dummy)")
     conf.add_argument("--out", required=True, type=Path)
     conf.add_argument("--preset", choices=("v4-flash",), default="v4-flash",
                       help="v4-flash: DeepSeek-V4-Flash's shapes (43 layers, hidden 4096, 256 experts top-6)")
     conf.add_argument("--layers", type=_positive, default=None, help="keep the first N layers (default: all)")
 
-    gen = sub.add_parser("generate", help="run one request in this process")
+    gen = sub.add_parser("generate", parents=[logs], help="run one request in this process")
     gen.add_argument("--model", required=True, type=Path, help="checkpoint directory")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids")
     gen.add_argument("--max-new-tokens", type=_positive, required=True)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
-    gen.add_argument("--chunk-size", type=_positive, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32", help="KV cache storage format")
+    gen.add_argument("--chunk-size", type=_positive, default=None, help="prefill the prompt in chunks of N tokens")
     gen.add_argument("--logits-out", type=Path, default=None, help="save float32 [new_tokens, vocab] .npy")
 
-    serving = argparse.ArgumentParser(add_help=False)  # what `up` and `router` share
+    serving = argparse.ArgumentParser(add_help=False, parents=[logs])  # what `up` and `router` share
     serving.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (created once, cached)")
     serving.add_argument("--cluster", type=_cluster_name, default="default",
                          help="name of the pools: their registry key prefix and Ray namespace")
-    serving.add_argument("--host", default="127.0.0.1")
-    serving.add_argument("--http-port", type=_port, default=8000)
-    serving.add_argument("--grpc-port", type=_port, default=50051)
+    serving.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers listen on")
+    serving.add_argument("--http-port", type=_port, default=8000, help="OpenAI HTTP API and /metrics (0: any free)")
+    serving.add_argument("--grpc-port", type=_port, default=50051, help="gRPC API (0: any free)")
     serving.add_argument("--max-model-len", type=_positive, default=4096, help="longest prompt + completion")
     serving.add_argument("--remote-prefill-threshold", type=int, default=0,
                          help="uncached prompt tokens from which a prefill worker is used")
@@ -121,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "each holding 1/N of the routed experts")
     up.add_argument("--decode-ep-timeout", type=float, default=60.0,
                     help="seconds an expert-parallel decode collective may wait before the group is declared failed")
-    up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32")
+    up.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32", help="KV cache storage format")
     up.add_argument("--max-seqs", type=_positive, default=16, help="concurrent requests per worker")
     up.add_argument("--prefill-token-budget", type=_positive, default=1024,
                     help="prompt tokens a worker prefills per step (the chunk size; a longer prompt takes several)")
@@ -135,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
                     help="decode batch sizes captured as CUDA graphs, e.g. 1,8,32,64 "
                          "(default on cuda with triton: 1,2,4,8,16,32,64 up to --max-seqs; 'none': eager)")
-    up.add_argument("--start-timeout", type=_positive, default=120, help="seconds to wait for the workers")
+    up.add_argument("--start-timeout", type=_positive, default=120,
+                    help="seconds the workers may take to be placed, load their weights and register; then "
+                         "exit 1 with the reason")
+    up.add_argument("--stats-interval", type=_seconds, default=10.0,
+                    help="seconds between each worker's stats line (running, waiting, KV use, tokens/s); 0: none")
     up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
                          "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
@@ -149,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("router", parents=[serving],
                    help="serve the pools a `v4serve up` owns (joins RAY_ADDRESS and REDIS_URL) until "
                         "SIGINT/SIGTERM; any number may run")
-    drain = sub.add_parser("drain", help="drain a worker of a running cluster: routers stop choosing it; a decode "
+    drain = sub.add_parser("drain", parents=[logs], help="drain a worker of a running cluster: routers stop choosing it; a decode "
                                          "worker migrates its running requests to the others, a prefill worker "
                                          "finishes its work; prints the result once it is idle")
     drain.add_argument("worker", help="worker id, e.g. decode-1")
@@ -158,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--no-migrate", action="store_true", help="decode: let running requests finish in place")
     drain.add_argument("--settle", type=float, default=2.0, help="seconds it must stay idle")
     drain.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
+    for command in sub.choices.values():
+        command.formatter_class = _HelpFormatter
     return parser
 
 
@@ -168,6 +202,16 @@ def _nonnegative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
     return value
 
 
@@ -219,10 +263,19 @@ def _tiny_model_dir(cache_dir: Path) -> Path:
 
 
 def _model_dir(args: argparse.Namespace, env) -> Path:
+    from cluster.startup import check_model
+
     model_dir = _tiny_model_dir(env.cache_dir) if args.model == "tiny" else Path(args.model)
     if not (model_dir / "config.json").exists():
         raise CliError(f"--model {model_dir}: no config.json there")
+    check_model(model_dir)  # a bad config.json fails here, not in every worker after Ray started
     return model_dir
+
+
+def _check_ports(args: argparse.Namespace) -> None:
+    from cluster.startup import check_ports
+
+    check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
 
 
 def _router_config(args: argparse.Namespace):
@@ -262,13 +315,15 @@ def _device_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from cluster import up
-    from cluster.launcher import ClusterOptions
     from cluster.settings import from_env
-    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
+    _check_ports(args)  # first: before the imports of the whole serving stack
     env = from_env()
     model_dir = _model_dir(args, env)
+    from cluster import up
+    from cluster.launcher import ClusterOptions
+    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
+
     router = _router_config(args)
     autoscale_config = None
     if args.autoscale == "policy":  # the defaults when no --autoscale-config is given
@@ -285,6 +340,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                            prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
                                                             args.prefill_ep_timeout),
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
+                           logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
                            **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
@@ -298,6 +354,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> None:
+    _check_ports(args)
     from cluster import up
     from cluster.settings import from_env
 
@@ -400,16 +457,29 @@ COMMANDS = {"make-tiny": cmd_make_tiny, "make-config": cmd_make_config, "generat
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.startup import StartupError
+
     args = build_parser().parse_args(argv)
+    logs = LogOptions(args.log_level, args.log_format, getattr(args, "stats_interval", 0.0))
+    configure(logs)
     try:
         status = COMMANDS[args.command](args)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CliError, ValueError, FileNotFoundError, OSError) as e:  # config / checkpoint errors name the problem
+        _report(e, logs)
         return 2
-    except (ValueError, FileNotFoundError, OSError) as e:  # config / checkpoint errors name the problem
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except StartupError as e:
+        _report(e, logs)
+        return 1
     return status or 0
+
+
+def _report(error: BaseException, logs: LogOptions) -> None:
+    """One line `error: ...`; with --log-level debug, the traceback first."""
+    if logs.debug:
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"error: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

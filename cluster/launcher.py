@@ -36,9 +36,11 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.settings import Environment
+from cluster.startup import StartupError, died_reason, unschedulable_reason
 from decode_worker.actor import DecodeWorker
 from prefill_worker.actor import PrefillWorker
 from worker_runtime.ep_group import Seat
+from worker_runtime.logging_setup import LogOptions, worker_setup
 from worker_runtime.options import WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -103,11 +105,19 @@ def _dead(actor_or_ping, timeout_s: float = 5.0) -> bool:
     return False
 
 
-def join_ray(address: str, cluster: str) -> None:
+def worker_runtime_env(logs: LogOptions) -> dict:
+    """The Ray job settings of the workers this process creates: their logging as this process's
+    (their lines reach its console through `log_to_driver`, prefixed with the worker's id)."""
+    return {"worker_process_setup_hook": worker_setup(logs)}
+
+
+def join_ray(address: str, cluster: str, logs: LogOptions | None = None) -> None:
     """Connect this process to the Ray cluster at `address`, in the namespace where the pools of
-    `cluster` are named."""
+    `cluster` are named. With `logs` (the pools owner), the workers it creates log so and their
+    lines reach this console."""
     if not ray.is_initialized():
-        ray.init(address=address, namespace=ray_namespace(cluster), log_to_driver=False, configure_logging=False)
+        ray.init(address=address, namespace=ray_namespace(cluster), log_to_driver=logs is not None,
+                 configure_logging=False, runtime_env=None if logs is None else worker_runtime_env(logs))
 
 
 class LocalCluster:
@@ -124,33 +134,90 @@ class LocalCluster:
         self._retired: set[str] = set()  # removed on purpose: never replaced
         self._lock = threading.Lock()  # replacing vs retiring (removal, shutdown)
         self._closing = False
+        self.started: dict[str, dict] = {}  # worker id → what its first start returned (its metrics URL among it)
 
-    def start(self) -> "LocalCluster":
+    def start(self, timeout_s: float | None = None) -> LocalCluster:
+        """Start the registry (unless REDIS_URL), Ray (unless RAY_ADDRESS) and every worker; blocks
+        until each serves. Raises StartupError naming the worker and the reason if one fails to
+        start, or if they are not all serving within `timeout_s` (Ray's reason when it cannot
+        place them, e.g. no GPU on the cluster)."""
+        started = time.monotonic()
         self.registry_url = self.env.redis_url or self._start_redis()
         if not ray.is_initialized():
             if self.env.ray_address:
-                join_ray(self.env.ray_address, self.options.worker.cluster)
+                join_ray(self.env.ray_address, self.options.worker.cluster, self.options.worker.logs)
             else:
                 prefill, decode = self.options.slots or (self.options.prefill, self.options.decode)
                 ray.init(resources={"prefill": max(1, prefill), "decode": max(1, decode)},
-                         namespace=self.namespace, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                         namespace=self.namespace, include_dashboard=False, log_to_driver=True,
+                         configure_logging=False, runtime_env=worker_runtime_env(self.options.worker.logs))
                 self.started_ray = True
         worker = replace(self.options.worker, registry_url=self.registry_url)
         self.prefill = [self._actor(PrefillWorker, "prefill", i, worker) for i in range(self.options.prefill)]
         self.decode = [self._actor(DecodeWorker, "decode", i, worker) for i in range(self.options.decode)]
-        ray.get(self._start("prefill", self.prefill) + self._start("decode", self.decode))
+        deadline = None if timeout_s is None else started + timeout_s
+        for role in ("prefill", "decode"):
+            if getattr(self, role):
+                log.info("%s: starting %d workers (loading weights from %s)", role, len(getattr(self, role)),
+                         self.options.worker.model_dir)
+        try:
+            refs = {ref: f"prefill-{i}" for i, ref in enumerate(self._start("prefill", self.prefill, deadline=deadline))}
+            refs |= {ref: f"decode-{i}" for i, ref in enumerate(self._start("decode", self.decode, deadline=deadline))}
+            self.started = self._await_started(refs, started, deadline)
+        except ray.exceptions.GetTimeoutError:  # an expert-parallel rank 0 was never placed
+            raise self._not_started(self.prefill + self.decode, timeout_s) from None
         return self
 
-    def _start(self, role: str, actors: list, first: int = 0) -> list:
+    def _await_started(self, refs: dict, since: float, deadline: float | None) -> dict[str, dict]:
+        """Wait for the workers' start calls (ref → worker id); log each as it serves and each pool once
+        whole. → worker id → what its start returned."""
+        pending, started = dict(refs), {}
+        left = {role: len(getattr(self, role)) for role in ("prefill", "decode")}
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:
+                names = sorted(pending.values())
+                actors = [a for a in self.prefill + self.decode if self._names.get(a._actor_id) in names]
+                raise self._not_started(actors, deadline - since)
+            name = pending.pop(ready[0])
+            try:
+                started[name] = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                raise StartupError(f"worker {name} failed to start: {died_reason(e)}") from e
+            role = name.rsplit("-", 1)[0]
+            left[role] -= 1
+            metrics = started[name].get("metrics") if isinstance(started[name], dict) else None
+            log.info("%s ready after %.1f s%s", name, time.monotonic() - since, f", metrics {metrics}" if metrics else "")
+            if left[role] == 0:
+                log.info("%s: all %d workers ready", role, len(getattr(self, role)))
+        return started
+
+    def _not_started(self, actors: list, timeout_s: float) -> StartupError:
+        """The workers `actors` did not serve within `timeout_s`: why, when Ray cannot place them."""
+        ids = [self._names.get(a._actor_id, "?") for a in actors]
+        names = ", ".join(ids)
+        by_role = {role: sum(1 for i in ids if i.startswith(f"{role}-")) for role in ("prefill", "decode")}
+        capacity = ray.cluster_resources()
+        for role, count in by_role.items():
+            demand = {role: 1.0, "GPU": self.options.gpus_per_worker}
+            reason = unschedulable_reason({k: v for k, v in demand.items() if v}, capacity, count) if count else None
+            if reason:
+                return StartupError(f"workers {names} could not be placed within --start-timeout "
+                                    f"{timeout_s:g} s: {reason}")
+        return StartupError(f"workers {names} did not start within --start-timeout {timeout_s:g} s (weights still "
+                            f"loading? raise --start-timeout)")
+
+    def _start(self, role: str, actors: list, first: int = 0, deadline: float | None = None) -> list:
         """Start `role` workers from index `first` on (→ refs of their start); an expert-parallel
-        group's ranks join it."""
+        group's ranks join it (GetTimeoutError if its rank 0 does not answer by `deadline`)."""
         W = self.options.ep_size(role)
         if W == 1:
             return [a.start.remote() for a in actors]
         refs = []
         for g in range(0, len(actors), W):
-            host, port = ray.get(actors[g].ep_listen.remote())
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            host, port = ray.get(actors[g].ep_listen.remote(), timeout=timeout)
             names = tuple(f"{role}-{first + g + r}" for r in range(W))
             refs += [a.start.remote(Seat(host, port, r, W, names)) for r, a in enumerate(actors[g:g + W])]
         return refs

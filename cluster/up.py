@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, replace
 
 import ray
@@ -32,6 +33,7 @@ from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.launcher import ClusterOptions, LocalCluster, join_ray
 from cluster.settings import Environment
+from cluster.startup import StartupError
 from cluster.supervisor import Supervisor
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
@@ -76,11 +78,17 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
     backend = handle = actuator = supervisor = None
     try:
         # On the main thread, and before our handlers: Ray installs signal handlers of its own.
-        cluster.start()
+        began = time.monotonic()
+        cluster.start(options.start_timeout_s)
         stop = _stop_on_signals()
         backend = await _backend(cluster.registry_url, worker.model_dir, worker.cluster, worker.max_tokens,
                                  worker.page_size, options.router)
-        await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, options.start_timeout_s)
+        left = max(1.0, options.start_timeout_s - (time.monotonic() - began))
+        try:
+            await backend.wait_for_workers(options.cluster.prefill, options.cluster.decode, left)
+        except TimeoutError as e:
+            raise StartupError(f"the workers serve but did not register in the registry at {cluster.registry_url} "
+                               f"within --start-timeout {options.start_timeout_s:g} s: {e}") from None
         actuator = _actuator(options, cluster)
         supervisor = Supervisor(cluster).start()
         handle = await serve(options.router, backend, backend.metrics)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker_runtime.logging_setup import LogOptions
+
 DEVICES = ("cpu", "cuda")
 KERNELS = ("torch", "triton")
 # "auto": the checkpoint's weights; "dummy": random weights in the device format from config.json
@@ -63,6 +65,7 @@ class WorkerOptions:
     decode_graphs: tuple[int, ...] = ()
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
+    logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
 
     def __post_init__(self):
         if self.router_grace_s <= 0:
