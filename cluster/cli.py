@@ -291,7 +291,7 @@ def _router_config(args: argparse.Namespace):
             raise CliError(f"--api-key-file: {e}") from None
     return RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
                         tls_cert=str(args.tls_cert) if args.tls_cert else None,
-                        tls_key=str(args.tls_key) if args.tls_key else None, default_temperature=0.0,
+                        tls_key=str(args.tls_key) if args.tls_key else None,
                         placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold))
 
 

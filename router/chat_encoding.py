@@ -1,25 +1,31 @@
 """DeepSeek-V4 chat encoding: OpenAI-style messages → the prompt text the model was trained on.
 
-Follows the official `encoding_dsv4.encode_messages(messages, thinking_mode, reasoning_effort)`
-for the roles a chat API carries (system, developer, user, assistant with optional
-`reasoning_content`):
+Follows the official `encoding_dsv4.encode_messages(messages, thinking_mode, reasoning_effort,
+drop_thinking)` (the checkpoint's `encoding/encoding_dsv4.py`):
 
-    <｜begin▁of▁sentence｜>[REASONING_EFFORT_MAX]{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>...
-    ... <｜User｜>{last user}<｜Assistant｜>  then  </think> (chat)  or  <think> (thinking)
+    <｜begin▁of▁sentence｜>[REASONING_EFFORT_MAX]{system}[\\n\\n## Tools …]<｜User｜>{user}<｜Assistant｜></think>
+    {answer}[\\n\\n<｜DSML｜tool_calls>…</｜DSML｜tool_calls>]<｜end▁of▁sentence｜>
+    <｜User｜><tool_result>{result}</tool_result>\\n\\n{user}<｜Assistant｜>  then  </think> (chat) or <think>
 
-- `thinking_mode="thinking"` opens `<think>` after the last user turn so the model reasons first;
-  earlier turns' reasoning is dropped (the official `drop_thinking=True`), and developer messages
-  before the last user turn are dropped with it.
-- `reasoning_effort="max"` (thinking only) prefixes the first message with REASONING_EFFORT_MAX;
-  "high" is the default effort and adds nothing.
+- Tools: the request's `tools` travel in a system message inserted first (as vLLM and SGLang
+  do), rendered as the official "## Tools" section with one JSON schema per line.
+- Role `tool`: V4 has none; tool results join the user turn that follows the assistant's calls
+  as `<tool_result>` blocks (in the order of the calls), and runs of user/tool messages are one
+  user turn, their blocks joined by a blank line.
+- Assistant `tool_calls` are rendered in DSML: one `<｜DSML｜parameter name=… string="true|false">`
+  per argument, strings as is, other values as JSON.
+- `thinking`: the last user turn opens `<think>`; earlier turns' reasoning (and developer messages
+  before the last user turn) are dropped (`drop_thinking`), except when tools are present, where
+  all reasoning is kept. `reasoning_effort="max"` prefixes the first message with
+  REASONING_EFFORT_MAX; "high" is the default effort and adds nothing.
 
-Tool calling (tools, tool_calls, role "tool") is not supported by this front door and is refused
-with a clear error instead of being silently mis-encoded. The decode side, splitting a thinking
-completion into `reasoning_content` and `content`, is `ReasoningSplitter` below.
+The decode side, splitting a thinking completion into `reasoning_content` and `content`, is
+`ReasoningSplitter` below; DSML tool calls are parsed back by `router/tool_calls.py`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -28,6 +34,9 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
+DSML = "｜DSML｜"
+TOOL_CALLS_START = f"<{DSML}tool_calls>"
+TOOL_CALLS_END = f"</{DSML}tool_calls>"
 
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -39,9 +48,38 @@ REASONING_EFFORT_MAX = (
     "unchecked.\n\n"
 )
 
+TOOLS_TEMPLATE = """## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
+"<{dsml}tool_calls>" block like the following:
+
+<{dsml}tool_calls>
+<{dsml}invoke name="$TOOL_NAME">
+<{dsml}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml}parameter>
+...
+</{dsml}invoke>
+<{dsml}invoke name="$TOOL_NAME2">
+...
+</{dsml}invoke>
+</{dsml}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, \
+arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by {think_start}), you MUST output your complete reasoning inside \
+{think_start}...{think_end} BEFORE any tool calls or final response.
+
+Otherwise, output directly after {think_end} with tool calls or final response.
+
+### Available Tool Schemas
+
+{schemas}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
+
 THINKING_MODES = ("chat", "thinking")
-REASONING_EFFORTS = (None, "high", "max")
-_ROLES = ("system", "developer", "user", "assistant")
+REASONING_EFFORTS = ("high", "max")
 
 
 class ChatFormatError(ValueError):
@@ -54,55 +92,101 @@ class ChatFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Message:
+    """One message after validation. A user turn holds `blocks`: ("text", s) or ("tool_result", s,
+    tool_call_id); `tools` (function schemas, as the client sent them) ride on a system message."""
+
     role: str
-    content: str
-    reasoning_content: str = ""
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[tuple[str, dict, str], ...] = ()  # (name, arguments, id)
+    tools: tuple[dict, ...] = ()
+    blocks: tuple[tuple, ...] = ()
 
 
-# --------------------------------------------------------------------------- validation
+def to_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
-def _text_of(content, param: str) -> str:
-    """OpenAI content: a string, or a list of {"type": "text", "text": ...} parts (joined by '\\n')."""
+
+# --------------------------------------------------------------------------- from the request
+
+def text_of(content, param: str, sep: str = "\n") -> str:
+    """OpenAI content: a string, or text parts (validated models or dicts) joined by `sep`."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatFormatError("only text content parts are supported", f"{param}[{j}]")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise ChatFormatError("content must be a string or a list of text parts", param)
+    return sep.join(p.text if hasattr(p, "text") else p["text"] for p in content)
 
 
-def parse_messages(raw) -> list[Message]:
-    """Validate an OpenAI `messages` array into `Message`s (raises ChatFormatError)."""
-    if not isinstance(raw, list) or not raw:
-        raise ChatFormatError("messages must be a non-empty array", "messages")
-    out = []
-    for i, m in enumerate(raw):
+def from_request(messages, tools: list[dict] | None) -> list[Message]:
+    """Validated request messages (router/request_models.py) → `Message`s; `tools`: the function
+    schemas to offer (None: none)."""
+    out = [Message("system", tools=tuple(tools))] if tools else []
+    for i, m in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ChatFormatError("each message must be an object", param)
-        role = m.get("role")
-        if role == "tool" or m.get("tool_calls") or m.get("tools"):
-            raise ChatFormatError("tool calling is not supported", param)
-        if role not in _ROLES:
-            raise ChatFormatError(f"role must be one of {', '.join(_ROLES)}", f"{param}.role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        text = _text_of(content, f"{param}.content")
-        if role == "developer" and not text:
-            raise ChatFormatError("developer messages must not be empty", f"{param}.content")
-        reasoning = m.get("reasoning_content") or ""
-        if not isinstance(reasoning, str):
-            raise ChatFormatError("reasoning_content must be a string", f"{param}.reasoning_content")
-        out.append(Message(role, text, reasoning if role == "assistant" else ""))
+        if m.role == "assistant":
+            calls = []
+            for j, tc in enumerate(m.tool_calls or ()):
+                try:
+                    args = json.loads(tc.function.arguments)
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise ChatFormatError("arguments must be a JSON object",
+                                          f"{param}.tool_calls[{j}].function.arguments")
+                calls.append((tc.function.name, args, tc.id or ""))
+            out.append(Message("assistant", text_of(m.content, param), m.reasoning_content or m.reasoning or "",
+                               tuple(calls)))
+        elif m.role == "tool":
+            out.append(Message("tool", text_of(m.content, param, "\n\n"), blocks=(
+                ("tool_result", text_of(m.content, param, "\n\n"), m.tool_call_id or ""),)))
+        else:
+            text = text_of(m.content, param)
+            if m.role == "developer" and not text:
+                raise ChatFormatError("developer messages must not be empty", f"{param}.content")
+            out.append(Message(m.role, text))
     return out
 
 
-# --------------------------------------------------------------------------- encoding
+def parse_messages(raw, tools: list[dict] | None = None) -> list[Message]:
+    """An OpenAI `messages` array (plain JSON) validated and converted (raises ChatFormatError)."""
+    from pydantic import ValidationError
+
+    from router.request_models import ChatCompletionRequest, first_error
+
+    try:
+        req = ChatCompletionRequest.model_validate({"messages": raw})
+    except ValidationError as e:
+        message, param = first_error(e)
+        raise ChatFormatError(message, param) from None
+    return from_request(req.messages, tools)
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+def _merge_user_turns(msgs: list[Message]) -> list[Message]:
+    """Tool results and user messages in a row become one user turn of blocks; the tool results
+    of a turn are put in the order of the calls of the last assistant turn that made calls."""
+    out: list[Message] = []
+    for m in msgs:
+        if m.role not in ("user", "tool"):
+            out.append(m)
+            continue
+        block = m.blocks[0] if m.role == "tool" else ("text", m.content)
+        if out and out[-1].role == "user":
+            out[-1] = Message("user", blocks=out[-1].blocks + (block,))
+        else:
+            out.append(Message("user", blocks=(block,)))
+    order: dict[str, int] = {}
+    for i, m in enumerate(out):
+        if m.role == "assistant" and m.tool_calls:
+            order = {cid: k for k, (_, _, cid) in enumerate(m.tool_calls) if cid}
+        results = [b for b in m.blocks if b[0] == "tool_result"]
+        if m.role == "user" and len(results) > 1 and order:
+            ranked = iter(sorted(results, key=lambda b: order.get(b[2], 0)))
+            out[i] = Message("user", blocks=tuple(next(ranked) if b[0] == "tool_result" else b for b in m.blocks))
+    return out
+
 
 def _last_user_index(msgs: list[Message]) -> int:
     for i in range(len(msgs) - 1, -1, -1):
@@ -119,20 +203,42 @@ def _drop_thinking(msgs: list[Message]) -> list[Message]:
         if m.role in ("user", "system") or i >= last:
             out.append(m)
         elif m.role == "assistant":
-            out.append(Message("assistant", m.content))
+            out.append(Message("assistant", m.content, "", m.tool_calls))
     return out
+
+
+# --------------------------------------------------------------------------- rendering
+
+def render_tools(tools: tuple[dict, ...]) -> str:
+    return TOOLS_TEMPLATE.format(dsml=DSML, think_start=THINK_START, think_end=THINK_END,
+                                 schemas="\n".join(to_json(t) for t in tools))
+
+
+def render_tool_calls(calls) -> str:
+    invokes = []
+    for name, args, _ in calls:
+        params = "\n".join(
+            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+            f'{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>' for k, v in args.items())
+        invokes.append(f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>')
+    return f"\n\n{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
 
 
 def _render(i: int, msgs: list[Message], last_user: int, thinking: bool, effort: str | None, drop: bool) -> str:
     m = msgs[i]
     out = REASONING_EFFORT_MAX if (i == 0 and thinking and effort == "max") else ""
+    tools = "\n\n" + render_tools(m.tools) if m.tools else ""
     if m.role == "system":
-        out += m.content
-    elif m.role in ("user", "developer"):
-        out += USER + m.content
+        out += m.content + tools
+    elif m.role == "developer":
+        out += USER + m.content + tools
+    elif m.role == "user":
+        out += USER + "\n\n".join(b[1] if b[0] == "text" else f"<tool_result>{b[1]}</tool_result>"
+                                  for b in m.blocks)
     else:  # assistant
         keep_reasoning = thinking and (not drop or i > last_user)
-        out += (m.reasoning_content + THINK_END if keep_reasoning else "") + m.content + EOS
+        calls = render_tool_calls(m.tool_calls) if m.tool_calls else ""
+        out += (m.reasoning + THINK_END if keep_reasoning else "") + m.content + calls + EOS
     # a user turn followed by the assistant's (or by the end: the generation prompt)
     if i + 1 < len(msgs) and msgs[i + 1].role != "assistant":
         return out
@@ -147,13 +253,15 @@ def encode_messages(messages: list[Message], thinking_mode: str = "chat",
     """The prompt text (BOS included) for `messages`; tokenize it with special tokens recognised."""
     if thinking_mode not in THINKING_MODES:
         raise ChatFormatError("thinking_mode must be 'chat' or 'thinking'", "thinking_mode")
-    if reasoning_effort not in REASONING_EFFORTS:
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
         raise ChatFormatError("reasoning_effort must be 'high' or 'max'", "reasoning_effort")
     thinking = thinking_mode == "thinking"
-    msgs = _drop_thinking(list(messages)) if (thinking and drop_thinking) else list(messages)
+    msgs = _merge_user_turns(list(messages))
+    drop = drop_thinking and not any(m.tools for m in msgs)  # with tools, all reasoning is kept
+    if thinking and drop:
+        msgs = _drop_thinking(msgs)
     last_user = _last_user_index(msgs)  # once: per message it made long conversations quadratic
-    return BOS + "".join(_render(i, msgs, last_user, thinking, reasoning_effort, drop_thinking)
-                         for i in range(len(msgs)))
+    return BOS + "".join(_render(i, msgs, last_user, thinking, reasoning_effort, drop) for i in range(len(msgs)))
 
 
 # --------------------------------------------------------------------------- decoding

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.generation_defaults import GenerationDefaults
+
 
 @dataclass(frozen=True)
 class PlacementConfig:
@@ -19,12 +21,17 @@ class PlacementConfig:
     decode_load_weight: float = 1.0
     prefix_affinity_weight: float = 1.0
     waiting_weight: float = 2.0  # a waiting request costs a decode worker more than a running one
+    # a request to be prefilled remotely waits at the router (up to its deadline) while every prefill
+    # worker has more prompt tokens queued than this; None: never
+    max_prefill_queue_tokens: int | None = None
 
     def __post_init__(self):
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.remote_prefill_threshold < 0:
             raise ValueError(f"remote_prefill_threshold must be >= 0, got {self.remote_prefill_threshold}")
+        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens <= 0:
+            raise ValueError(f"max_prefill_queue_tokens must be > 0 or None, got {self.max_prefill_queue_tokens}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class RouterConfig:
     http_port: int | None = 8000  # None: no HTTP server
     grpc_port: int | None = 50051  # None: no gRPC server
     model_name: str | None = None  # served model id; None: the backend's model_name
+    model_aliases: tuple[str, ...] = ()  # further names a request's `model` may use
 
     # --- auth and transport
     api_keys: tuple[str, ...] = ()  # empty: auth off; else every call needs one of them
@@ -56,8 +64,9 @@ class RouterConfig:
     request_timeout_s: float | None = 600.0  # per-request deadline; None: none
     overload_retry_after_s: float = 1.0  # Retry-After when the concurrency limit is hit
 
-    # --- sampling defaults (OpenAI's: temperature 1; a seed is drawn when none is given)
-    default_temperature: float = 1.0
+    # --- sampling defaults for unset fields (the checkpoint's generation_config.json, else OpenAI's:
+    # temperature 1); a seed is drawn when none is given
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     default_seed: int | None = None  # None: a fresh random seed per request that names none
 
     # --- serving
@@ -80,6 +89,8 @@ class RouterConfig:
             raise ValueError("api_keys must not contain empty keys")
         if not isinstance(self.api_keys, tuple):
             raise TypeError("api_keys must be a tuple")
+        if not isinstance(self.model_aliases, tuple) or any(not a for a in self.model_aliases):
+            raise ValueError("model_aliases must be a tuple of non-empty names")
 
     @property
     def tls(self) -> bool:

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP front door as a lean ASGI app (served by uvicorn, see app.py).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (API key when
-configured); GET /health and GET /metrics (open, for probes and scrapers).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (API key when configured); GET /health, GET /metrics and GET /openapi.json
+(open, for probes, scrapers and client generators).
 
 Raw ASGI rather than a framework so that the three things a front door must get exactly right
 are explicit here: the body is read under a byte limit (413 before buffering a huge body), every
@@ -24,6 +25,8 @@ from router.errors import APIError, invalid
 from router.json_body import parse_json
 from router.openai_format import SSE_DONE, ResponseBuilder, sse
 from router.openai_protocol import Limits, finalize, parse_chat, parse_completion, tokenize
+from router.openapi import openapi_document
+from router.tokenize_api import detokenize, tokenize_response, tokenize_text
 from worker_runtime.wire import ErrorCode
 
 log = logging.getLogger("v4serve.router.http")
@@ -31,6 +34,7 @@ log = logging.getLogger("v4serve.router.http")
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
+_KEYED = ("/v1/", "/tokenize", "/detokenize")  # routes that need an API key when keys are configured
 _COUNTED = "v4serve.counted"  # scope key: the request's outcome is the dispatcher's to count
 
 # Bodies larger than this are parsed and validated in a thread: the event loop keeps serving
@@ -59,7 +63,11 @@ class HTTPApp:
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/openapi.json"): self._openapi,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
         }
+        self._openapi_body = openapi_document()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -72,7 +80,7 @@ class HTTPApp:
                 what = f"method {method} not allowed on" if known else "no route"
                 raise APIError(ErrorCode.INVALID_REQUEST, f"{what} {path}",
                                openai_code="method_not_allowed" if known else "not_found", status=405 if known else 404)
-            if path.startswith("/v1/") and not self.keys.allows(_header(scope, b"authorization")):
+            if path.startswith(_KEYED) and not self.keys.allows(_header(scope, b"authorization")):
                 raise APIError(ErrorCode.UNAUTHENTICATED, "a valid API key is required (Authorization: Bearer <key>)")
             await handler(scope, receive, send)
         except APIError as err:
@@ -80,7 +88,7 @@ class HTTPApp:
             await _send_error(send, err)
         except _ClientGone:
             pass
-        except Exception:  # noqa: BLE001 - a bug must still answer in the OpenAI shape, and be counted
+        except Exception:
             log.exception("unhandled error on %s %s", method, path)
             err = APIError(ErrorCode.INTERNAL, "internal server error")
             err.counted = scope.get(_COUNTED, False)  # execute() counts the requests it ran
@@ -90,8 +98,8 @@ class HTTPApp:
     # --- simple routes
     async def _models(self, scope, receive, send):
         await _send_json(send, 200, {"object": "list", "data": [{
-            "id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "v4serve",
-            "max_model_len": self.limits.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "v4serve", "root": self.limits.model_name,
+            "max_model_len": self.limits.max_model_len} for name in self.limits.model_names]})
 
     async def _health(self, scope, receive, send):
         health = dict(self.backend.health())
@@ -102,6 +110,18 @@ class HTTPApp:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype.encode())]})
         await send({"type": "http.response.body", "body": body})
 
+    async def _openapi(self, scope, receive, send):
+        await _send_json(send, 200, self._openapi_body)
+
+    async def _tokenize(self, scope, receive, send):
+        text, add_bos, strs = tokenize_text(parse_json(await self._json_body(scope, receive)), self.limits)
+        ids = await tokenize(self.backend.tokenizer, text)
+        await _send_json(send, 200, tokenize_response(self.backend.tokenizer, list(ids), add_bos, strs, self.limits))
+
+    async def _detokenize(self, scope, receive, send):
+        body = parse_json(await self._json_body(scope, receive))
+        await _send_json(send, 200, detokenize(body, self.backend.tokenizer, self.limits))
+
     # --- generation routes
     async def _completions(self, scope, receive, send):
         await self._generate(scope, receive, send, parse_completion)
@@ -109,8 +129,7 @@ class HTTPApp:
     async def _chat(self, scope, receive, send):
         await self._generate(scope, receive, send, parse_chat)
 
-    async def _generate(self, scope, receive, send, parse):
-        arrival = time.perf_counter()
+    async def _json_body(self, scope, receive) -> bytes:
         if not _is_json(_header(scope, b"content-type")):
             # A body a web page can post without a CORS preflight (text/plain, a form) is refused,
             # so a browser cannot be made to drive a router that has no API keys.
@@ -118,9 +137,13 @@ class HTTPApp:
                            "'Content-Type: application/json'", openai_code="unsupported_media_type", status=415)
         try:
             async with asyncio.timeout(self.body_read_timeout_s):
-                body = await self._read_body(scope, receive)
+                return await self._read_body(scope, receive)
         except TimeoutError:
             raise invalid(f"the request body did not arrive within {self.body_read_timeout_s:g} s") from None
+
+    async def _generate(self, scope, receive, send, parse):
+        arrival = time.perf_counter()
+        body = await self._json_body(scope, receive)
         if len(body) > _THREAD_PARSE_BYTES:
             draft = await asyncio.to_thread(_draft, parse, body, self.limits)
         else:
@@ -133,7 +156,8 @@ class HTTPApp:
         slot = self.dispatcher.admit()
         try:
             req, opts = parsed.generate, parsed.options
-            builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts)
+            builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts,
+                                      self.backend.tokenizer)
             run = self.dispatcher.execute(slot, req, _emitter(builder, send, opts.stream), arrival, owner)
             scope[_COUNTED] = True  # from here on the dispatcher counts the request's outcome
             if opts.stream:
@@ -177,7 +201,7 @@ class HTTPApp:
 def _emitter(builder: ResponseBuilder, send, stream: bool):
     """The `emit` of a request: SSE chunks as they come, or accumulated for one response."""
     async def add(chunk):
-        builder.add(chunk.token_ids, chunk.text, final=chunk.finish_reason is not None)
+        builder.add(chunk.token_ids, chunk.text, chunk.finish_reason)
 
     async def write(chunk):
         data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))

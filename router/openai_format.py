@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from router.chat_encoding import ReasoningSplitter
 from router.openai_protocol import ResponseOptions
+from router.tool_calls import ToolCallParser
 from worker_runtime.wire import Usage
 
 
@@ -27,23 +28,47 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def stop_string_matched(tokenizer, token_ids, released: str, stops: tuple[str, ...]) -> str:
+    """The stop string that ended a completion whose released text is `released`, or "".
+
+    The worker releases exactly the text before the stop string (the first position where one
+    completes, cut out with everything after it), so the stop string is where the completion's
+    full text goes on past `released`: the shortest stop string found there (it completed first).
+    """
+    if not stops:
+        return ""
+    full = tokenizer.decode(list(token_ids))
+    if not full.startswith(released):
+        return ""
+    rest = full[len(released):]
+    return min((s for s in stops if rest.startswith(s)), key=len, default="")
+
+
 @dataclass
 class ResponseBuilder:
-    """Accumulates one request's output and renders it in the OpenAI shape it asked for."""
+    """Accumulates one request's output and renders it in the OpenAI shape it asked for.
+
+    A text delta goes: (+ the stop string at the end, `include_stop_str_in_output`) → reasoning
+    split at `</think>` (thinking mode) → DSML tool calls parsed out of the content (tools on)."""
 
     request_id: str
     model: str
     created: int
     options: ResponseOptions
+    tokenizer: object = None  # for include_stop_str_in_output
     splitter: ReasoningSplitter | None = None
+    tools: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     _sent_role: bool = False
 
     def __post_init__(self):
         if self.options.thinking:
             self.splitter = ReasoningSplitter()
+        if self.options.tool_calls:
+            self.tools = ToolCallParser()
 
     @property
     def _object(self) -> str:
@@ -51,22 +76,36 @@ class ResponseBuilder:
             return "chat.completion.chunk" if self.options.stream else "chat.completion"
         return "text_completion"
 
-    def _split(self, text: str, final: bool) -> tuple[str, str]:
-        """(reasoning, content) of a text delta."""
-        if self.splitter is None:
-            return "", text
-        r, c = self.splitter.feed(text)
-        if final:
-            r2, c2 = self.splitter.flush()
-            r, c = r + r2, c + c2
-        return r, c
+    def _process(self, token_ids, text: str, finish_reason: str | None) -> tuple[str, str, list]:
+        """(reasoning, content, tool call deltas) of a text delta."""
+        self.token_ids.extend(token_ids)
+        self.released.append(text)
+        if finish_reason == "stop" and self.options.include_stop_str:
+            text += stop_string_matched(self.tokenizer, self.token_ids, "".join(self.released),
+                                        self.options.stop_strings)
+        final = finish_reason is not None
+        r, c = "", text
+        if self.splitter is not None:
+            r, c = self.splitter.feed(text)
+            if final:
+                r2, c2 = self.splitter.flush()
+                r, c = r + r2, c + c2
+        calls = []
+        if self.tools is not None:
+            c, calls = self.tools.feed(c)
+            if final:
+                c2, calls2 = self.tools.flush()
+                c, calls = c + c2, calls + calls2
+        return r, c, calls
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.calls else reason
 
     # --- non-streaming
-    def add(self, token_ids, text: str, final: bool = False) -> None:
-        r, c = self._split(text, final)
+    def add(self, token_ids, text: str, finish_reason: str | None = None) -> None:
+        r, c, _ = self._process(token_ids, text, finish_reason)
         self.reasoning.append(r)
         self.text.append(c)
-        self.token_ids.extend(token_ids)
 
     def response(self, finish_reason: str, usage: Usage) -> dict:
         content = "".join(self.text)
@@ -74,7 +113,13 @@ class ResponseBuilder:
             message = {"role": "assistant", "content": content}
             if self.options.thinking:
                 message["reasoning_content"] = "".join(self.reasoning)
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            if self.tools is not None and self.tools.calls:
+                message["content"] = content or None
+                message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                          "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                         for c in self.tools.calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": self.finish_reason(finish_reason)}
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
         if self.options.return_token_ids:
@@ -84,15 +129,19 @@ class ResponseBuilder:
 
     # --- streaming
     def chunk(self, token_ids, text: str, finish_reason: str | None) -> dict:
-        r, c = self._split(text, finish_reason is not None)
+        r, c, calls = self._process(token_ids, text, finish_reason)
+        if finish_reason is not None:
+            finish_reason = self.finish_reason(finish_reason)
         if self.options.chat:
             delta: dict = {}
             if not self._sent_role:
                 delta["role"], self._sent_role = "assistant", True
-            if c or not r:
+            if c or not (r or calls):
                 delta["content"] = c
             if r:
                 delta["reasoning_content"] = r
+            if calls:
+                delta["tool_calls"] = [d.openai() for d in calls]
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": c, "logprobs": None, "finish_reason": finish_reason}

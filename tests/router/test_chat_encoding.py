@@ -1,10 +1,18 @@
 """DeepSeek-V4 chat encoding (table of message lists → exact prompt text) and the reasoning split."""
 
+import json
+
 import pytest
+from dsv4_reference import reference_encode
 
 from model.tokenizer import ByteTokenizer
-from router.chat_encoding import (REASONING_EFFORT_MAX, ChatFormatError, ReasoningSplitter, encode_messages,
-                                  parse_messages)
+from router.chat_encoding import (
+    REASONING_EFFORT_MAX,
+    ChatFormatError,
+    ReasoningSplitter,
+    encode_messages,
+    parse_messages,
+)
 
 B, E, U, A, TS, TE = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                       "<think>", "</think>")
@@ -34,8 +42,8 @@ CASES = [
      None, f"{B}{U}d{U}q{A}{TE}"),
     ("text parts", [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}],
      "chat", None, f"{B}{U}x\ny{A}{TE}"),
-    ("consecutive users", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "chat", None,
-     f"{B}{U}a{U}b{A}{TE}"),
+    ("consecutive users are one turn", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "chat", None, f"{B}{U}a\n\nb{A}{TE}"),
 ]
 
 
@@ -54,7 +62,7 @@ def test_special_tokens_are_single_ids():
     ([], "messages"), ("x", "messages"), ([1], "messages[0]"),
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "assistant", "content": None}, {"role": "x", "content": "y"}], "messages[1].role"),
-    ([{"role": "user", "content": "a", "tool_calls": [{}]}], "messages[0]"),
+    ([{"role": "user", "content": "a", "tool_calls": [{}]}], "messages[0].tool_calls"),
     ([{"role": "developer", "content": ""}], "messages[0].content"),
     ([{"role": "assistant", "content": "a", "reasoning_content": 3}], "messages[0].reasoning_content"),
 ])
@@ -89,50 +97,77 @@ def test_reasoning_splitter(deltas, reasoning, content):
     assert "".join(r) + x == reasoning and "".join(c) + y == content
 
 
-def _reference_encoding(msgs, mode, effort, drop=True):
-    """The encoding rule written out directly, message by message (the last user turn looked up
-    each time, as the official encoder does): the reference for random message lists."""
-    from router.chat_encoding import BOS, EOS, Message
-    thinking = mode == "thinking"
-
-    def last_user(ms):
-        return max((i for i, m in enumerate(ms) if m.role in ("user", "developer")), default=-1)
-
-    if thinking and drop:
-        last = last_user(msgs)
-        msgs = [m if m.role in ("user", "system") or i >= last else Message("assistant", m.content)
-                for i, m in enumerate(msgs) if m.role != "developer" or i >= last]
-    out = BOS
-    for i, m in enumerate(msgs):
-        lu = last_user(msgs)
-        out += REASONING_EFFORT_MAX if (i == 0 and thinking and effort == "max") else ""
-        if m.role == "system":
-            out += m.content
-        elif m.role in ("user", "developer"):
-            out += U + m.content
-        else:
-            out += (m.reasoning_content + TE if thinking and (not drop or i > lu) else "") + m.content + E
-        if m.role in ("user", "developer") and (i + 1 == len(msgs) or msgs[i + 1].role == "assistant"):
-            out += A + (TS if thinking and (not drop or i >= lu) else TE)
-    return out
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
-def test_encoding_matches_the_reference_on_random_conversations():
+def _random_conversation(rng, j0=0):
+    raw = []
+    pending = []  # ids of calls not answered yet
+    for j in range(rng.randrange(1, 10)):
+        role = rng.choice(["system", "developer", "user", "assistant", "assistant", "tool"])
+        if role == "tool":
+            cid = pending.pop(rng.randrange(len(pending))) if pending else f"c{j}"
+            raw.append({"role": "tool", "tool_call_id": cid, "content": f"result {j} ✓"})
+            continue
+        m = {"role": role, "content": f"{role[0]}{j} \"q\"\n"}
+        if role == "assistant":
+            if rng.random() < 0.5:
+                m["reasoning_content"] = f"r{j}"
+            if rng.random() < 0.5:
+                calls = []
+                for k in range(rng.randrange(1, 4)):
+                    args = rng.choice([{"city": "Paris"}, {"a": 1, "b": [2.5, None], "c": {"d": True}}, {},
+                                       {"text": "line\n\"quoted\" ü"}])
+                    calls.append({"id": f"c{j}_{k}", "type": "function",
+                                  "function": {"name": rng.choice(["get_weather", "add"]), "arguments": json.dumps(args)}})
+                    pending.append(f"c{j}_{k}")
+                m["tool_calls"] = calls
+                if rng.random() < 0.5:
+                    m["content"] = None
+        raw.append(m)
+    return raw
+
+
+def test_encoding_matches_the_official_rule_on_random_conversations():
+    """Tools, tool calls, tool results (out of call order too), reasoning, developer and system
+    messages, in both modes, both efforts and both drop settings: exactly the official string."""
     import random
     rng = random.Random(5)
-    for _ in range(400):
-        raw = []
-        for j in range(rng.randrange(1, 9)):
-            role = rng.choice(["system", "developer", "user", "assistant"])
-            m = {"role": role, "content": f"{role[0]}{j}"}
-            if role == "assistant" and rng.random() < 0.5:
-                m["reasoning_content"] = f"r{j}"
-            raw.append(m)
-        msgs = parse_messages(raw)
+    for _ in range(300):
+        raw = _random_conversation(rng)
+        tools = TOOLS if rng.random() < 0.5 else None
+        msgs = parse_messages(raw, [t["function"] for t in tools] if tools else None)
         for mode in ("chat", "thinking"):
             for effort in (None, "max"):
                 for drop in (True, False):
-                    assert encode_messages(msgs, mode, effort, drop) == _reference_encoding(msgs, mode, effort, drop)
+                    want = reference_encode(raw, tools, mode == "thinking", effort, drop)
+                    assert encode_messages(msgs, mode, effort, drop) == want, raw
+
+
+def test_tool_conversation_exact_text():
+    """One agent turn written out by hand: tools offered, a call, two results answered out of
+    order (put back in call order), the final question."""
+    raw = [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+               {"id": "2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+           {"role": "tool", "tool_call_id": "2", "content": "3"},
+           {"role": "tool", "tool_call_id": "1", "content": "cold"}]
+    tools = [t["function"] for t in TOOLS]
+    text = encode_messages(parse_messages(raw, tools), "chat")
+    d = "｜DSML｜"
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    assert text.startswith(f"{B}\n\n## Tools\n\nYou have access to a set of tools")
+    assert f"### Available Tool Schemas\n\n{schemas}\n\nYou MUST strictly follow" in text
+    assert text.endswith(
+        f"invoke tool calls.\nS{U}Weather?{A}{TE}\n\n<{d}tool_calls>\n"
+        f'<{d}invoke name="get_weather">\n<{d}parameter name="city" string="true">Oslo</{d}parameter>\n</{d}invoke>\n'
+        f'<{d}invoke name="add">\n<{d}parameter name="a" string="false">1</{d}parameter>\n</{d}invoke>\n'
+        f"</{d}tool_calls>{E}{U}<tool_result>cold</tool_result>\n\n<tool_result>3</tool_result>{A}{TE}")
+    assert text == reference_encode(raw, TOOLS)
 
 
 def test_encoding_time_is_linear_in_the_message_count():

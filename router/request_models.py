@@ -1,0 +1,220 @@
+"""The OpenAI request bodies as typed models (pydantic v2): what a request may hold, with types
+and ranges; `GET /openapi.json` publishes them.
+
+Every model forbids unknown fields, so a field this server does not know is a 400 naming it,
+never silently dropped. Fields that are known but not implemented (penalties, logprobs, n > 1,
+…) are typed here so their values can be checked, and refused at any non-neutral value by
+`openai_protocol` with a message naming the field. Validation is strict: no string → number or
+bool → int coercion; numbers are compared exactly whatever their size.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_SEED = 1 << 64
+MAX_TOP_K = 1 << 31
+
+Float = float
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=-1, lt=MAX_TOP_K)]
+Seed = Annotated[int, Field(gt=-MAX_SEED, lt=MAX_SEED)]
+TokenIds = list[int]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class ChatTemplateKwargs(_Strict):
+    """The `chat_template_kwargs` vLLM and SGLang accept for DeepSeek-V4."""
+
+    thinking: bool | None = None
+    enable_thinking: bool | None = None
+    drop_thinking: bool | None = None
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class SystemMessage(_Strict):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(_Strict):
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for reasoning_content
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+Message = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+                    Field(discriminator="role")]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class _Common(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = Field(None, description="extension: 0 or -1 = off")
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = Field(None, description="extension")
+    include_stop_str_in_output: bool | None = Field(None, description="extension: keep the stop string")
+    ignore_eos: bool | None = Field(None, description="extension")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = Field(None, description="extension: token_ids on every choice and chunk")
+    user: str | None = None
+    # known, not implemented: refused at any value other than the neutral one
+    n: int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    min_tokens: int | None = None
+    min_p: Float | None = None
+    priority: int | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    thinking_mode: Literal["chat", "thinking"] | None = Field(None, description="extension")
+    reasoning_effort: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+# --------------------------------------------------------------------------- errors
+
+def _param(loc: tuple) -> str:
+    """A pydantic error location as the request path a client reads: `messages[0].content[1].text`
+    (union member labels and the role tag of a message dropped)."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or part.startswith(
+                ("function-", "literal")) or i >= 2 and loc[i - 2] == "messages" and isinstance(loc[i - 1], int) and part in ROLES:
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+# what a top-level field must be, in the words of the error message
+_WHAT = {
+    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
+    "top_k": f"an integer in [-1, {MAX_TOP_K}) (-1 or 0: off)", "seed": "a 64-bit integer",
+    "max_tokens": "an integer", "max_completion_tokens": "an integer", "stream": "a boolean",
+    "ignore_eos": "a boolean", "return_token_ids": "a boolean", "include_stop_str_in_output": "a boolean",
+    "model": "a string", "stop": "a non-empty string or an array of non-empty strings",
+    "stop_token_ids": "an array of integers", "prompt": "a string or an array of token ids",
+    "messages": "a non-empty array of messages", "stream_options": "an object",
+}
+
+
+def first_error(err: ValidationError) -> tuple[str, str]:
+    """(message, param) for the most specific error of a failed validation."""
+    errors = err.errors(include_url=False, include_context=False)
+    best = max(errors, key=lambda e: len(e["loc"]))
+    if any(e["loc"] and e["loc"][0] == "prompt" for e in errors):  # a union: report the field itself
+        best = next(e for e in errors if e["loc"][0] == "prompt")
+    param = _param(best["loc"])
+    if best["type"] == "extra_forbidden":
+        return f"unknown field '{param}'", param
+    if best["type"] == "missing":
+        return f"'{param}' is required", param
+    top = param.split(".")[0].split("[")[0]
+    if top in _WHAT and (param == top or top in ("prompt", "stop", "stop_token_ids")):
+        return f"'{top}' must be {_WHAT[top]}", top
+    if best["type"] == "union_tag_invalid":
+        return f"'{param}.role' must be one of {', '.join(ROLES)}", f"{param}.role"
+    return f"'{param}': {best['msg']}", param
