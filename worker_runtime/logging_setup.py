@@ -15,7 +15,6 @@ traceback: one object per line, for log collectors that parse JSON.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -71,7 +70,17 @@ def configure(options: LogOptions) -> None:
         logging.getLogger(name).setLevel(logging.DEBUG if options.debug else logging.WARNING)
 
 
+def configure_worker(options: LogOptions) -> None:
+    """`configure`, in a Ray worker process. Ray logs there the traceback of every exception an
+    actor raises (its construction included) while the caller gets the same exception, which
+    v4serve reports as one line: those tracebacks show only at level debug."""
+    configure(options)
+    logging.getLogger("ray").setLevel(logging.DEBUG if options.debug else logging.CRITICAL)
+
+
 def worker_setup(options: LogOptions):
     """The callable Ray runs first in every worker process (runtime_env's
-    `worker_process_setup_hook`): configure its logging as the CLI's."""
-    return functools.partial(configure, options)
+    `worker_process_setup_hook`, which wants a named function): `configure_worker`."""
+    def v4serve_logging() -> None:
+        configure_worker(options)
+    return v4serve_logging

@@ -154,7 +154,12 @@ def serves_shell(cls: type) -> type:
     """Class decorator of a worker actor holding `self.shell`: adds SHELL_METHODS to the class."""
     for name in SHELL_METHODS:
         setattr(cls, name, _forward(name))
+    cls.__repr__ = _worker_id  # Ray prefixes the lines an actor logs with its repr: `(decode-0 pid=...)`
     return cls
+
+
+def _worker_id(self) -> str:
+    return self.worker_id
 
 
 def _forward(name: str):
