@@ -45,7 +45,7 @@ install() {  # again only when .whl/ changed
         mkdir -p $TRITON_CACHE_DIR && tar -xJf .whl/triton-cache.tar.xz -C $TRITON_CACHE_DIR
     fi
 }
-quiet() { grep -v "NIXL INFO\|^I[0-9]* .*nixl\|CudaIPCTypes" || true; }
+quiet() { grep --line-buffered -v "NIXL INFO\|^I[0-9]* .*nixl\|CudaIPCTypes" || true; }
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 tests() {  # log name, then pytest arguments
     local log=$1; shift
