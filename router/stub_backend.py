@@ -2,7 +2,8 @@
 
 Token i of a request is a pure function of (prompt_ids, seed, position): a keyed hash picks it
 from a pool of printable tokens (seed ignored when greedy, as with a real model), with an
-optional EOS probability. Everything else is honoured like a real worker would: max_tokens,
+optional EOS probability, or a fixed script of tokens (`StubConfig.script`, for output of a
+given shape such as tool calls). Everything else is honoured like a real worker would: max_tokens,
 EOS (unless ignore_eos), stop_token_ids, stop strings (via incremental detokenization with the
 given tokenizer), abort, per-token delays, a simulated prefix cache (`Usage.cached_tokens`),
 configurable failure with an ErrorCode, and overload. `expected(req)` gives the reference output
@@ -40,6 +41,7 @@ class StubConfig:
     fail_after: int = 0  # ... after this many tokens
     overloaded_retry_after: float | None = None  # not None: overloaded() returns it
     abort_delay_s: float = 0.0  # abort() takes this long (a remote call to a worker does)
+    script: tuple[int, ...] = ()  # non-empty: the tokens every request generates, then EOS
 
 
 def _u64(*parts: bytes) -> int:
@@ -71,7 +73,10 @@ class _Run:
         self.n = 0
 
     def step(self) -> tuple[int, str, str | None]:
-        tok = stub_token(self.key, self.seed, self.n, self.pool, self.eos, self.cfg.eos_prob)
+        if self.cfg.script:
+            tok = self.cfg.script[self.n] if self.n < len(self.cfg.script) else self.eos
+        else:
+            tok = stub_token(self.key, self.seed, self.n, self.pool, self.eos, self.cfg.eos_prob)
         self.n += 1
         if (tok == self.eos and not self.req.ignore_eos) or tok in self.req.stop_token_ids:
             return tok, self.detok.flush(), "stop"

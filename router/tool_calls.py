@@ -95,9 +95,10 @@ class ToolCallParser:
         self.calls[-1]["arguments"] += text
         out.append(CallDelta(len(self.calls) - 1, text))
 
-    def _close_call(self, out: list[CallDelta]) -> None:
-        if self._state == "value" and self._param_string:
-            self._args('"', out)
+    def _close_call(self, out: list[CallDelta], pending: str = "") -> None:
+        """End the open call (its arguments stay valid JSON); `pending`: an open value's text."""
+        if self._state == "value":
+            self._args(_value(pending, self._param_string) + ('"' if self._param_string else ""), out)
         self._args("}" if self._params else "{}", out)
         self._params = 0
 
@@ -112,9 +113,12 @@ class ToolCallParser:
     def flush(self) -> tuple[str, list[CallDelta]]:
         """At the end of the completion: whatever was held back (an unfinished call is closed)."""
         deltas: list[CallDelta] = []
+        rest = self._buf
         if self._state in ("invoke", "value"):
-            self._close_call(deltas)
-        rest, self._buf, self._state = self._buf, "", "content"
+            if self._state == "value":
+                rest = ""
+            self._close_call(deltas, self._buf)
+        self._buf, self._state = "", "content"
         return rest, deltas
 
     # --- the grammar, one element per step; False: need more text
@@ -138,14 +142,10 @@ class ToolCallParser:
                 if self._param_string:
                     released = buf[:len(buf) - _held_prefix(buf, _PARAM_END)]
                     if released:
-                        self._args(json.dumps(released, ensure_ascii=False)[1:-1], out)
+                        self._args(_value(released, True), out)
                         self._buf = buf[len(released):]
                 return False
-            value = buf[:at]
-            if self._param_string:
-                self._args(json.dumps(value, ensure_ascii=False)[1:-1] + '"', out)
-            else:
-                self._args(value if _is_json(value) else json.dumps(value, ensure_ascii=False), out)
+            self._args(_value(buf[:at], self._param_string) + ('"' if self._param_string else ""), out)
             self._buf, self._state = buf[at + len(_PARAM_END):], "invoke"
             return True
         lead = len(buf) - len(buf.lstrip())
@@ -189,12 +189,16 @@ class ToolCallParser:
         return False
 
 
-def _is_json(text: str) -> bool:
+def _value(text: str, string: bool) -> str:
+    """A parameter value's text in the arguments JSON: a piece of a string's inside (escaped), or
+    a whole non-string value as written when it is JSON, else as a JSON string."""
+    if string:
+        return json.dumps(text, ensure_ascii=False)[1:-1]
     try:
         json.loads(text)
     except ValueError:
-        return False
-    return True
+        return json.dumps(text, ensure_ascii=False)
+    return text
 
 
 def parse_all(text: str) -> tuple[str, list[dict]]:

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RouterThread  # noqa: E402
+from harness import RouterThread
 
 
 @pytest.fixture(scope="module")
@@ -22,4 +22,4 @@ def _reset_stub(request):
     if "router" in request.fixturenames:
         r = request.getfixturevalue("router")
         r.set_stub(first_token_delay_s=0.0, token_delay_s=0.0, fail_with=None, fail_after=0,
-                   overloaded_retry_after=None, eos_prob=0.0, tokens_per_chunk=1)
+                   overloaded_retry_after=None, eos_prob=0.0, tokens_per_chunk=1, script=())
