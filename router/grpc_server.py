@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
+from router.openai_format import stop_string_matched
 from router.openai_protocol import Limits, finalize, parse_completion, tokenize
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
 from worker_runtime.wire import ErrorCode, GenerateRequest
@@ -50,6 +51,8 @@ def request_body(req: pb.GenerateRequest) -> dict:
         body["stop_token_ids"] = list(req.stop_token_ids)
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
     if req.model:
         body["model"] = req.model
     return body
@@ -78,8 +81,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return None
         return self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
 
-    async def _request(self, request, context) -> GenerateRequest:
-        """Validated exactly as the equivalent /v1/completions body; a large message in a thread."""
+    async def _request(self, request, context) -> tuple[GenerateRequest, bool]:
+        """Validated exactly as the equivalent /v1/completions body; a large message in a thread.
+        Also: whether the stop string stays in the text."""
         if request.ByteSize() > _THREAD_PARSE_BYTES:
             draft = await asyncio.to_thread(lambda: parse_completion(request_body(request), self.limits))
         else:
@@ -94,12 +98,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             client_deadline = time.time() + remaining
             if req.deadline is None or client_deadline < req.deadline:
                 req = replace(req, deadline=client_deadline)
-        return req
+        return req, draft.options.include_stop_str
 
     async def Generate(self, request, context):
         arrival = time.perf_counter()
         try:
-            req = await self._request(request, context)
+            req, keep_stop = await self._request(request, context)
             owner = self._owner(context)
             slot = self.dispatcher.admit()
         except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
@@ -109,9 +113,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return
 
         last = None  # held back so the final message can carry the usage the dispatcher settles
+        ids, released = [], []  # for the stop string, with include_stop_str_in_output
 
         async def emit(chunk):
             nonlocal last
+            if keep_stop:
+                ids.extend(chunk.token_ids)
+                released.append(chunk.text)
             if chunk.finish_reason is not None:
                 last = chunk
                 return
@@ -125,8 +133,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _abort_with(context, err)
             return
         u = outcome.usage
+        text = last.text
+        if keep_stop and outcome.finish_reason == "stop":
+            text += stop_string_matched(self.backend.tokenizer, ids, "".join(released), req.stop_strings)
         await context.write(pb.GenerateResponse(
-            request_id=req.request_id, token_ids=last.token_ids, text=last.text, finish_reason=outcome.finish_reason,
+            request_id=req.request_id, token_ids=last.token_ids, text=text, finish_reason=outcome.finish_reason,
             usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                            cached_tokens=u.cached_tokens)))
 
@@ -141,8 +152,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.HealthResponse(ok=bool(h.pop("ok", False)), details={k: str(v) for k, v in h.items()})
 
     async def ListModels(self, request, context):
-        return pb.ListModelsResponse(models=[pb.Model(id=self.limits.model_name,
-                                                      max_model_len=self.limits.max_model_len)])
+        return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=self.limits.max_model_len)
+                                             for name in self.limits.model_names])
 
 
 def _as_api_error(exc: Exception, method: str) -> APIError:

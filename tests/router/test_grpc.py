@@ -48,6 +48,15 @@ def test_generate_token_ids_sampling_stops(router, stub):
     assert out[-1].finish_reason == "stop" and stop not in "".join(m.text for m in out)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output(router, stub, include):
+    router.set_stub(script=tuple(router.tokenizer.encode("one. two. three")))
+    out = list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=40, stop=[". t"],
+                                                include_stop_str_in_output=include), timeout=10))
+    assert out[-1].finish_reason == "stop"
+    assert "".join(m.text for m in out) == ("one. t" if include else "one")
+
+
 @pytest.mark.parametrize("req,status", [
     (pb.GenerateRequest(max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="x", prompt_token_ids=[1], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
@@ -82,7 +91,7 @@ def test_backend_error_status(router, stub, code):
     got = []
     with pytest.raises(grpc.RpcError) as e:
         for m in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5), timeout=10):
-            got.append(m)
+            got.append(m)  # noqa: PERF402 - the stream raises mid-way; keep what came before
     assert e.value.code() == getattr(grpc.StatusCode, code.grpc_status)
     assert len(got) == 1  # one token streamed before the failure
     assert router.metric("v4serve_requests_total", label) == before + 1
@@ -115,9 +124,8 @@ def test_deadline_exceeded():
     r = RouterThread(RouterConfig(http_port=None, grpc_port=0, request_timeout_s=0.3))
     try:
         r.set_stub(token_delay_s=0.05)
-        with grpc.insecure_channel(r.grpc_target) as ch:
-            with pytest.raises(grpc.RpcError) as e:
-                list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(prompt="x", max_tokens=100), timeout=10))
+        with grpc.insecure_channel(r.grpc_target) as ch, pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(prompt="x", max_tokens=100), timeout=10))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert wait_for(lambda: len(r.stub.aborted) == 1)
     finally:
