@@ -2,8 +2,10 @@
 migration of running requests in and out.
 
     generate(req, prefill, repull_id) ─┬─ prefill is None: the engine prefills locally
-                                       ├─ else: reserve pages → target → prefill.prefill(req, target)
-                                       │  writes them over NIXL → receiver verifies → engine decodes
+                                       ├─ else: prefill.prefill(req, no target) queues it there;
+                                       │  when it is about to start, it asks reserve_for_prefill:
+                                       │  reserve pages → target; it writes them over NIXL →
+                                       │  receiver verifies → engine decodes
                                        └─ repull_id: the prefill worker still holds the KV it made for
                                           request `repull_id`, whose decode worker died: it writes that
     migrate(...)          pause running requests and ship them to other decode workers (outbound.py);
@@ -52,7 +54,15 @@ from worker_runtime.in_process import InProcess
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
-from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, WorkerInfo, WorkerLoad
+from worker_runtime.wire import (
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    TargetReply,
+    TokenChunk,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +100,9 @@ class DecodeWorker:
         self.leases = RouterLeases(options.router_grace_s)  # requests of routers gone are aborted
         self.router_lost = 0  # requests aborted so
         self.senders = SenderCheck(self.shell.get_actor)  # are the senders whose pages wait for their Fenced still there?
+        self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot(),  # engine metrics
+                                                       "received": self.receiver.metrics.snapshot()},
+                           lambda: {**self.inbound.counts, **self.outbound.counts})
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
     async def start(self, seat: Seat | None = None) -> dict:
@@ -145,7 +158,8 @@ class DecodeWorker:
             self.streams.cancel(s)
             raise
         self.streams.start(s)
-        self.commands.put(lambda: self._start(req, prefill if peer else None, repull_id, peer))
+        self.commands.put(lambda: self._start(req, prefill if peer else None, repull_id, peer,
+                                              unreachable=prefill is not None and peer is None))
         async for chunk in self.streams.read(s, abandoned=self._abort_soon):
             yield chunk
 
@@ -166,16 +180,38 @@ class DecodeWorker:
     def _abort_soon(self, request_id: str) -> None:
         self.commands.put(lambda: self._abort(request_id))  # the loop alone touches the engine
 
-    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, peer: tuple[str, str] | None) -> None:
-        target = None if prefill is None else self.inbound.expect_prefill(
-            req, "repull" if repull_id else "prefill", self.options.lease_s, prefill, peer[0])
-        if target is None:  # local prefill, or no room for a transfer now: queue for local prefill
-            self.engine.submit(req)
+    def _start(self, req: GenerateRequest, prefill, repull_id: str | None, peer: tuple[str, str] | None,
+               unreachable: bool = False) -> None:
+        if prefill is None:  # local prefill (the router's choice, or the prefill worker unreachable)
+            if unreachable:
+                self.inbound.local(req, "prefill_unreachable")
+            else:
+                self.engine.submit(req)
             return
         # the prefill worker refuses if it is another incarnation than the one loaded (acks would miss it)
-        args = (req, target.to_bytes(), self.agent.metadata(), self.layout.to_bytes(), peer[1])
-        ref = prefill.repull.remote(repull_id, *args) if repull_id else prefill.prefill.remote(*args)
+        peer_args = (self.agent.metadata(), self.layout.to_bytes(), peer[1])
+        if repull_id:  # the KV exists (or is being computed) there: reserve now
+            target = self.inbound.expect_prefill(req, "repull", self.options.lease_s, prefill, peer[0])
+            if target is None:
+                self.inbound.local(req, "no_room")
+                return
+            ref = prefill.repull.remote(repull_id, req, target.to_bytes(), *peer_args)
+        else:  # reserved only when the prefill worker is about to start it (reserve_for_prefill)
+            self.inbound.await_prefill(req, prefill, peer[0])
+            ref = prefill.prefill.remote(req, None, *peer_args, self.worker_id)
         asyncio.ensure_future(self._watch_prefill(req.request_id, ref))
+
+    async def reserve_for_prefill(self, request_id: str) -> TargetReply:
+        """The prefill worker is about to start `request_id`, which it queued without a target:
+        reserve its pages now and return the target; "no_room" (it asks again later) or "gone"
+        (aborted, or not awaited here)."""
+        def reserve() -> TargetReply:
+            try:
+                target = self.inbound.reserve(request_id, self.options.lease_s)
+            except KeyError:
+                return TargetReply(None, "gone")
+            return TargetReply(None, "no_room") if target is None else TargetReply(target.to_bytes())
+        return await self.commands.call(reserve)
 
     async def _watch_prefill(self, request_id: str, ref) -> None:
         try:

@@ -3,9 +3,17 @@ KV of a request whose decode worker died: a re-pull) or another decode worker (a
 writes into, and what becomes of each once it is verified or has failed.
 
     expect_prefill(req, source) / expect_migration(req, num_tokens) → TransferTarget
+    await_prefill(req) → QUEUED: nothing reserved while the request waits in the prefill worker's
+                         queue; reserve(request_id) when that worker is about to start it
+                         → RESERVED (its target), or None: no room now (it asks again later)
     poll() → chunks      verified:  adopt the pages, the engine admits the request
                          failed:    from a prefill worker → recomputed here (never lost);
                                     a migration → dropped (the source worker resumes it)
+
+A request awaited here is QUEUED (no pages, no lease: it cannot expire however long the prefill
+worker's queue) or RESERVED (pages and a lease, which now covers the prefill's compute and the
+transfer only). Either ends verified (admitted), failed (recomputed here, with the reason on the
+request's first chunk: `TransferStats.failure`) or aborted (every page freed).
 
 Only the worker loop calls these (they allocate pages): between engine steps.
 """
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_worker.engine import DecodeEngine
+from kvtransfer.protocol import TransferTarget
 from kvtransfer.receiver import OutOfPages, Receiver
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from worker_runtime.wire import (
@@ -35,9 +44,15 @@ from worker_runtime.wire import (
 class Awaiting:
     req: GenerateRequest
     source: str  # "prefill" | "repull" | "migration"
-    started: float  # perf_counter at the reservation
+    started: float  # perf_counter at the reservation (QUEUED: when it was registered)
     extra: SeqKV | None = None  # migration: decode pages for the rest of the request, reserved up front
     prefill: Any = None  # the prefill actor writing it (told when the request is aborted)
+    target: TransferTarget | None = None  # None while QUEUED: nothing reserved yet
+    sender: str | None = None  # QUEUED: the NIXL name of the agent that will write, named at reserve
+
+    @property
+    def queued(self) -> bool:
+        return self.target is None
 
 
 class Inbound:
@@ -59,8 +74,35 @@ class Inbound:
             target = self.receiver.reserve(req.request_id, counts, lease_s, sender=sender)
         except OutOfPages:
             return None
-        self.awaiting[req.request_id] = Awaiting(req, source, time.perf_counter(), prefill=prefill)
+        self.awaiting[req.request_id] = Awaiting(req, source, time.perf_counter(), prefill=prefill, target=target)
         return target
+
+    def await_prefill(self, req: GenerateRequest, prefill, sender: str) -> None:
+        """Await `req`'s KV from the prefill worker `prefill` (NIXL agent `sender`) without
+        reserving anything yet: QUEUED until `reserve`."""
+        if req.request_id in self.awaiting:
+            raise ValueError(f"request {req.request_id!r} is already awaited")
+        self.awaiting[req.request_id] = Awaiting(req, "prefill", time.perf_counter(), prefill=prefill, sender=sender)
+
+    def reserve(self, request_id: str, lease_s: float) -> TransferTarget | None:
+        """The prefill worker is about to start a QUEUED request: reserve its pages now → RESERVED,
+        its target (the same one again if asked twice); None when the pages are not free now (it
+        stays QUEUED). KeyError when the request is not awaited here (any more)."""
+        a = self.awaiting[request_id]
+        if a.target is not None:
+            return a.target
+        counts = self.pools.resume_page_counts(len(a.req.prompt_ids))
+        try:
+            a.target = self.receiver.reserve(request_id, counts, lease_s, sender=a.sender)
+        except OutOfPages:
+            return None
+        a.started = time.perf_counter()
+        return a.target
+
+    def local(self, req: GenerateRequest, reason: str) -> None:
+        """Prefill `req` here though a prefill worker was chosen (`reason`: why), reported with
+        its first chunk like any fallback."""
+        self._fallback(Awaiting(req, "prefill", time.perf_counter()), reason)
 
     def expect_migration(self, req: GenerateRequest, num_tokens: int, lease_s: float, sender: str):
         """Reserve the pages of a request paused at `num_tokens` and, up front, the decode pages
@@ -76,7 +118,7 @@ class Inbound:
         extra = SeqKV()
         for kind, n in more.items():
             extra.pages[kind] = self.pools.alloc(kind, n)
-        self.awaiting[req.request_id] = Awaiting(req, "migration", time.perf_counter(), extra)
+        self.awaiting[req.request_id] = Awaiting(req, "migration", time.perf_counter(), extra, target=target)
         return target
 
     def failed(self, request_id: str, reason: str) -> None:
@@ -142,7 +184,7 @@ class Inbound:
             return self.engine.admit_transferred(a.req, seq, h.first_token, cached_tokens=h.num_tokens - h.computed_tokens)
         except PoolExhausted:  # no decode pages now: drop the KV, recompute when there is room
             self.pools.release(seq)
-            self.engine.submit(a.req)
+            self._fallback(a, "no_room")
             return []
 
     def _fallback(self, a: Awaiting, reason: str) -> None:

@@ -1,7 +1,12 @@
 """The prefill worker as a Ray actor: chunked prefill, pushing the KV into the decode target.
 
     prefill(req, target, peer metadata, peer layout, epoch) → waits until the decode side verified
-    loop: apply commands → engine.step() (in a thread) → WRITE the compressed pages each chunk
+    prefill(req, None, ..., decode_id)  the same, but the decode worker reserves only when this
+          worker is about to start the request: it waits here holding nothing (QUEUED), and when
+          the engine's work ahead of it is under `TARGET_HORIZON_STEPS` steps this worker asks
+          the decode worker for the target (`reserve_for_prefill`), so a lease covers the
+          request's own compute and transfer, never its wait in this queue
+    loop: apply commands → ask for due targets → engine.step() (in a thread) → WRITE the compressed pages each chunk
           made final (transfer overlaps the next chunks) → for each finished prompt: WRITE the
           rest (last pages, SWA window, compress-state rings), TransferDone with the header →
           sender.poll(): on ack / refusal / lease end, free the pages and answer the caller
@@ -33,6 +38,7 @@ from kvtransfer.sender import Sender
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.delivery import (
     HOLDING,
+    Asker,
     Deliveries,
     Delivery,
     Destination,
@@ -47,9 +53,15 @@ from worker_runtime.in_process import InProcess
 from worker_runtime.model_loader import load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
-from worker_runtime.wire import GenerateRequest, TransferHeader
+from worker_runtime.wire import GenerateRequest, TargetReply, TransferHeader, WorkerLoad
 
 log = logging.getLogger(__name__)
+
+# A queued request's target is asked for once the engine's work ahead of it is under this many
+# steps' token budgets: enough that the answer (a round trip to the decode worker) is back before
+# the engine runs dry, few enough that the lease does not cover a long wait behind other prompts.
+TARGET_HORIZON_STEPS = 2
+NO_ROOM_RETRY_S = 0.05  # a decode worker without room for a request is asked again after this
 
 
 @serves_shell  # Ray methods ep_listen, ep_wake, ep_status, peer_info, stop: the shell's
@@ -64,7 +76,7 @@ class PrefillWorker:
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
                                                   max_running=options.max_seqs), store=self.store)
-        self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self.engine.load, options.prefill_ep,
+        self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self._load, options.prefill_ep,
                                  local)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
         self.sender = Sender(self.shell.agent, self.shell.layout, stuck_s=options.lease_s)
@@ -73,6 +85,7 @@ class PrefillWorker:
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
+        self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
     async def start(self, seat: Seat | None = None) -> dict:
@@ -89,7 +102,7 @@ class PrefillWorker:
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.deliveries.in_state(*HOLDING)),
                 "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.shell.agent.epoch,
-                "queued": len(self.engine.waiting) + len(self.engine.running),
+                "queued": len(self.engine.waiting) + len(self.engine.running) + len(self._untargeted()),
                 "transfers": self.sender.metrics.snapshot()}
 
     def set_faults(self, plan: FaultPlan | None) -> None:
@@ -109,26 +122,86 @@ class PrefillWorker:
     async def _busy(self) -> bool:
         return bool(self.deliveries) or bool(self.commands) or self.engine.has_work()
 
+    def _untargeted(self) -> list[Delivery]:
+        return self.deliveries.in_state(State.QUEUED, State.ASKING)
+
+    def _load(self) -> WorkerLoad:
+        """The engine's load plus the requests queued here without a target yet: placement reads
+        the whole queue in prompt tokens."""
+        load, queued = self.engine.load(), self._untargeted()
+        return WorkerLoad(load.worker_id, load.role, waiting=load.waiting + len(queued), running=load.running,
+                          queued_prefill_tokens=load.queued_prefill_tokens + sum(len(d.req.prompt_ids) for d in queued),
+                          free_pages=load.free_pages, total_pages=load.total_pages, draining=load.draining)
+
     # --- requests -------------------------------------------------------------------------
-    async def prefill(self, req: GenerateRequest, target: bytes, peer_metadata: bytes, peer_layout: bytes,
-                      epoch: str | None = None) -> dict:
+    async def prefill(self, req: GenerateRequest, target: bytes | None, peer_metadata: bytes, peer_layout: bytes,
+                      epoch: str | None = None, decode_id: str | None = None) -> dict:
         """Prefill `req` and deliver its KV into `target`; returns once the receiver verified it.
-        `epoch`: the incarnation of this worker whose metadata the decode side loaded (from the
-        registry). Raises TransferFailed if it could not be delivered."""
+        Without a target, decode worker `decode_id` is asked for one (`reserve_for_prefill`) when
+        this worker is about to start the request. `epoch`: the incarnation of this worker whose
+        metadata the decode side loaded (from the registry). Raises TransferFailed if it could not
+        be delivered."""
         group = self.shell.group
         if group is not None and group.state is GroupState.FAILED:
             raise TransferFailed(f"ep_group_failed: {group.failure}")
         self._check_epoch(epoch)
-        dest = Destination(decode_target(target), peer_metadata, peer_layout)
+        if target is None:
+            if decode_id is None:
+                raise ValueError("prefill() needs a target or the decode worker to ask for one (decode_id)")
+            dest = Asker(decode_id, peer_metadata, peer_layout)
+        else:
+            dest = Destination(decode_target(target), peer_metadata, peer_layout)
         fut = asyncio.get_running_loop().create_future()
         d = self.deliveries.open(req, dest, fut)  # ValueError if the id is in use: ids key all state here
-        self._connect_early(dest)
-        self.commands.put(lambda: self._submit(d))
+        if target is not None:
+            self._connect_early(dest)
+            self.commands.put(lambda: self._submit(d))
+        else:
+            self.commands.put(lambda: None)  # wake the loop: it asks for the target when its turn comes
         return await fut
 
     def _submit(self, d: Delivery) -> None:
         # an abort() that Ray ran before this prefill() was applied first: the delivery ended already
         if self.deliveries.find(d.request_id) is d:
+            self.engine.submit(d.req)
+
+    # --- targets asked for when a request is about to start -----------------------------------
+    def _ask_due(self) -> None:
+        """Ask for the targets of the oldest queued requests while the engine's work ahead of
+        them (tokens still to prefill, requests) is under the horizon and nothing it was given
+        waits for pages here: the engine takes them at once."""
+        if not self.deliveries.in_state(State.QUEUED) or self.engine.waiting:
+            return
+        asking = self.deliveries.in_state(State.ASKING)
+        ahead = self.engine.load().queued_prefill_tokens + sum(len(d.req.prompt_ids) for d in asking)
+        slots = self.engine.config.max_running - len(self.engine.running) - len(asking)
+        horizon = TARGET_HORIZON_STEPS * self.engine.config.token_budget
+        for d in self.deliveries.due():
+            if ahead >= horizon or slots <= 0:
+                return
+            ahead, slots = ahead + len(d.req.prompt_ids), slots - 1
+            asyncio.ensure_future(self._ask(d, self.deliveries.ask(d), d.asker.decode_id))
+
+    async def _ask(self, d: Delivery, ask: int, decode_id: str) -> None:
+        try:
+            decode = await asyncio.to_thread(self.shell.get_actor, decode_id)
+            reply = await decode.reserve_for_prefill.remote(d.request_id)
+        except Exception as e:  # the decode worker is gone: nothing was computed or reserved for it
+            log.warning("asking %s for the target of %s failed: %s", decode_id, d.request_id, e)
+            reply = TargetReply(None, "gone")
+        self.commands.put(lambda: self._answered(d, ask, reply))
+
+    def _answered(self, d: Delivery, ask: int, reply: TargetReply) -> None:
+        if self.deliveries.find(d.request_id) is not d or d.state is not State.ASKING or d.asks != ask:
+            return  # aborted or re-pulled meanwhile: its decode worker gave the reservation up, or is gone
+        if reply.refusal == "no_room":
+            self.deliveries.no_room(d, NO_ROOM_RETRY_S)
+        elif reply.refusal is not None:
+            self._cancel(d, f"decode_gone: {d.asker.decode_id} no longer wants it")
+        else:
+            dest = Destination(decode_target(reply.target), d.asker.metadata, d.asker.layout)
+            self.deliveries.targeted(d, dest)
+            self._connect_early(dest)
             self.engine.submit(d.req)
 
     async def repull(self, lost_id: str, req: GenerateRequest, target: bytes, peer_metadata: bytes,
@@ -155,8 +228,11 @@ class PrefillWorker:
             return
         if d.dest is not None:  # stop writing to the lost worker (its late answer is ignored: stale id)
             self.sender.abort(d.dest.request_id)
+        was = d.state
         self.deliveries.repull(d, dest, fut)
         self.repulls += 1
+        if was in (State.QUEUED, State.ASKING):  # not started: the engine takes it now, for the new target
+            self.engine.submit(d.req)
         if d.state is State.SHIPPING:
             self._ship(d)
 
@@ -172,7 +248,9 @@ class PrefillWorker:
     def _cancel(self, d: Delivery, reason: str) -> None:
         was = d.state
         self.deliveries.abort(d, TransferFailed(reason))
-        if was in (State.COMPUTING, State.DETACHED):
+        if was in (State.QUEUED, State.ASKING):
+            pass  # nothing of it here yet (an ASKING one's late answer is ignored)
+        elif was in (State.COMPUTING, State.DETACHED):
             self.engine.abort(d.request_id)
         elif was is State.PARKED:
             self.engine.release(d.done)
@@ -184,6 +262,7 @@ class PrefillWorker:
         while True:
             try:
                 self.commands.run()
+                self._ask_due()
                 group = self.shell.group
                 if group is not None and group.state is GroupState.ACTIVE:
                     await self._group_step(group)
@@ -230,6 +309,8 @@ class PrefillWorker:
         """Fail every queued or running prefill (their decode workers recompute them)."""
         for job in list(self.engine.waiting) + list(self.engine.running.values()):
             self._cancel(self.deliveries.find(job.req.request_id), reason)
+        for d in self._untargeted():
+            self._cancel(d, reason)
 
     async def _publish_events(self) -> None:
         """KV events of the prefix cache → registry stream (the routers' prefix index)."""

@@ -1,15 +1,25 @@
 """Where each request's KV is on its way out of a prefill worker: one record per request, from the
 prefill() that brought it until its pages are freed.
 
-    prefill() ─▶ COMPUTING ───computed───▶ SHIPPING ──acked──────────────▶ ACKED
-                  │    ▲                    │  ▲ │ └──receiver gave up────▶ RELEASED
-     stream failed│    │re-pull         lost│  │ └──abort──▶ ABORTING ──answer──▶ ABORTED
-                  ▼    │                    ▼  │re-pull
-                 DETACHED ───computed───▶ PARKED ──held a lease──▶ EXPIRED
+    prefill(asker) ─▶ QUEUED ──ask──▶ ASKING ──targeted──┐   (a prefill() that brings no target)
+                        ▲                │               │
+                        └────no room─────┘               │
+                                                         ▼
+    prefill(target) ─────────────────────────────────▶ COMPUTING ───computed───▶ SHIPPING ──acked──▶ ACKED
+                                                  │    ▲                    │  ▲ │ └─receiver gave up─▶ RELEASED
+                                     stream failed│    │re-pull         lost│  │ └─abort─▶ ABORTING ─answer─▶ ABORTED
+                                                  ▼    │                    ▼  │re-pull
+                                                 DETACHED ───computed───▶ PARKED ──held a lease──▶ EXPIRED
 
-    abort      COMPUTING, DETACHED, PARKED ──▶ ABORTED;  SHIPPING, ABORTING ──▶ ABORTING
-    re-pull    COMPUTING, DETACHED ──▶ COMPUTING;  SHIPPING, PARKED ──▶ SHIPPING (written again)
+    abort      QUEUED, ASKING, COMPUTING, DETACHED, PARKED ──▶ ABORTED;  SHIPPING, ABORTING ──▶ ABORTING
+    re-pull    QUEUED, ASKING, COMPUTING, DETACHED ──▶ COMPUTING;  SHIPPING, PARKED ──▶ SHIPPING (written again)
 
+QUEUED     waits here for its turn, holding nothing: no page here, none reserved at its decode
+           worker (so it cannot outlive a lease however long the queue). The worker asks the
+           decode worker for a target when the engine is about to start the request.
+ASKING     the decode worker was asked for a target: it reserves the pages then and answers with
+           the target (→ COMPUTING), or "no room" (→ QUEUED again, asked later), or that it no
+           longer wants the request (→ aborted).
 COMPUTING  queued or prefilling in the engine; the compressed pages that became final are written
            to the target while the next chunks compute (`streamed`).
 DETACHED   still computing, but writing to its decode worker failed (the worker is lost): the KV
@@ -56,6 +66,8 @@ LOST = ("lease_expired", "xfer_error", "peer_restarted", "cancelled")
 
 
 class State(enum.Enum):
+    QUEUED = "queued"
+    ASKING = "asking"
     COMPUTING = "computing"
     DETACHED = "detached"
     SHIPPING = "shipping"
@@ -73,16 +85,29 @@ HOLDING = (State.SHIPPING, State.ABORTING, State.PARKED)  # computed KV held her
 S = State
 # event → {from: to}; anything else raises IllegalTransition
 MOVES: dict[str, dict[State, State]] = {
+    "ask": {S.QUEUED: S.ASKING},
+    "targeted": {S.ASKING: S.COMPUTING},
+    "no_room": {S.ASKING: S.QUEUED},
     "detach": {S.COMPUTING: S.DETACHED},
     "computed": {S.COMPUTING: S.SHIPPING, S.DETACHED: S.PARKED},
     "acked": {S.SHIPPING: S.ACKED, S.ABORTING: S.ABORTED},
     "lost": {S.SHIPPING: S.PARKED, S.ABORTING: S.ABORTED},
     "gave_up": {S.SHIPPING: S.RELEASED, S.ABORTING: S.ABORTED},
-    "abort": {S.COMPUTING: S.ABORTED, S.DETACHED: S.ABORTED, S.PARKED: S.ABORTED,
+    "abort": {S.QUEUED: S.ABORTED, S.ASKING: S.ABORTED, S.COMPUTING: S.ABORTED, S.DETACHED: S.ABORTED, S.PARKED: S.ABORTED,
               S.SHIPPING: S.ABORTING, S.ABORTING: S.ABORTING},
-    "repull": {S.COMPUTING: S.COMPUTING, S.DETACHED: S.COMPUTING, S.SHIPPING: S.SHIPPING, S.PARKED: S.SHIPPING},
+    "repull": {S.QUEUED: S.COMPUTING, S.ASKING: S.COMPUTING, S.COMPUTING: S.COMPUTING, S.DETACHED: S.COMPUTING, S.SHIPPING: S.SHIPPING, S.PARKED: S.SHIPPING},
     "expire": {S.PARKED: S.EXPIRED},
 }
+
+
+@dataclass(frozen=True)
+class Asker:
+    """Where a request that came without a target gets one: its decode worker (by worker id, which
+    is its actor's name) and what it takes to write there once it has reserved."""
+
+    decode_id: str
+    metadata: bytes  # its NIXL agent metadata
+    layout: bytes  # its layout descriptor
 
 
 @dataclass(frozen=True)
@@ -103,7 +128,10 @@ class Delivery:
     request_id: str  # the engine id
     req: GenerateRequest
     state: State = State.COMPUTING
-    dest: Destination | None = None  # where the KV goes now; None once its decode worker is lost
+    dest: Destination | None = None  # where the KV goes now; None while queued, or once its decode worker is lost
+    asker: Asker | None = None  # QUEUED / ASKING: whom to ask for the target
+    asks: int = 0  # targets asked for so far: an answer to an earlier ask is stale
+    retry_at: float = 0.0  # QUEUED after "no room": not asked again before this (unix s)
     caller: asyncio.Future | None = None  # the prefill() / repull() waiting for the outcome
     done: Prefilled | None = None  # once computed: the KV held here
     streamed: dict[str, int] = field(default_factory=dict)  # kind → leading pages written while computing
@@ -127,12 +155,39 @@ class Deliveries:
         return [d for d in self._records.values() if d.state in states]
 
     # --- transitions ------------------------------------------------------------------------
-    def open(self, req: GenerateRequest, dest: Destination, caller: asyncio.Future) -> Delivery:
-        """A new prefill() → COMPUTING. Raises ValueError if the id is in use (ids key all state here)."""
+    def open(self, req: GenerateRequest, dest: Destination | Asker, caller: asyncio.Future) -> Delivery:
+        """A new prefill() → COMPUTING with a target, QUEUED with an `Asker` to get one from.
+        Raises ValueError if the id is in use (ids key all state here)."""
         if self.find(req.request_id) is not None:
             raise ValueError(f"request {req.request_id!r} is already being prefilled")
-        d = self._records[req.request_id] = Delivery(req.request_id, req, dest=dest, caller=caller)
+        if isinstance(dest, Asker):
+            d = Delivery(req.request_id, req, S.QUEUED, asker=dest, caller=caller)
+        else:
+            d = Delivery(req.request_id, req, dest=dest, caller=caller)
+        self._records[req.request_id] = d
         return d
+
+    def ask(self, d: Delivery) -> int:
+        """Its turn came: the decode worker is asked for the target → ASKING. Returns the ask's
+        number (the answer is applied only while it is the latest)."""
+        self._move(d, "ask")
+        d.asks += 1
+        return d.asks
+
+    def targeted(self, d: Delivery, dest: Destination) -> None:
+        """The decode worker reserved: → COMPUTING (the worker submits it to the engine)."""
+        self._move(d, "targeted")
+        d.dest, d.asker, d.retry_at = dest, None, 0.0
+
+    def no_room(self, d: Delivery, retry_s: float) -> None:
+        """The decode worker has no pages for it now: → QUEUED, asked again after `retry_s`."""
+        self._move(d, "no_room")
+        d.retry_at = self.clock() + retry_s
+
+    def due(self) -> list[Delivery]:
+        """QUEUED records that may be asked now, oldest first."""
+        now = self.clock()
+        return [d for d in self._records.values() if d.state is S.QUEUED and d.retry_at <= now]
 
     def detach(self, d: Delivery, error: Exception) -> None:
         """Writing to its decode worker failed while it computes: that worker is lost."""
@@ -175,7 +230,7 @@ class Deliveries:
         caller is answered. The worker stops the writes to the previous target first."""
         self._move(d, "repull")
         self.answer(d, TransferFailed("re-pulled by another decode worker"))
-        d.dest, d.caller, d.streamed, d.held_until = dest, caller, {}, 0.0
+        d.dest, d.caller, d.streamed, d.held_until, d.asker = dest, caller, {}, 0.0, None
         self._alias[dest.request_id] = d.request_id
 
     def expire(self) -> list[Delivery]:
@@ -209,11 +264,12 @@ class Deliveries:
     def check(self) -> None:
         """Raise AssertionError unless every record is in exactly one live state with the fields
         that state needs, and every alias names a live record."""
-        needs = {S.COMPUTING: (True, False), S.DETACHED: (False, False), S.SHIPPING: (True, True),
+        needs = {S.QUEUED: (False, False), S.ASKING: (False, False), S.COMPUTING: (True, False), S.DETACHED: (False, False), S.SHIPPING: (True, True),
                  S.ABORTING: (True, True), S.PARKED: (False, True)}  # state → (has dest, has done)
         for eid, d in self._records.items():
             assert d.request_id == eid and d.state in needs, (eid, d.state)
             assert (d.dest is not None, d.done is not None) == needs[d.state], (eid, d.state, d.dest, d.done)
             assert d.state not in (S.DETACHED, S.PARKED, S.ABORTING) or d.caller is None, (eid, d.state)
+            assert (d.asker is not None) == (d.state in (S.QUEUED, S.ASKING)), (eid, d.state, d.asker)
         for alias, eid in self._alias.items():
             assert eid in self._records, (alias, eid)

@@ -91,6 +91,20 @@ class TransferStats:
 
 
 @dataclass(frozen=True)
+class TargetReply:
+    """A decode worker's answer to its prefill worker asking, as it is about to start a request
+    that came without a target, where to write the KV: the decode worker reserves only then."""
+
+    target: bytes | None  # the TransferTarget (kvtransfer/protocol.py) when it reserved
+    refusal: str | None = None  # else "no_room" (ask again later) or "gone" (it no longer wants it)
+
+    def __post_init__(self):
+        if (self.target is None) == (self.refusal is None) or self.refusal not in (None, "no_room", "gone"):
+            raise ValueError(f"a TargetReply carries a target or a refusal ('no_room' | 'gone'), got "
+                             f"{self.target!r} / {self.refusal!r}")
+
+
+@dataclass(frozen=True)
 class Moved:
     """The request now runs on another decode worker: stream the rest from `worker_id` with
     `attach(request_id)`. Every token before this marker came from the old worker, every token

@@ -285,3 +285,64 @@ def test_an_abort_at_any_point_frees_every_page(model, pd, when):
     assert (seen > 0) == (when == "decoding")
     assert len(d.tokens(req.request_id)) == seen and not d.ended(req.request_id)  # nothing more
     assert d.inbound.counts["fallbacks"] == 0 and not d.engine.waiting
+
+
+# --------------------------------------------------------------------------- reserved when the prefill starts
+
+def test_a_request_queued_at_the_prefill_worker_holds_nothing_and_never_expires(model, pd):
+    """await_prefill reserves nothing: however long the prefill worker's queue, no lease runs; the
+    pages are reserved when that worker is about to start it, and the KV then arrives verified."""
+    p, d = pd
+    req = request("q", 300, seed=8)
+    free = d.pools.num_free()
+    d.inbound.await_prefill(req, None, p.agent.nixl_name)
+    with pytest.raises(ValueError, match="already awaited"):
+        d.inbound.await_prefill(req, None, p.agent.nixl_name)
+    a = d.inbound.awaiting[req.request_id]
+    assert a.queued and d.pools.num_free() == free and d.receiver.idle()
+    time.sleep(0.3)  # longer than a (short) lease: nothing is held, so nothing expires
+    assert d.inbound.poll() == [] and a.queued
+    target = d.inbound.reserve(req.request_id, LEASE_S)  # the lease covers the compute and transfer only
+    assert target is not None and not a.queued and d.inbound.reserve(req.request_id, LEASE_S) == target
+    assert d.receiver.held() == {req.request_id: "waiting"}
+    p.ship(target, p.prefill(req))
+    run([p, d], lambda: d.ended(req.request_id) and not p.shipped)
+    assert d.tokens(req.request_id) == local_run(model, req)[0]
+    assert d.chunks[req.request_id][0].transfer.failure is None and d.inbound.counts["fallbacks"] == 0
+    with pytest.raises(KeyError):  # not awaited here any more: the prefill worker is told "gone"
+        d.inbound.reserve(req.request_id, LEASE_S)
+    assert d.idle() and p.idle()
+
+
+def test_no_room_at_the_reservation_keeps_it_queued_until_there_is(model):
+    directory = AgentDirectory()
+    p, d = prefill_side(model, directory), decode_side(model, directory, "d0", max_seqs=1)
+    connect(p, d)
+    first, second = request("n1", 400, seed=9), request("n2", 400, seed=10)
+    d.inbound.await_prefill(first, None, p.agent.nixl_name)
+    d.inbound.await_prefill(second, None, p.agent.nixl_name)
+    target = d.inbound.reserve(first.request_id, LEASE_S)
+    assert target is not None
+    assert d.inbound.reserve(second.request_id, LEASE_S) is None  # no room: still queued, nothing held
+    assert d.inbound.awaiting[second.request_id].queued and set(d.receiver.held()) == {first.request_id}
+    d.inbound.abort(first.request_id)
+    d.engine.abort(first.request_id)
+    run([p, d], lambda: d.receiver.idle())
+    assert d.inbound.reserve(second.request_id, LEASE_S) is not None
+
+
+@pytest.mark.parametrize("how", ["abort", "prefill_failed"])
+def test_a_queued_request_aborted_or_failed_frees_nothing_it_never_had(model, pd, how):
+    p, d = pd
+    req = request(f"x-{how}", 200, seed=11)
+    d.inbound.await_prefill(req, None, p.agent.nixl_name)
+    if how == "abort":
+        assert d.inbound.abort(req.request_id).queued
+        assert not d.engine.waiting and not d.inbound
+    else:  # the prefill worker died while the request was queued there: recomputed here
+        d.inbound.failed(req.request_id, "prefill_failed")
+        run([p, d], lambda: d.ended(req.request_id))
+        assert d.tokens(req.request_id) == local_run(model, req)[0]
+        assert d.chunks[req.request_id][0].transfer.failure == "prefill_failed"
+    assert d.idle() and p.idle()
+

@@ -12,6 +12,7 @@ from model.kv_pool import SeqKV
 from prefill_worker.delivery import (
     LOST,
     MOVES,
+    Asker,
     Deliveries,
     Destination,
     IllegalTransition,
@@ -68,14 +69,32 @@ def failure(fut) -> str:
 
 _REPULLS = itertools.count()
 
-# how to bring a fresh record into each live state
-PATHS = {S.COMPUTING: [], S.DETACHED: ["detach"], S.SHIPPING: ["computed"],
+ASKER = Asker("decode-0", b"md", b"lay")
+
+# how to bring a fresh record into each live state (QUEUED and ASKING: opened without a target)
+PATHS = {S.QUEUED: [], S.ASKING: ["ask"], S.COMPUTING: [], S.DETACHED: ["detach"], S.SHIPPING: ["computed"],
          S.ABORTING: ["computed", "abort"], S.PARKED: ["detach", "computed"]}
+
+
+def fresh(table: Deliveries, start: State, caller, rid: str = "r"):
+    """A record of request `rid` brought into `start`."""
+    untargeted = start in (S.QUEUED, S.ASKING)
+    d = table.open(GenerateRequest(rid, (1,), 2), ASKER if untargeted else dest(rid), caller())
+    for step in PATHS[start]:
+        apply(table, d, step, caller)
+    assert d.state is start
+    return d
 
 
 def apply(table: Deliveries, d, event: str, caller) -> None:
     """Drive one event of MOVES on `d` the way the worker does."""
-    if event == "detach":
+    if event == "ask":
+        table.ask(d)
+    elif event == "targeted":
+        table.targeted(d, dest(d.request_id))
+    elif event == "no_room":
+        table.no_room(d, 0.5)
+    elif event == "detach":
         table.detach(d, TransferFailed("write refused"))
     elif event == "computed":
         table.computed(d, computed(d.req))
@@ -193,15 +212,50 @@ def test_repull_retargets_under_an_alias_and_answers_the_previous_caller(caller,
     table.check()
 
 
+def test_a_request_without_a_target_waits_holding_nothing_until_its_target_comes(caller):
+    clock = Clock()
+    table = Deliveries(hold_s=30.0, clock=clock)
+    req = GenerateRequest("r", (1, 2, 3), 4)
+    fut = caller()
+    d = table.open(req, ASKER, fut)
+    assert d.state is S.QUEUED and d.dest is None and d.asker == ASKER and table.due() == [d]
+    clock.now += 3600.0  # no lease runs while it waits here: nothing expires
+    assert table.expire() == [] and d.state is S.QUEUED and not fut.done()
+    assert table.ask(d) == 1 and d.state is S.ASKING and table.due() == []
+    table.no_room(d, 0.5)  # the decode worker has no pages now: asked again later
+    assert d.state is S.QUEUED and table.due() == []
+    clock.now += 0.5
+    assert table.due() == [d]
+    assert table.ask(d) == 2  # a later ask: an answer to the first one is stale
+    table.targeted(d, dest("r"))
+    assert d.state is S.COMPUTING and d.dest.request_id == "r" and d.asker is None and not fut.done()
+    table.computed(d, computed(req))
+    table.settle(d, "acked")
+    assert fut.result() == {"first_token": 7} and len(table) == 0
+    table.check()
+
+
+@pytest.mark.parametrize("start", [S.QUEUED, S.ASKING])
+def test_a_request_that_never_started_is_aborted_or_re_pulled_with_nothing_to_free(caller, start):
+    table = Deliveries(hold_s=30.0)
+    d = fresh(table, start, caller)
+    first = d.caller
+    table.abort(d, TransferFailed("aborted"))
+    assert d.state is S.ABORTED and failure(first) == "aborted" and len(table) == 0
+    d = fresh(table, start, caller)
+    first, second = d.caller, caller()
+    table.repull(d, dest("r~1", "decode-1"), second)  # its decode worker was lost before it started
+    assert d.state is S.COMPUTING and d.dest.request_id == "r~1" and d.asker is None
+    assert failure(first) == "re-pulled by another decode worker" and not second.done()
+    table.check()
+
+
 @pytest.mark.parametrize("event", sorted(MOVES.keys() - {"expire"}))
 @pytest.mark.parametrize("start", sorted(PATHS, key=lambda s: s.value))
 def test_every_event_from_every_live_state(caller, event, start):
     """Legal moves land where MOVES says; every other one raises and changes nothing."""
     table = Deliveries(hold_s=30.0)
-    d = table.open(GenerateRequest("r", (1,), 2), dest("r"), caller())
-    for step in PATHS[start]:
-        apply(table, d, step, caller)
-    assert d.state is start
+    d = fresh(table, start, caller)
     to = MOVES[event].get(start)
     if to is None:
         with pytest.raises(IllegalTransition):
@@ -234,13 +288,15 @@ def test_random_walk_keeps_each_request_in_exactly_one_state(caller):
     records, futures, ended = {}, {}, set()  # request id → record / every caller it had
     seen = set()  # (event, from) pairs that moved
     for step in range(4000):
-        kind = rng.choice(["open", "detach", "computed", "settle", "abort", "repull", "expire"])
+        kind = rng.choice(["open", "ask", "targeted", "no_room", "detach", "computed", "settle", "abort", "repull",
+                           "expire"])
         live_ids = sorted(set(records) - ended)
         if kind == "open" or not live_ids:
             if len(live_ids) < 6:  # a handful at a time, so each one sees many events
                 rid = f"q{len(records)}"
                 futures[rid] = [caller()]
-                records[rid] = table.open(GenerateRequest(rid, (1, 2), 3), dest(rid), futures[rid][0])
+                records[rid] = table.open(GenerateRequest(rid, (1, 2), 3), ASKER if rng.random() < 0.5 else dest(rid),
+                                          futures[rid][0])
             continue
         if kind == "expire":
             clock.now += rng.choice([0.5, 1.0, 2.0])
@@ -280,8 +336,8 @@ def test_random_walk_keeps_each_request_in_exactly_one_state(caller):
         assert len(live) == len(table) and set(live) | ended == set(records) and not set(live) & ended
         for rid, futs in futures.items():
             waiting = [f for f in futs if not f.done()]
-            # only a live COMPUTING / SHIPPING record has a caller waiting: the latest one
+            # only a live QUEUED / ASKING / COMPUTING / SHIPPING record has a caller waiting: the latest one
             assert waiting in ([], futs[-1:]), (rid, live.get(rid))
-            assert not waiting or live.get(rid) in (S.COMPUTING, S.SHIPPING)
+            assert not waiting or live.get(rid) in (S.QUEUED, S.ASKING, S.COMPUTING, S.SHIPPING)
     # the walk took every move there is
     assert seen == {(e, s) for e, moves in MOVES.items() if e != "expire" for s in moves}, seen
