@@ -20,9 +20,16 @@ Kinds (P = page_size tokens, d = head_dim, c = index_head_dim):
 | `state_c4`         | ratio 4     | 8 ring rows        | fp32 [kv 2d | score 2d]             |
 | `state_c4_indexer` | ratio 4     | 8 ring rows        | fp32 [kv 2c | score 2c]             |
 | `state_c128`       | ratio 128   | 128 ring rows      | fp32 [kv d | score d]               |
+| `state_mtp`        | MTP block   | 1 row              | fp32 main streams [hc, D]           |
 
 A state "page" is one request's slot. Ring row of token t is `t % rows`; rows hold the raw
 compressor projections (before `ape`), so a ring is resumable from any token boundary.
+
+With the MTP block (`with_mtp`), its layer (index `num_hidden_layers`) is one more layer of the
+pools of its kind. MTP position t fuses the main streams at t with token t+1, so it lags the main
+layers by one: a request with n cached tokens holds MTP positions 0..n-2, and `state_mtp` holds
+the main streams at n-1, which the next forward pairs with token n. Its window therefore reaches
+one token further back (`first_live_swa_page`).
 
 Storage formats: `fp32` and `bf16` (exact up to the dtype) and `fp8_pack` (584-byte
 NopeFp8RopeBf16Pack KV entries, FP8 + FP32-scale indexer keys). Compress state is always fp32.
@@ -40,7 +47,7 @@ from model.config import ModelConfig
 
 STORAGE_FORMATS = ("fp32", "bf16", "fp8_pack")
 KV_KINDS = ("swa", "c4", "c128")
-STATE_KINDS = ("state_c4", "state_c4_indexer", "state_c128")
+STATE_KINDS = ("state_c4", "state_c4_indexer", "state_c128", "state_mtp")
 ALL_KINDS = ("swa", "c4", "c128", "c4_indexer") + STATE_KINDS
 RATIO_OF_KIND = {"c4": 4, "c128": 128, "c4_indexer": 4}
 
@@ -155,6 +162,8 @@ class KVPools:
             raise ValueError(f"fp8_pack needs head_dim - qk_rope_head_dim divisible by "
                              f"{low_precision.KV_SCALE_BLOCK}, got {cfg.nope_head_dim}")
         self.cfg, self.format, self.page_size, self.device = cfg, storage_format, page_size, device
+        self.with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0
+        with_mtp = self.with_mtp
         d, c = cfg.head_dim, cfg.index_head_dim
         kv_bytes = {"fp32": 4 * d, "bf16": 2 * d, "fp8_pack": low_precision.kv_pack_bytes(d, cfg.qk_rope_head_dim)}
         idx_bytes = {"fp32": 4 * c, "bf16": 2 * c, "fp8_pack": low_precision.index_pack_bytes(c)}
@@ -172,6 +181,7 @@ class KVPools:
             "state_c4": (c4, 8, 4 * 4 * d, max_seqs),
             "state_c4_indexer": (c4, 8, 4 * 4 * c, max_seqs),
             "state_c128": (c128, 128, 4 * 2 * d, max_seqs),
+            "state_mtp": ((n_attn - 1,) if with_mtp else (), 1, 4 * cfg.hc_mult * cfg.hidden_size, max_seqs),
         }
         self.specs = {k: PoolSpec(k, *g) for k, g in geometry.items()}
         if storage_format == "fp8_pack":
@@ -235,7 +245,7 @@ class KVPools:
         The live pages below the window are counted in C, then found walking down from it: in a
         decode step that is the one page just left behind (or none), where a Python scan of the
         whole list cost 128 pages a request and step at 32K tokens."""
-        first_needed = max(0, seq.num_tokens - self.cfg.sliding_window + 1) // self.page_size
+        first_needed = self.first_live_swa_page(seq.num_tokens)
         pages, freed, i = seq.pages["swa"], 0, first_needed
         live = first_needed - pages[:first_needed].count(-1)
         while live:
@@ -276,9 +286,16 @@ class KVPools:
         self.allocators[kind].free(page_ids)
 
     # --- moving a request between replicas -------------------------------------------------
+    @property
+    def mtp_layer(self) -> int | None:
+        """The MTP block's layer id in these pools, None without it."""
+        return self.cfg.num_hidden_layers if self.with_mtp else None
+
     def first_live_swa_page(self, num_tokens: int) -> int:
-        """Index of the first SWA page a request at `num_tokens` cached tokens still reads."""
-        return max(0, num_tokens - self.cfg.sliding_window + 1) // self.page_size
+        """Index of the first SWA page a request at `num_tokens` cached tokens still reads (the MTP
+        layer's next query is at num_tokens - 1, one behind the main layers')."""
+        lag = 1 if self.with_mtp else 0
+        return max(0, num_tokens - lag - self.cfg.sliding_window + 1) // self.page_size
 
     def resume_pages(self, seq: SeqKV) -> dict[str, list[int]]:
         """The pages another replica needs to continue `seq` (in order, per kind): the SWA

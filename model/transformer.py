@@ -21,7 +21,7 @@ from model.config import ModelConfig
 from model.kernels import arrival_counter, set_impl
 from model.kernels.common.invariant import Linear
 from model.kernels.mhc import mhc
-from model.kv_pool import KVPools
+from model.kv_pool import KVPools, SeqKV
 from model.moe import MoE
 from model.side_stream import SideStream
 
@@ -135,10 +135,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = False,
-                return_streams: bool = False):
-        """Logits [num_segments, vocab] of each segment's last token ([T, vocab] with `all_logits`).
+                return_streams: bool = False, logit_rows: torch.Tensor | None = None):
+        """Logits [num_segments, vocab] of each segment's last token ([T, vocab] with `all_logits`,
+        [len(logit_rows), vocab] for the token rows `logit_rows`).
 
-        Writes the batch's KV into `pools`; the caller then calls `batch.commit()`.
+        Writes the batch's KV into `pools`; the caller then calls `batch.commit()`. When the model
+        has its MTP block and the pools hold its layer, the step also runs the MTP block over the
+        positions the new tokens complete (`_extend_mtp`), so its KV keeps up with the main layers'.
         With `return_streams` also returns the final residual streams [T, hc, D] (the MTP input).
         """
         self.check_step_tokens(batch.input_ids.shape[0], "the batch")
@@ -146,22 +149,66 @@ class Transformer(nn.Module):
         res = mhc.Residual(x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous())
         for layer in self.layers:
             res = layer(res, batch, pools)
-        if return_streams:
-            res = mhc.Residual(mhc.settle(res, self.impl))
-        rows = slice(None) if all_logits else batch.last_rows
+        extend = bool(self.mtp) and pools.with_mtp
+        # the head reads `res` as it would without the MTP block: its logits do not depend on it
+        streams = mhc.settle(res, self.impl) if return_streams or extend else None
+        if extend:
+            self._extend_mtp(streams, batch, pools)
+        if logit_rows is None:
+            logit_rows = slice(None) if all_logits else batch.last_rows
         c = self.cfg
-        h = mhc.head_input(res.rows(rows), self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight,
-                           self.norm.eps, c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
+        h = mhc.head_input(res.rows(logit_rows), self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                           self.norm.weight, self.norm.eps, c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
         logits = self.head(h).float()
-        return (logits, res.x) if return_streams else logits
+        return (logits, streams) if return_streams else logits
+
+    def _extend_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
+        """MTP position t pairs the main streams at t with token t+1, so a segment of tokens at
+        [s, e) completes MTP positions [s-1, e-1): the first pairs the streams at s-1, kept in the
+        request's `state_mtp` slot since the step before, with token s. The slot then takes the
+        streams at e-1. Only the MTP block's KV is wanted here, not its logits."""
+        mtp_layer = pools.mtp_layer
+        items, inputs = [], []
+        for seg in batch.segments:
+            slot = seg.seq.pages["state_mtp"]
+            rows = streams[seg.rows]
+            ids = list(batch.host_ids[seg.rows]) if batch.host_ids else batch.input_ids[seg.rows].tolist()
+            if seg.start > 0:
+                prev = pools.read("state_mtp", mtp_layer, slot, torch.zeros(1, dtype=torch.long, device=rows.device))
+                inputs.append(torch.cat([prev.view(1, *rows.shape[1:]).to(rows.dtype), rows[:-1]]))
+                items.append((SeqKV(seg.seq.pages, seg.start - 1), ids))
+            elif seg.length > 1:
+                inputs.append(rows[:-1])
+                items.append((SeqKV(seg.seq.pages, 0), ids[1:]))
+        for seg in batch.segments:
+            last = streams[seg.offset + seg.length - 1]
+            pools.write("state_mtp", mtp_layer, seg.seq.pages["state_mtp"],
+                        torch.zeros(1, dtype=torch.long, device=last.device), last.reshape(1, -1))
+        if items:
+            self.mtp_step(torch.cat(inputs), ForwardBatch.build(items, device=streams.device), pools, logits=False)
+
+    @torch.no_grad()
+    def mtp_step(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools, logits: bool = True,
+                 rows: torch.Tensor | None = None):
+        """The MTP block over `batch` (its tokens are those at t+1, its positions t) beside the
+        streams at t [T, hc, D]: writes its KV into `pools` (the caller commits) and returns
+        (draft logits [rows, vocab] for position t+2 of each segment's last token (`rows`: these
+        token rows), the block's output streams [T, hc, D], which stand in for the main streams
+        when drafts are chained), or nothing with `logits=False`."""
+        mtp = self.mtp[0]
+        e = mtp.enorm(self.embed(batch.input_ids))
+        x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
+        res = mtp(mhc.Residual(x), batch, pools)
+        if not logits:
+            return None
+        res = mhc.Residual(mhc.settle(res, self.impl))
+        picked = res.rows(batch.last_rows if rows is None else rows)
+        h = mtp.head(picked, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
+        return self.head(h).float(), res.x
 
     @torch.no_grad()
     def forward_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """Draft logits [T, vocab] for position t+2 from the main streams at t [T, hc, D] and the
         batch's tokens (which must be the tokens at t+1)."""
-        mtp = self.mtp[0]
-        e = mtp.enorm(self.embed(batch.input_ids))
-        x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
-        res = mtp(mhc.Residual(x), batch, pools)
-        h = mtp.head(res, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
-        return self.head(h).float()
+        logits, _ = self.mtp_step(streams, batch, pools, rows=torch.arange(batch.input_ids.shape[0]))
+        return logits

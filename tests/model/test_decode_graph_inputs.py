@@ -53,7 +53,7 @@ def test_tables_follow_every_kind_of_page_change():
 # --- HostStaging: the next step's inputs written during the current one ------------------------
 
 WINDOW, PAGE = 128, 256
-WIDTHS = [6, 3, 1, 3, 1, 1, 1]  # one per kind of ALL_KINDS, swa first
+WIDTHS = [6, 3, 1, 3, 1, 1, 1, 1]  # one per kind of ALL_KINDS, swa first
 
 
 def request(rng: random.Random, position: int) -> SeqKV:

@@ -23,9 +23,29 @@ def test_geometry_page_major(cfg):
     assert pools.specs["c4"].page_bytes == len(c4) * 64 * entry
     assert pools.specs["c128"].page_bytes == len(c128) * 2 * entry
     assert pools.specs["c4_indexer"].entry_bytes == cfg.index_head_dim + 4
-    for kind, buf in pools.buffers.items():
+    assert "state_mtp" not in pools.kinds_for()  # no MTP layer asked for
+    for kind in pools.kinds_for():
+        buf = pools.buffers[kind]
         assert buf.is_contiguous() and buf.dtype == torch.uint8
         assert buf.shape == (pools.specs[kind].num_pages, pools.specs[kind].page_bytes)
+
+
+def test_the_mtp_layer_is_one_more_layer_of_its_kind_and_its_window_reaches_one_token_further(cfg):
+    plain = KVPools(cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=2)
+    pools = KVPools(cfg, "fp32", page_size=128, max_tokens=1024, max_seqs=2, with_mtp=True)
+    n = cfg.num_hidden_layers
+    assert pools.mtp_layer == n and plain.mtp_layer is None
+    assert pools.specs["swa"].layers == tuple(range(n + 1))
+    assert pools.specs["state_mtp"].layers == (n,)
+    assert pools.specs["state_mtp"].page_bytes == 4 * cfg.hc_mult * cfg.hidden_size
+    seq = SeqKV()
+    pools.reserve(seq, 300)
+    assert len(seq.pages["state_mtp"]) == 1
+    assert pools.resume_pages(seq)["state_mtp"] == seq.pages["state_mtp"]
+    # the MTP query at num_tokens - 1 reads from num_tokens - window on
+    at = 127 + cfg.sliding_window
+    assert plain.first_live_swa_page(at) == 1 and pools.first_live_swa_page(at) == 0
+    assert pools.first_live_swa_page(at + 1) == 1
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_pack"])
