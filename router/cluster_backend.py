@@ -17,6 +17,15 @@ with `Moved` and the stream goes on from the target (`attach`); a worker that di
 another one, which re-pulls the KV from the prefill worker still holding it (when no token was
 streamed yet) or recomputes prompt + tokens so far. The client sees one continuous stream either way.
 
+Prefill workers are seen the same way: a worker's queue (`queued_prefill_tokens`) is taken as the
+reported one, or the prompt tokens this router placed there whose first chunk has not come back,
+whichever is larger. With `PlacementConfig.max_prefill_queue_tokens`, a request to be prefilled
+remotely waits here (up to its deadline) while every prefill worker's queue is past that bound.
+
+Every request prefilled on its decode worker is counted with its reason (`decode_prefills`): the
+placement's (short prompt, no prefill worker) or the decode worker's, which comes with the
+request's first chunk (`TransferStats.failure`: expired, corrupt, no_room, prefill_failed, ...).
+
 Each refresh also renews this router's lease in the registry, and every request it streams names
 it (`GenerateRequest.router`): if this process dies, the decode workers abort its requests once
 the lease lapses instead of decoding them for nobody.
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -75,6 +85,7 @@ class ClusterBackend:
         self.epochs: dict[str, str] = {}  # worker id → incarnation registered now
         self.workers: dict[str, WorkerInfo] = {}  # worker id → its registry entry (NIXL metadata: prefill peers)
         self.own = Counter()  # decode worker id → this router's requests on it now
+        self.own_prefill = Counter()  # prefill worker id → prompt tokens placed there, first chunk not back yet
         self.decode_of: dict[str, tuple[str, str]] = {}  # client request id → (decode worker, its request id)
         self._actors: dict[str, tuple[str | None, object]] = {}  # worker id → (incarnation, handle)
         self._tasks: list[asyncio.Task] = []
@@ -148,13 +159,39 @@ class ClusterBackend:
                 continue
             if role == "decode" and self.own[l.worker_id] - l.running > l.waiting:
                 l = dataclasses.replace(l, waiting=self.own[l.worker_id] - l.running)
+            if role == "prefill" and self.own_prefill[l.worker_id] > l.queued_prefill_tokens:
+                l = dataclasses.replace(l, queued_prefill_tokens=self.own_prefill[l.worker_id])
             out.append(l)
         return out
 
-    def _count(self, worker_id: str, n: int) -> None:
-        self.own[worker_id] += n
-        if self.own[worker_id] <= 0:
-            del self.own[worker_id]
+    def _count(self, worker_id: str, n: int, counter: Counter | None = None) -> None:
+        counter = self.own if counter is None else counter
+        counter[worker_id] += n
+        if counter[worker_id] <= 0:
+            del counter[worker_id]
+
+    async def _place(self, req: GenerateRequest, exclude: set[tuple[str, str]]):
+        """The placement of `req`; while every prefill queue is past the bound, wait here (a
+        refresh at a time) → (placement or None, error chunk or None)."""
+        counted = False
+        while True:
+            decode_loads = [l for l in self._view("decode")
+                            if (l.worker_id, self.epochs.get(l.worker_id)) not in exclude]
+            where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads,
+                          self._view("prefill"), self.placement, tie_key=req.request_id)
+            if where is None or not where.wait:
+                return where, None
+            if self.metrics is not None and not counted:
+                self.metrics.prefill_wait()
+            counted = True
+            if req.deadline is not None and time.time() >= req.deadline:
+                return None, TokenChunk(req.request_id, (), error=ErrorInfo(
+                    ErrorCode.DEADLINE_EXCEEDED, "every prefill worker's queue stayed past its bound"))
+            await asyncio.sleep(self.refresh_s)
+
+    def _decode_prefill(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.decode_prefill(reason)
 
     def _actor(self, worker_id: str):
         """The actor of `worker_id`, looked up again once the registry shows a new incarnation
@@ -219,15 +256,17 @@ class ClusterBackend:
                              repull: tuple[str, str] | None = None):
         """One placement and one streaming call, following the request when it migrates. Yields
         chunks, or a `_Lost` last if the decode worker under it died."""
-        decode_loads = [l for l in self._view("decode") if (l.worker_id, self.epochs.get(l.worker_id)) not in exclude]
-        where = place(placement_request(req.prompt_ids, req.max_tokens, self.index), decode_loads,
-                      self._view("prefill"), self.placement, tie_key=req.request_id)
+        where, refused = await self._place(req, exclude)
         if where is None:
-            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER, "no decode worker available"))
+            yield refused or TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.NO_WORKER,
+                                                                             "no decode worker available"))
             return
         worker_id, rid, prefill_id, repull_id = where.decode_id, req.request_id, where.prefill_id, None
         self._count(worker_id, 1)  # before any await: the next admission decision sees it
         counted = worker_id
+        queued = (prefill_id, len(req.prompt_ids) - where.cached_tokens) if prefill_id and repull is None else None
+        if queued is not None:
+            self._count(*queued, self.own_prefill)
         try:
             epoch = self.epochs.get(worker_id, "")
             if repull is not None:  # the KV is held by that prefill worker: it alone can re-send it
@@ -241,6 +280,10 @@ class ClusterBackend:
                 prefill = self._actor(prefill_id) if prefill_id is not None else None
             except ValueError:
                 prefill, prefill_id, repull_id = None, None, None  # the decode worker prefills itself
+                self._decode_prefill("prefill_gone")
+            else:
+                if prefill is None:
+                    self._decode_prefill(where.reason)
             self.decode_of[client_id] = (worker_id, rid)
             # the prefill worker's registry entry: the decode worker loads its NIXL metadata from it
             stream = decode.generate.options(num_returns="streaming").remote(req, prefill, repull_id,
@@ -259,6 +302,9 @@ class ClusterBackend:
                             yield _Lost(worker_id, epoch, rid, None)
                             return
                         attached = False
+                        if queued is not None:  # its prefill is done (or failed): off that queue
+                            self._count(queued[0], -queued[1], self.own_prefill)
+                            queued = None
                         self._transfer_metrics(chunk)
                         finished = bool(chunk.finish_reason or chunk.error)
                         yield chunk
@@ -297,6 +343,8 @@ class ClusterBackend:
                         pass
         finally:
             self._count(counted, -1)
+            if queued is not None:
+                self._count(queued[0], -queued[1], self.own_prefill)
 
     def _transfer_metrics(self, chunk: TokenChunk) -> None:
         if chunk.transfer is not None and self.metrics is not None:
@@ -305,6 +353,8 @@ class ClusterBackend:
                                               chunk.transfer.wire_seconds)
             else:
                 self.metrics.kv_transfer_failed(chunk.transfer.failure)
+                if chunk.transfer.source != "migration":  # recomputed on the decode worker
+                    self.metrics.decode_prefill(chunk.transfer.failure)
 
     async def abort(self, request_id: str) -> None:
         placed = self.decode_of.get(request_id)

@@ -57,6 +57,13 @@ class RouterMetrics:
                                  "how their state got there: migrate (live KV migration), repull (KV re-sent by "
                                  "the prefill worker that still held it), recompute (prompt + tokens so far).",
                                  ["path"], namespace=ns, registry=r)
+        self.decode_prefills = Counter(
+            "decode_prefills", "Requests prefilled on their decode worker, by reason: short_prompt and "
+            "no_prefill_worker (placement), prefill_unreachable, no_room, expired, corrupt, prefill_failed, ... "
+            "(the decode worker's, with the request's first chunk). None is caused by a wait in a prefill queue.",
+            ["reason"], namespace=ns, registry=r)
+        self.prefill_waits = Counter("prefill_waits", "Requests held at the router because every prefill "
+                                     "worker's queue was deeper than the bound.", namespace=ns, registry=r)
         self.registry_errors = Counter("registry_errors", "Failed reads of the worker registry (Redis down).",
                                        namespace=ns, registry=r)
 
@@ -98,6 +105,13 @@ class RouterMetrics:
     def request_retargeted(self, path: str) -> None:
         """path: migrate | repull | recompute."""
         self.retargets.labels(path).inc()
+
+    def decode_prefill(self, reason: str) -> None:
+        """A request's prompt is prefilled on its decode worker; `reason` says why."""
+        self.decode_prefills.labels(reason).inc()
+
+    def prefill_wait(self) -> None:
+        self.prefill_waits.inc()
 
     def registry_error(self) -> None:
         self.registry_errors.inc()

@@ -3,7 +3,8 @@ by prefix affinity. Called by the cluster backend for each request; pure given i
 
     req = placement_request(prompt_ids, max_tokens, index)
     p = place(req, decode_loads, prefill_loads, config.placement, tie_key=request_id)
-    # p.decode_id, p.prefill_id (None: decode prefills locally), p.cached_tokens
+    # p.decode_id, p.prefill_id (None: decode prefills locally), p.cached_tokens;
+    # p.wait: every prefill queue is past `max_prefill_queue_tokens`: place it again later
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from router.policies.base import PlacementRequest
 from router.policies.decode_load import score_decode_load
 from router.policies.pd_decision import decide_prefill
 from router.policies.picker import combine, pick
+from router.policies.prefill_queue import prefill_saturated
 from router.policies.prefix_affinity import score_prefix_affinity
 from router.prefix_index import PrefixIndex
 from worker_runtime.wire import WorkerLoad
@@ -26,7 +28,8 @@ class Placement:
     decode_id: str
     prefill_id: str | None  # None: the decode worker prefills locally
     cached_tokens: int  # prompt tokens the chosen prefill worker already holds
-    reason: str  # the P/D decision's reason
+    reason: str  # the P/D decision's reason ("prefill_busy" when it waits)
+    wait: bool = False  # every prefill worker's queue is past the bound: hold the request, place it later
 
 
 def placement_request(prompt_ids: Sequence[int], max_tokens: int, index: PrefixIndex) -> PlacementRequest:
@@ -51,5 +54,7 @@ def place(req: PlacementRequest, decode: Sequence[WorkerLoad], prefill: Sequence
     decision = decide_prefill(req.prompt_tokens, 0, config.remote_prefill_threshold, bool(live_prefill))
     if not decision.remote_prefill:
         return Placement(d.worker_id, None, 0, decision.reason)
+    if prefill_saturated(live_prefill, config.max_prefill_queue_tokens):
+        return Placement(d.worker_id, None, 0, "prefill_busy", wait=True)
     p = pick_prefill(req, live_prefill, config, tie_key)
     return Placement(d.worker_id, p.worker_id, req.cached_tokens(p.worker_id), decision.reason)
