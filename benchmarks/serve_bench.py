@@ -27,8 +27,12 @@ Prompts are random token ids (distinct per request, so no prefix-cache hits), se
 * KV transfer per request: the router's `v4serve_kv_transfer_wire_seconds` histogram (the
   sender's first write posted → verified on the decode worker), its mean over the level from
   /metrics before and after; also reservation → verified (`v4serve_kv_transfer_seconds`, which
-  holds the wait for the prefill), and the transfers that failed by reason (the decode worker then
-  prefilled the request itself).
+  holds the wait for the prefill), and the transfers that failed by reason.
+* decode-side prefills: every request whose prompt its decode worker prefilled itself, by reason
+  (the router's `v4serve_decode_prefills_total{reason}`, before and after the level):
+  `short_prompt` / `no_prefill_worker` (placement), `expired`, `no_room`, `corrupt`, ... (the
+  decode worker's). At ISL 8192 every request should be prefilled remotely: any count here is one
+  the P/D figures partly measured as aggregated.
 
 Goodput (`--goodput TIER...`): from `--start-rate`, double the rate while ≥ `--attainment` of a
 level's requests meet the tier, halve while they do not, then bisect between the highest passing
@@ -70,7 +74,11 @@ from benchmarks.serving_load import pct  # noqa: E402,F401  (pd_bench.py imports
 async def transfer_totals(session: httpx.AsyncClient, url: str) -> dict[str, float]:
     """Sums and counts of the router's KV transfer histograms: `wire` (first write posted →
     verified) and `reserved` (decode reservation → verified, the wait for the prefill included)."""
-    text = (await session.get(f"{url}/metrics")).text
+    return parse_totals((await session.get(f"{url}/metrics")).text)
+
+
+def parse_totals(text: str) -> dict[str, float]:
+    """transfer_totals of a /metrics page."""
     got = {}
     for key, name in (("wire", "v4serve_kv_transfer_wire_seconds"), ("reserved", "v4serve_kv_transfer_seconds")):
         for suffix in ("sum", "count"):
@@ -78,7 +86,15 @@ async def transfer_totals(session: httpx.AsyncClient, url: str) -> dict[str, flo
             got[f"{key}_{suffix}"] = float(m.group(1)) if m else 0.0
     for reason, value in re.findall(r'^v4serve_kv_transfer_failures_total\{reason="([^"]+)"\} ([0-9.e+-]+)$', text, re.M):
         got[f"failed_{reason}"] = float(value)
+    for reason, value in re.findall(r'^v4serve_decode_prefills_total\{reason="([^"]+)"\} ([0-9.e+-]+)$', text, re.M):
+        got[f"decode_prefill_{reason}"] = float(value)
     return got
+
+
+def deltas(before: dict, after: dict, prefix: str) -> dict[str, int]:
+    """Per reason, how much the counters named `prefix<reason>` grew over a level."""
+    return {k.removeprefix(prefix): int(v - before.get(k, 0.0))
+            for k, v in after.items() if k.startswith(prefix) and v > before.get(k, 0.0)}
 
 
 def mean_ms(before: dict, after: dict, key: str) -> float | None:
@@ -148,8 +164,9 @@ class Bench:
             output_tok_s_per_gpu=level["output_tok_s"] / a.gpus, total_tok_s_per_gpu=level["total_tok_s"] / a.gpus,
             kv_transfers=int(after["wire_count"] - before["wire_count"]),
             # KV the decode side recomputed instead (by reason: "expired" = its reservation's lease ran out)
-            kv_transfer_failures={k.removeprefix("failed_"): int(v - before.get(k, 0.0))
-                                  for k, v in after.items() if k.startswith("failed_") and v > before.get(k, 0.0)},
+            kv_transfer_failures=deltas(before, after, "failed_"),
+            # requests prefilled on their decode worker, by reason (placement's or the decode worker's)
+            decode_prefills=deltas(before, after, "decode_prefill_"),
             kv_transfer_ms_mean=mean_ms(before, after, "wire"),
             kv_reserved_to_verified_ms_mean=mean_ms(before, after, "reserved"))
         print(json.dumps({k: v for k, v in level.items() if k != "per_request"}), flush=True)

