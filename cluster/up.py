@@ -151,7 +151,7 @@ async def _backend(registry_url: str, model_dir: str, cluster: str, max_tokens: 
     """The router's view of the pools (registry loads, prefix index), started; its metrics are
     the router's, with the pool gauges the autoscalers read."""
     cfg = read_config(model_dir)
-    tokenizer = load_tokenizer(model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    tokenizer = load_tokenizer(router.tokenizer_dir or model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     metrics = RouterMetrics()
     backend = ClusterBackend(Registry(registry_url, cluster), tokenizer, router.model_name or "v4serve",
                              min(cfg.max_position_embeddings, max_tokens),

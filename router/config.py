@@ -41,6 +41,7 @@ class RouterConfig:
     grpc_port: int | None = 50051  # None: no gRPC server
     model_name: str | None = None  # served model id; None: the backend's model_name
     model_aliases: tuple[str, ...] = ()  # further names a request's `model` may use
+    tokenizer_dir: str | None = None  # the launcher's: whose tokenizer.json it loads (None: the checkpoint's)
 
     # --- auth and transport
     api_keys: tuple[str, ...] = ()  # empty: auth off; else every call needs one of them

@@ -40,7 +40,7 @@ def test_generate_greedy_matches_transformers_greedy(tiny_dir):
     transformers = pytest.importorskip("transformers")
     prompt = [5, 77, 200, 31] * 20
     result = v4serve("generate", "--model", str(tiny_dir), "--prompt-ids", ",".join(map(str, prompt)),
-                     "--max-new-tokens", "8")
+                     "--max-new-tokens", "8", "--temperature", "0")
     out = json.loads(result.stdout.strip().splitlines()[-1])
     cfg, model = load_checkpoint(tiny_dir)
     if detect_format(tiny_dir) == "hf":
