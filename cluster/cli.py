@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max-model-len", type=_positive, default=4096, help="longest prompt + completion")
     serving.add_argument("--remote-prefill-threshold", type=int, default=0,
                          help="uncached prompt tokens from which a prefill worker is used")
+    serving.add_argument("--served-model-name", action="append", default=[],
+                         help="a name clients use in `model` (repeatable; the first is reported; default: the "
+                              "checkpoint's _name_or_path or directory name; 'v4serve' is always accepted)")
+    serving.add_argument("--tokenizer", type=Path, default=None,
+                         help="the router's tokenizer.json (a file or its directory) instead of the checkpoint's")
     serving.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     serving.add_argument("--api-key-file", type=Path, default=None,
                          help="file with one API key per line (keeps keys out of the command line)")
@@ -255,6 +260,11 @@ def _resources(text: str) -> tuple[tuple[str, float], ...]:
 def _tiny_model_dir(cache_dir: Path) -> Path:
     """The tiny model, written once (exactly what `make-tiny --seed 0` writes) and reused."""
     path = cache_dir / "tiny-model"
+    if (path / "config.json").exists() and not (path / "tokenizer.json").exists():  # cached by an older version
+        from model.tiny import tiny_config
+        from model.tokenizer_tiny import write_tiny_tokenizer
+
+        write_tiny_tokenizer(path, tiny_config().vocab_size)
     if not (path / "config.json").exists():
         tmp = cache_dir / f"tiny-model.tmp{os.getpid()}"
         cmd_make_tiny(argparse.Namespace(out=tmp, seed=0, format="official"), quiet=True)
@@ -278,8 +288,10 @@ def _check_ports(args: argparse.Namespace) -> None:
     check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
 
 
-def _router_config(args: argparse.Namespace):
+def _router_config(args: argparse.Namespace, model_dir: Path):
     from router.config import PlacementConfig, RouterConfig
+    from router.generation_defaults import GenerationDefaults
+    from router.served_model import served_names, tokenizer_dir
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CliError("--tls-cert and --tls-key must be given together")
@@ -289,7 +301,11 @@ def _router_config(args: argparse.Namespace):
             keys += [k.strip() for k in args.api_key_file.read_text().splitlines() if k.strip()]
         except OSError as e:
             raise CliError(f"--api-key-file: {e}") from None
+    names = served_names(model_dir, args.served_model_name)
     return RouterConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=tuple(keys),
+                        model_name=names[0], model_aliases=names[1:],
+                        tokenizer_dir=str(tokenizer_dir(model_dir, args.tokenizer)),
+                        generation_defaults=GenerationDefaults.from_model_dir(model_dir),
                         tls_cert=str(args.tls_cert) if args.tls_cert else None,
                         tls_key=str(args.tls_key) if args.tls_key else None,
                         placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold))
@@ -324,7 +340,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     from cluster.launcher import ClusterOptions
     from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
-    router = _router_config(args)
+    router = _router_config(args, model_dir)
     autoscale_config = None
     if args.autoscale == "policy":  # the defaults when no --autoscale-config is given
         from cluster.autoscaler import AutoscalerConfig
@@ -359,7 +375,8 @@ def cmd_router(args: argparse.Namespace) -> None:
     from cluster.settings import from_env
 
     env = from_env()
-    options = up.RouterOptions(str(_model_dir(args, env)), _router_config(args), cluster=args.cluster,
+    model_dir = _model_dir(args, env)
+    options = up.RouterOptions(str(model_dir), _router_config(args, model_dir), cluster=args.cluster,
                                max_tokens=args.max_model_len)
     asyncio.run(up.run_router(options, env, ready_line=lambda line: print(line, flush=True)))
 
@@ -397,12 +414,14 @@ def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
 
     from model.checkpoint import write_checkpoint
     from model.tiny import random_weights, tiny_config
+    from model.tokenizer_tiny import write_tiny_tokenizer
     from model.transformer import Transformer
 
     cfg = tiny_config()
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg, with_mtp=args.format == "official").state_dict().items()}
     write_checkpoint(args.out, cfg, random_weights(shapes, cfg, args.seed), args.format)
+    write_tiny_tokenizer(args.out, cfg.vocab_size)  # so Hugging Face clients can load it from the directory
     if not quiet:
         print(json.dumps({"model": str(args.out), "format": args.format, "seed": args.seed}))
 
@@ -414,8 +433,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
 
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    from router.generation_defaults import GenerationDefaults
+
+    d = GenerationDefaults.from_model_dir(args.model) if (args.model / "config.json").exists() else GenerationDefaults()
+    try:  # unset fields: the checkpoint's generation_config.json, as the server applies them
+        params = SamplingParams(temperature=d.temperature if args.temperature is None else args.temperature,
+                                top_p=d.top_p if args.top_p is None else args.top_p,
+                                top_k=d.top_k if args.top_k is None else args.top_k, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e)) from None
     cfg, model = load_checkpoint(args.model)
@@ -462,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs = LogOptions(args.log_level, args.log_format, getattr(args, "stats_interval", 0.0))
     configure(logs)
+    from cluster.settings import ray_log_defaults
+
+    ray_log_defaults()  # before anything imports Ray
     try:
         status = COMMANDS[args.command](args)
     except (CliError, ValueError, FileNotFoundError, OSError) as e:  # config / checkpoint errors name the problem
