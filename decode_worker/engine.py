@@ -11,6 +11,10 @@
 * postprocess: sample (a pure function of logits, seed, position), detokenise, check stop
   conditions, emit `TokenChunk`s, release the pages of finished requests.
 
+With speculation (`DecodeConfig.speculative_tokens` > 0) schedule drafts with the MTP block and a
+decoding request's segment verifies them; postprocess keeps the tokens the target agrees with
+(`decode_worker/speculative.py`). The tokens are those of decoding without it.
+
 Migration: `pause` takes a decoding request out of the batch at a token boundary (its pages stay
 put while they ship), then either `hand_off` (the target verified them: release here) or
 `resume` (the migration failed: it decodes here again). `admit_migrated` is the other side.
@@ -24,6 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from decode_worker import speculative
+from model import speculation
 from model.batch import ForwardBatch
 from model.detokenizer import Detokenizer
 from model.ep import idle_step
@@ -47,6 +53,10 @@ from worker_runtime.wire import (
 class DecodeConfig:
     prefill_token_budget: int = 512  # prompt tokens prefilled locally per step
     max_running: int = 64
+    speculative_tokens: int = 0  # drafts per request and step through the MTP block (0: off)
+
+    def __post_init__(self):
+        speculation.check_depth(self.speculative_tokens)
 
 
 @dataclass
@@ -67,10 +77,12 @@ class Running:
 
 @dataclass(frozen=True)
 class Planned:
-    """One step's forward: the batch, and owners[i] = (request, whether row i yields a token)."""
+    """One step's forward: the batch, owners[i] = (request, whether segment i yields a token), and
+    pending[i] its speculative step (None: a plain segment; empty without speculation)."""
 
     batch: ForwardBatch
     owners: list[tuple[Running, bool]]
+    pending: tuple[speculation.Pending | None, ...] = ()
 
 
 class DecodeEngine:
@@ -78,9 +90,16 @@ class DecodeEngine:
                  config: DecodeConfig = DecodeConfig(), graphs: DecodeGraphs | None = None):
         self.model, self.pools, self.tokenizer, self.worker_id, self.config = model, pools, tokenizer, worker_id, config
         # a step carries the running requests' tokens and up to the budget of local prefill
-        model.check_step_tokens(config.max_running + config.prefill_token_budget,
-                                "max_running + the prefill token budget")
+        spec = config.speculative_tokens
+        model.check_step_tokens(config.max_running * (1 + spec) + config.prefill_token_budget,
+                                "max_running × (1 + speculative tokens) + the prefill token budget")
+        if spec:
+            speculation.check_model(model, pools)
+            if graphs is not None:
+                raise ValueError("speculative decoding runs its verify steps eagerly: no decode graphs with it")
         self.graphs = graphs
+        self.spec_proposed = 0  # drafts verified, over the engine's life
+        self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
@@ -204,12 +223,14 @@ class DecodeEngine:
         `failed` for the next `run` or `take_failed`. With `run`: the steps of an
         expert-parallel group (worker_runtime/ep_group.py), which must agree before running."""
         self.failed += self._admit()
-        batch, owners = self._schedule()
-        return None if batch is None else Planned(batch, owners)
+        batch, owners, pending = self._schedule()
+        return None if batch is None else Planned(batch, owners, pending)
 
     def run(self, planned: Planned, agreed: StepShape | None = None) -> list[TokenChunk]:
         """run → postprocess; `agreed`: the step an expert-parallel group settled on (its graph
         bucket, or eager), else the graph is this engine's own choice."""
+        if any(planned.pending):
+            return self.take_failed() + speculative.verify(self, planned)
         logits = self._run(planned.batch, agreed)
         planned.batch.commit()
         return self.take_failed() + self._postprocess(planned.owners, logits)
@@ -233,8 +254,9 @@ class DecodeEngine:
         out, self.failed = self.failed, []
         return out
 
-    def _schedule(self) -> tuple[ForwardBatch | None, list[tuple[Running, bool]]]:
-        """Items for one forward; owners[i] = (request, whether row i yields a new token)."""
+    def _schedule(self) -> tuple[ForwardBatch | None, list[tuple[Running, bool]], tuple]:
+        """Items for one forward; owners[i] = (request, whether segment i yields a new token); the
+        decoding requests' speculative steps (drafted here, with speculation)."""
         items, owners = [], []
         budget = self.config.prefill_token_budget
         for r in self.running.values():
@@ -249,8 +271,9 @@ class DecodeEngine:
                 budget -= n
                 owners.append((r, r.prefilled == len(prompt)))
         if not items:
-            return None, []
-        return ForwardBatch.build(items, device=self.pools.device), owners
+            return None, [], ()
+        pending = speculative.draft(self, owners, items) if self.config.speculative_tokens else ()
+        return ForwardBatch.build(items, device=self.pools.device), owners, pending
 
     def _run(self, batch: ForwardBatch, agreed: StepShape | None = None):
         """Logits [rows, vocab] on the model's device (sampling runs there too)."""

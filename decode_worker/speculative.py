@@ -1,0 +1,82 @@
+"""The decode engine's speculative steps (`DecodeConfig.speculative_tokens` N > 0; the method in
+`model/speculation.py`).
+
+* `draft`: at schedule time, every decoding request drafts up to N tokens with the MTP block
+  (fewer near its max_tokens: a step never feeds a position past its reservation), and its
+  segment becomes the verify segment [last token, drafts...].
+* `verify`: the step's forward runs eagerly with logits at every row of a verify segment and at
+  the last row of the others; one batched sampling draws the target's token at every such row;
+  each verify segment keeps its agreeing prefix plus the target's next token and rolls the pools
+  back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
+  max_tokens inside an accepted run ends the request there, as it would without speculation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from model import speculation
+from model.sampling import sample_rows
+from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
+
+
+def draft(engine, owners: list, items: list) -> tuple:
+    """Draft for the decoding requests among `owners`, rewrite their `items` into verify segments;
+    → pending[i] per segment (None for a prefill chunk)."""
+    spec = engine.config.speculative_tokens
+    decoding = [i for i, (r, _) in enumerate(owners) if r.state is RequestState.DECODING]
+    runs = [owners[i][0] for i in decoding]
+    drafted = speculation.draft(engine.model, engine.pools, [
+        (r.seq, r.tokens[-1], min(spec, r.req.max_tokens - len(r.tokens) - 1), r.req.sampling) for r in runs])
+    pending: list = [None] * len(owners)
+    for i, p in zip(decoding, drafted):
+        pending[i] = p
+        items[i] = (p.seq, p.tokens)
+    return tuple(pending)
+
+
+def verify(engine, planned) -> list[TokenChunk]:
+    """Run → postprocess a step with verify segments (see the module docstring)."""
+    batch, owners, pending = planned.batch, planned.owners, planned.pending
+    rows = [list(range(s.offset, s.offset + s.length)) if p is not None else [s.offset + s.length - 1]
+            for s, p in zip(batch.segments, pending)]
+    flat = [i for seg_rows in rows for i in seg_rows]
+    logits, streams = engine.model(batch, engine.pools, return_streams=True,
+                                   logit_rows=torch.tensor(flat, device=batch.input_ids.device))
+    batch.commit()
+    out, picked, params, positions, at = [], [], [], [], 0
+    for i, (r, yields) in enumerate(owners):
+        first, n = at, len(rows[i])
+        at += n
+        if pending[i] is None:
+            engine.pools.trim_window(r.seq)
+        if not yields or r.req.request_id not in engine.running:
+            continue
+        if r.req.deadline is not None and time.time() > r.req.deadline:
+            out.append(engine._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
+            continue
+        picked.append((i, r, first, n))
+        params += [r.req.sampling] * n
+        # row j of the segment feeds position num_tokens - n + j; its token sits one further
+        positions += list(range(r.seq.num_tokens - n + 1, r.seq.num_tokens + 1))
+    if not picked:
+        return out
+    index = [first + j for _, _, first, n in picked for j in range(n)]
+    tokens = sample_rows(logits[index] if len(index) < len(flat) else logits, params, positions)
+    k = 0
+    for i, r, _, n in picked:
+        targets, k = tokens[k:k + n], k + n
+        p = pending[i]
+        if p is not None:
+            targets = speculation.settle(engine.pools, p, targets, streams[batch.segments[i].rows])
+            engine.pools.trim_window(r.seq)
+            engine.spec_proposed += len(p.drafts)
+            engine.spec_accepted += len(targets) - 1
+        r.state = RequestState.DECODING
+        for token in targets:
+            out.append(engine._emit(r, token))
+            if r.req.request_id not in engine.running:
+                break
+    return out

@@ -1,0 +1,115 @@
+"""The decode engine's speculative steps give exactly the tokens of plain `generate`: batched with
+local prefill chunks and other requests, after a prefill engine's pages (the MTP layer's among
+them) are copied in as kvtransfer would, and bounced between engines mid-decode. The whole
+process path (router → prefill worker → kvtransfer → decode worker) is in
+tests/worker_runtime/test_in_process_speculation.py."""
+
+import random
+
+import pytest
+
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model.generate import generate
+from model.kv_pool import KVPools, SeqKV
+from model.sampling import SamplingParams
+from model.tiny import random_weights, tiny_config
+from model.tokenizer import ByteTokenizer
+from model.transformer import Transformer
+from prefill_worker.engine import PrefillEngine
+from tests.decode_worker.test_decode_engine import run_all
+from tests.decode_worker.test_migration_engine import move
+from worker_runtime.wire import GenerateRequest
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config()
+    m = Transformer(cfg, with_mtp=True)
+    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, 0))
+    return m
+
+
+def reference(model, req: GenerateRequest) -> list[int]:
+    pools = KVPools(model.cfg, "fp32", max_tokens=len(req.prompt_ids) + req.max_tokens, max_seqs=1)
+    stop = frozenset() if req.ignore_eos else frozenset({model.cfg.eos_token_id})
+    return generate(model, pools, list(req.prompt_ids), req.max_tokens, req.sampling, stop_ids=stop).token_ids
+
+
+def engine(model, n: int, name: str = "d0", budget: int = 64) -> DecodeEngine:
+    pools = KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=4, with_mtp=True)
+    return DecodeEngine(model, pools, ByteTokenizer(model.cfg.vocab_size), name,
+                        DecodeConfig(prefill_token_budget=budget, speculative_tokens=n))
+
+
+def requests(seed: int, lengths: list[int], max_tokens: int = 10) -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    return [GenerateRequest(f"s{i}", tuple(rng.randrange(256) for _ in range(n)), max_tokens=max_tokens - i % 3,
+                            ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+            for i, n in enumerate(lengths)]
+
+
+def test_batched_speculative_decoding_gives_the_tokens_of_generate(model):
+    """Requests arriving at different steps, prefilled locally in 64-token chunks beside the
+    others' verify segments, greedy and at temperature 0.8; more requests than pool slots."""
+    reqs = requests(0, [3, 70, 130, 21, 9])
+    e = engine(model, 2)
+    got = run_all(e, reqs, arrivals=[0, 0, 2, 5, 6])
+    for r in reqs:
+        assert got[r.request_id] == reference(model, r), r.request_id
+    assert e.spec_proposed > 0 and 0 <= e.spec_accepted <= e.spec_proposed
+    assert e.pools.num_free() == e.pools.idle_free()
+
+
+def prefilled(model, pools: KVPools, req: GenerateRequest) -> tuple[SeqKV, int]:
+    """The prompt run by a prefill engine (MTP layer included) and its pages copied into `pools` as
+    a transfer would: → (the request's KV there, the first token)."""
+    src = KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=2, with_mtp=True)
+    pe = PrefillEngine(model, src, "p0")
+    pe.submit(req)
+    done = []
+    while not done:
+        done = pe.step()
+    pages = {k: v for k, v in src.resume_pages(done[0].seq).items() if v}
+    assert "state_mtp" in pages  # the main streams the MTP layer's next position pairs with
+    got = {k: pools.alloc(k, len(v)) for k, v in pages.items()}
+    for kind, ids in pages.items():
+        pools.buffers[kind][got[kind]] = src.buffers[kind][ids]
+    pe.release(done[0])
+    assert src.num_free() == src.idle_free()
+    return pools.adopt(done[0].seq.num_tokens, got), done[0].first_token
+
+
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.exhaustive), 3])
+def test_prefilled_elsewhere_then_decoded_speculatively_and_migrated(model, n):
+    """P/D: the prefill engine's pages (the MTP layer's KV computed by its forwards) drive the
+    drafts; half-way each request moves to a second engine (pause, resume pages, adopt)."""
+    reqs = requests(1, [40, 150], max_tokens=12)
+    engines = [engine(model, n, "d0"), engine(model, n, "d1")]
+    out = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        seq, first = prefilled(model, engines[0].pools, r)
+        for chunk in engines[0].admit_transferred(r, seq, first):
+            out[r.request_id].extend(chunk.token_ids)
+    for step in range(40):
+        if step == 2:
+            for r in reqs:
+                if r.request_id in engines[0].decoding():
+                    move(engines[0], engines[1], r.request_id)
+        for e in engines:
+            for chunk in e.step():
+                out[chunk.request_id].extend(chunk.token_ids)
+        if all(e.idle() for e in engines):
+            break
+    for r in reqs:
+        assert out[r.request_id] == reference(model, r), r.request_id
+    assert sum(e.spec_proposed for e in engines) > 0
+    for e in engines:
+        assert e.pools.num_free() == e.pools.idle_free()
+
+
+def test_speculation_refuses_a_model_without_mtp_and_more_than_three_drafts(model):
+    pools = KVPools(model.cfg, "fp32", max_tokens=128, max_seqs=2, with_mtp=True)
+    with pytest.raises(ValueError, match="MTP block"):
+        DecodeEngine(Transformer(model.cfg), pools, ByteTokenizer(320), "d", DecodeConfig(speculative_tokens=1))
+    with pytest.raises(ValueError, match="0..3"):
+        DecodeConfig(speculative_tokens=4)
