@@ -66,13 +66,15 @@ def _fmt_shape(shape) -> str:
 
 def write_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                      fmt: str = "official", shard_bytes: int | None = None,
-                     hf_dtype: torch.dtype = torch.float32) -> Path:
+                     hf_dtype: torch.dtype = torch.float32, hf_mtp: bool = False) -> Path:
     """Write `tensors` (official names, float32; int32 `tid2eid`) as a checkpoint in `out_dir`.
 
     `fmt="official"`: FP8/FP4-quantized hub layout with `mtp.*` (when given) and a
     `quantization_config`; `fmt="hf"`: what `DeepseekV4ForCausalLM.save_pretrained` writes for a
-    model in `hf_dtype` (no MTP). `shard_bytes` splits the tensors into shards of at most that
-    many bytes (a single larger tensor gets a shard of its own) plus an index json.
+    model in `hf_dtype` (no MTP; with `hf_mtp` the `mtp.*` tensors are added under their official
+    names, which the loader reads for speculative decoding). `shard_bytes` splits the tensors
+    into shards of at most that many bytes (a single larger tensor gets a shard of its own) plus
+    an index json.
     """
     if fmt not in FORMATS:
         raise CheckpointError(f"checkpoint format must be one of {FORMATS}, got {fmt!r}")
@@ -97,10 +99,8 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, tensors: dict
         for name in sorted(tensors):
             if fmt == "official":
                 yield from fmts.encode_official(name, tensors[name]).items()
-            else:
-                item = fmts.encode_hf(name, tensors[name], hf_dtype)
-                if item is not None:
-                    yield item
+            elif hf_mtp or not name.startswith("mtp."):
+                yield fmts.encode_hf(name, tensors[name], hf_dtype)
 
     for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
         stale.unlink(missing_ok=True)

@@ -87,9 +87,10 @@ def encode_official(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def hf_saved_name(name: str) -> str | None:
-    """Official name → the name `save_pretrained` writes; None for tensors it lacks (MTP)."""
+    """Official name → the name `save_pretrained` writes. It writes no MTP block: a transformers-
+    format checkpoint that has one keeps it beside those under the official names (`mtp.0.*`)."""
     if name.startswith("mtp."):
-        return None
+        return name
     if name == "head.weight":
         return name
     if name == "embed.weight":

@@ -29,21 +29,26 @@ from model.kernels.moe.packed_experts import PackedExperts
 from model.moe import MoE
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
 from model.tiny import random_weights
-from model.transformer import Block, Transformer
+from model.transformer import Block, MTPBlock, Transformer
 
 EXPERT_FORMAT = "fp4"  # the routed experts' format, as V4 checkpoints ship them
 _EXPERT_SEED = 1_000_003  # seeds of expert runs: layer · this + first expert (apart from dense seeds)
 
 
 def dummy_model(cfg: ModelConfig, impl: str, device: torch.device | str, act_fp8: bool = False, seed: int = 0,
-                defer_experts: bool = False) -> Transformer:
-    """The whole model (no MTP block) with random device-format weights on `device`.
-    `defer_experts`: routed experts as shapes only (meta), for `materialize_experts` after sharding."""
+                defer_experts: bool = False, with_mtp: bool = False) -> Transformer:
+    """The whole model (its MTP block too with `with_mtp`) with random device-format weights on
+    `device`. `defer_experts`: routed experts as shapes only (meta), for `materialize_experts`
+    after sharding."""
     with torch.device("meta"):
         model = Transformer(_without_experts(cfg), impl=impl)
     model.cfg = cfg
     model.layers = nn.ModuleList(dummy_block(cfg, i, impl, device, seed=seed + i, act_fp8=act_fp8, defer_experts=True)
                                  for i in range(cfg.num_hidden_layers))
+    if with_mtp and cfg.num_nextn_predict_layers:
+        n = cfg.num_hidden_layers
+        model.mtp = nn.ModuleList([dummy_block(cfg, n, impl, device, seed=seed + n, act_fp8=act_fp8,
+                                               defer_experts=True, mtp=True)])
     g = torch.Generator(device=device).manual_seed(seed)
     D, V = cfg.hidden_size, cfg.vocab_size
     model.embed.weight = nn.Parameter(torch.randn(V, D, device=device, generator=g).bfloat16(), requires_grad=False)
@@ -58,13 +63,15 @@ def dummy_model(cfg: ModelConfig, impl: str, device: torch.device | str, act_fp8
 
 
 def dummy_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,
-                act_fp8: bool = False, fuse: bool = True, defer_experts: bool = False) -> Block:
+                act_fp8: bool = False, fuse: bool = True, defer_experts: bool = False, mtp: bool = False) -> Block:
     """Layer `layer` of `cfg` with random weights in the device format (`act_fp8`: W8A8 projections
     and FP8 indexer queries; `fuse`: products of one input as one, `Attention.fuse_products`, as
-    `quantize_model` does). On the meta device it gives shapes only (for counting bytes)."""
+    `quantize_model` does); the MTP block with `mtp` (`layer` = num_hidden_layers). On the meta
+    device it gives shapes only (for counting bytes)."""
     meta = torch.device(device).type == "meta"
     with torch.device("meta"):
-        block = Block(_without_experts(cfg), layer, cfg.compress_ratios[layer], impl)
+        block = (MTPBlock(_without_experts(cfg), impl) if mtp
+                 else Block(_without_experts(cfg), layer, cfg.compress_ratios[layer], impl))
     block.cfg = cfg
     g = None if meta else torch.Generator(device=device).manual_seed(seed)
     for name, module in list(block.named_modules()):

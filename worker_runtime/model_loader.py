@@ -36,20 +36,23 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
     """(config, model, pools) of one worker. The pools hold `max_seqs` requests of `max_tokens`,
     plus one when decode graphs are captured (their padding rows decode a scratch request).
     `expert_parallel`: the worker is a rank of an expert-parallel group (dummy weights then defer
-    the routed experts to the group's sharding)."""
+    the routed experts to the group's sharding). With `speculative_tokens` the model has its MTP
+    block and the pools its layer, on prefill and decode workers alike (pages match only so)."""
     if options.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
                            "(--gpus-per-worker 1) on a node that has them")
+    with_mtp = options.speculative_tokens > 0
     if options.load_format == "dummy":
         cfg = read_config(options.model_dir)
         model = dummy_model(cfg, options.kernels, options.device, fp8_activations(options.model_dir),
-                            defer_experts=expert_parallel)
+                            defer_experts=expert_parallel, with_mtp=with_mtp)
     else:
-        cfg, model = load_checkpoint(options.model_dir, device=options.device)
+        cfg, model = load_checkpoint(options.model_dir, device=options.device, with_mtp=with_mtp)
         if options.device == "cuda":
             quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
-                    max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device)
+                    max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
+                    with_mtp=with_mtp)
     return cfg, model, pools
 
 
