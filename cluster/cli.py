@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32", help="KV cache storage format")
     gen.add_argument("--chunk-size", type=_positive, default=None, help="prefill the prompt in chunks of N tokens")
+    gen.add_argument("--speculative-tokens", type=int, choices=range(4), default=0, metavar="{0..3}",
+                     help="draft N tokens per step with the checkpoint's MTP block and verify them in one step "
+                          "(the tokens are those of N = 0, the default)")
     gen.add_argument("--logits-out", type=Path, default=None, help="save float32 [new_tokens, vocab] .npy")
 
     serving = argparse.ArgumentParser(add_help=False, parents=[logs])  # what `up` and `router` share
@@ -165,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dummy: random weights from the model's config.json alone (benchmarks)")
     up.add_argument("--kernels", choices=KERNELS, default=None,
                     help="model ops (default: triton on cuda, torch on cpu)")
+    up.add_argument("--speculative-tokens", type=int, choices=range(4), default=0, metavar="{0..3}",
+                    help="decode workers draft N tokens per request and step with the MTP block and verify them "
+                         "in the step (the tokens are those of N = 0, the default; eager steps, no decode graphs)")
     up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
                     help="decode batch sizes captured as CUDA graphs, e.g. 1,8,32,64 "
                          "(default on cuda with triton: 1,2,4,8,16,32,64 up to --max-seqs; 'none': eager)")
@@ -319,7 +325,7 @@ def _device_options(args: argparse.Namespace) -> dict:
     kernels = args.kernels or ("triton" if args.device == "cuda" else "torch")
     graphs = args.decode_graphs
     if graphs is None:
-        capturable = args.device == "cuda" and kernels == "triton"
+        capturable = args.device == "cuda" and kernels == "triton" and not args.speculative_tokens
         graphs = tuple(b for b in DEFAULT_DECODE_GRAPHS if b <= args.max_seqs) if capturable else ()
     if args.device == "cuda" and args.gpus_per_worker <= 0:
         raise CliError("--device cuda needs --gpus-per-worker > 0 (the GPU Ray gives each worker)")
@@ -356,6 +362,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                            prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
                                                             args.prefill_ep_timeout),
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
+                           speculative_tokens=args.speculative_tokens,
                            logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
                            **_device_options(args))
     options = up.UpOptions(
@@ -442,7 +449,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                                 top_k=d.top_k if args.top_k is None else args.top_k, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e)) from None
-    cfg, model = load_checkpoint(args.model)
+    spec = args.speculative_tokens
+    cfg, model = load_checkpoint(args.model, with_mtp=spec > 0)
     tokenizer = load_tokenizer(args.model, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     if not prompt:
@@ -454,14 +462,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if total > cfg.max_position_embeddings:
         raise CliError(f"prompt ({len(prompt)} tokens) + max new tokens ({args.max_new_tokens}) exceeds the "
                        f"model's max_position_embeddings ({cfg.max_position_embeddings})")
-    pools = KVPools(cfg, args.kv_dtype, max_tokens=total, max_seqs=1)
+    pools = KVPools(cfg, args.kv_dtype, max_tokens=total, max_seqs=1, with_mtp=spec > 0)
     stop = frozenset({cfg.eos_token_id} if cfg.eos_token_id is not None else ())
     out = generate(model, pools, prompt, args.max_new_tokens, params, chunk_size=args.chunk_size,
-                   stop_ids=stop, keep_logits=args.logits_out is not None)
+                   stop_ids=stop, keep_logits=args.logits_out is not None, speculative_tokens=spec)
     if args.logits_out is not None:
         np.save(args.logits_out, out.logits.numpy().astype(np.float32))
-    print(json.dumps({"token_ids": out.token_ids, "text": tokenizer.decode(out.token_ids),
-                      "finish_reason": out.finish_reason}))
+    line = {"token_ids": out.token_ids, "text": tokenizer.decode(out.token_ids), "finish_reason": out.finish_reason}
+    if spec:
+        line["spec"] = {"proposed": out.proposed, "accepted": out.accepted}
+    print(json.dumps(line))
 
 
 def cmd_make_config(args: argparse.Namespace) -> None:

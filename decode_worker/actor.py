@@ -85,7 +85,8 @@ class DecodeWorker:
         tokenizer = load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
-                                                max_running=options.max_seqs), graphs)
+                                                max_running=options.max_seqs,
+                                                speculative_tokens=options.speculative_tokens), graphs)
         self.shell = WorkerShell(worker_id, "decode", options, self.pools, self._load, options.decode_ep, local)
         self.agent, self.layout = self.shell.agent, self.shell.layout
         self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)

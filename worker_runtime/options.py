@@ -63,6 +63,9 @@ class WorkerOptions:
     # decode batch sizes captured as CUDA graphs (device "cuda" only): a decode-only step of n
     # requests replays the smallest bucket >= n; larger or mixed steps run eagerly
     decode_graphs: tuple[int, ...] = ()
+    # drafts per request and decode step through the checkpoint's MTP block, verified in the same
+    # step (model/speculation.py; 0: off): every worker then loads the block and pools its layer
+    speculative_tokens: int = 0
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
@@ -84,6 +87,12 @@ class WorkerOptions:
                                  f"got device {self.device!r}, kernels {self.kernels!r}")
             if any(b <= 0 for b in self.decode_graphs) or list(self.decode_graphs) != sorted(set(self.decode_graphs)):
                 raise ValueError(f"decode_graphs must be increasing positive batch sizes, got {self.decode_graphs}")
+        if not 0 <= self.speculative_tokens <= 3:
+            raise ValueError(f"speculative_tokens must be in 0..3 (0: off), got {self.speculative_tokens}")
+        if self.speculative_tokens and self.decode_graphs:
+            raise ValueError("speculative_tokens runs decode steps eagerly: it cannot be combined with decode_graphs")
+        if self.speculative_tokens and self.decode_ep.size > 1:
+            raise ValueError("speculative_tokens is not supported with an expert-parallel decode pool (decode_ep)")
         for name in ("prefill_ep", "decode_ep"):
             size = getattr(self, name).size
             if size > 1:
