@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "exit 1 with the reason")
     up.add_argument("--stats-interval", type=_seconds, default=10.0,
                     help="seconds between each worker's stats line (running, waiting, KV use, tokens/s); 0: none")
+    up.add_argument("--worker-metrics-port", type=_port, default=0,
+                    help="each worker serves /metrics and /health on the first free port from this one (0: any "
+                         "free port; the launcher logs each worker's URL)")
     up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
                          "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
@@ -344,6 +347,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     model_dir = _model_dir(args, env)
     from cluster import up
     from cluster.launcher import ClusterOptions
+    from worker_runtime.engine_metrics import MetricsOptions
     from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
     router = _router_config(args, model_dir)
@@ -364,6 +368,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
                            speculative_tokens=args.speculative_tokens,
                            logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
+                           metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve"),
                            **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,

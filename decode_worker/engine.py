@@ -36,6 +36,7 @@ from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample_rows
 from model.transformer import Transformer
+from worker_runtime.engine_metrics import EngineStats
 from worker_runtime.model_loader import DecodeGraphs
 from worker_runtime.wire import (
     ErrorCode,
@@ -104,11 +105,13 @@ class DecodeEngine:
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
         self.failed: list[TokenChunk] = []  # admission failures not returned yet
+        self.stats = EngineStats()  # the worker's engine metrics (worker_runtime/engine_metrics.py)
 
     # --- admission ------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> None:
         """Queue a request this worker prefills itself."""
         self.waiting.append(Running(req, RequestState.WAITING, Detokenizer(self.tokenizer, req.stop_strings)))
+        self.stats.queued(req.request_id)
 
     def admit_transferred(self, req: GenerateRequest, seq: SeqKV, first_token: int,
                           cached_tokens: int = 0) -> list[TokenChunk]:
@@ -164,12 +167,14 @@ class DecodeEngine:
         for r in list(self.waiting):
             if r.req.request_id == request_id:
                 self.waiting.remove(r)
+                self.stats.ended(request_id)
                 return True
         r = self.running.pop(request_id, None)
         if r is None:
             return False
         r.state = RequestState.ABORTED
         self.pools.release(r.seq)
+        self.stats.ended(request_id)
         return True
 
     def has_work(self) -> bool:
@@ -211,6 +216,7 @@ class DecodeEngine:
             self.waiting.popleft()
             r.seq, r.state = seq, RequestState.PREFILLING
             self.running[r.req.request_id] = r
+            self.stats.scheduled(r.req.request_id)
         return out
 
     # --- the loop -------------------------------------------------------------------------
@@ -222,18 +228,25 @@ class DecodeEngine:
         """Admit, then this step's batch (None: no forward to run). Admission failures wait in
         `failed` for the next `run` or `take_failed`. With `run`: the steps of an
         expert-parallel group (worker_runtime/ep_group.py), which must agree before running."""
+        self.stats.step_began()
         self.failed += self._admit()
         batch, owners, pending = self._schedule()
+        if batch is None:
+            self.stats.step_ended()
         return None if batch is None else Planned(batch, owners, pending)
 
     def run(self, planned: Planned, agreed: StepShape | None = None) -> list[TokenChunk]:
         """run → postprocess; `agreed`: the step an expert-parallel group settled on (its graph
         bucket, or eager), else the graph is this engine's own choice."""
         if any(planned.pending):
-            return self.take_failed() + speculative.verify(self, planned)
+            out = self.take_failed() + speculative.verify(self, planned)
+            self.stats.step_ended()
+            return out
         logits = self._run(planned.batch, agreed)
         planned.batch.commit()
-        return self.take_failed() + self._postprocess(planned.owners, logits)
+        out = self.take_failed() + self._postprocess(planned.owners, logits)
+        self.stats.step_ended()
+        return out
 
     # --- a rank of an expert-parallel group (worker_runtime/ep_group.py) ---------------------------
     def shape(self, planned: Planned | None) -> StepShape:
@@ -268,6 +281,7 @@ class DecodeEngine:
                 n = min(budget, len(prompt) - r.prefilled)
                 items.append((r.seq, list(prompt[r.prefilled:r.prefilled + n])))
                 r.prefilled += n
+                self.stats.computed(prompt_tokens=n)
                 budget -= n
                 owners.append((r, r.prefilled == len(prompt)))
         if not items:
@@ -315,6 +329,9 @@ class DecodeEngine:
     # --- output ---------------------------------------------------------------------------
     def _emit(self, r: Running, token: int) -> TokenChunk:
         r.tokens.append(token)
+        self.stats.computed(generated=1)
+        if len(r.tokens) == 1:
+            self.stats.first_token(r.req.request_id)
         text = r.detok.push(token)
         req = r.req
         finish = None
@@ -336,5 +353,6 @@ class DecodeEngine:
     def _finish(self, r: Running, state: RequestState) -> None:
         r.state = state
         self.running.pop(r.req.request_id, None)
+        self.stats.ended(r.req.request_id, len(r.tokens), state is RequestState.FINISHED)
         if r.seq is not None:
             self.pools.release(r.seq)

@@ -86,6 +86,7 @@ class PrefillWorker:
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
+        self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
     async def start(self, seat: Seat | None = None) -> dict:

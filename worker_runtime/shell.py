@@ -6,7 +6,9 @@ engine and transfers.
                                   layout it publishes, the registry
         get_actor(name)           another worker's handle (Ray's; `local`'s for workers of one process)
         join(seat, model)         an expert-parallel rank joins its group (ep_group.py) before serving
-        serve(*loops)             start the worker's loops and its registry heartbeat (once)
+        observe(stats, ...)       the worker's engine metrics (worker_runtime/engine_metrics.py)
+        serve(*loops)             start the worker's loops, its registry heartbeat, its metrics
+                                  endpoint and stats line (once)
         info() / peer_info()      what the registry publishes / what a peer loads to reach this worker
         drain(busy, ...)          publish `draining`, then wait until `busy()` stayed false for settle_s
         leave_group(reason, ..)   the group broke: stop heart-beating and leave the registry
@@ -32,6 +34,7 @@ import ray
 
 from kvtransfer.agent import Agent
 from model.kv_pool import KVPools
+from worker_runtime.engine_metrics import EngineStats, Sources, WorkerMetrics
 from worker_runtime.ep_group import ExpertParallelGroup, Seat, join, listen
 from worker_runtime.heartbeat import heartbeat_loop
 from worker_runtime.in_process import InProcess
@@ -56,6 +59,8 @@ class WorkerShell:
         else:  # NIXL's progress thread spins a core; on CPU pools the worker loop's polling drives transfers
             self.agent = Agent(worker_id, pool_buffers(pools), progress_thread=pools.buffers["swa"].is_cuda)
         self.layout = layout_of(pools)
+        self.pools, self.local = pools, local is not None
+        self.metrics: WorkerMetrics | None = None
         self.registry = Registry(options.registry_url, options.cluster)
         self.draining = False
         self.group: ExpertParallelGroup | None = None  # set once this worker joined an expert-parallel group
@@ -77,12 +82,28 @@ class WorkerShell:
         self.group = await asyncio.to_thread(join, seat, self.ep, self.options.device, model, self._store)
         return True
 
+    def observe(self, stats: EngineStats, transfers: Callable[[], dict] = dict,
+                counts: Callable[[], dict] = dict) -> None:
+        """Export the engine's `stats`, this worker's load and KV use, and its transfer and
+        migration counters; served from `serve` on."""
+        def kv_usage() -> dict[str, float]:
+            free = self.pools.num_free()
+            return {k: 1 - free[k] / spec.num_pages for k, spec in self.pools.specs.items() if spec.num_pages}
+        self.metrics = WorkerMetrics(self.worker_id, self.role, self.options.metrics, stats,
+                                     Sources(self._load, kv_usage, transfers, counts))
+
     def serve(self, *loops: Callable[[], Awaitable[None]]) -> dict:
-        """Run `loops` and the registry heartbeat as tasks (a second call starts nothing)."""
+        """Run `loops`, the registry heartbeat and the stats line as tasks, and the metrics
+        endpoint (a second call starts nothing); → what the launcher logs (its metrics URL)."""
         if not self._tasks:
             self._heartbeat = asyncio.create_task(heartbeat_loop(self.registry, self.info, self.options.heartbeat_s))
             self._tasks = [asyncio.create_task(loop()) for loop in loops] + [self._heartbeat]
-        return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch}
+            if self.metrics is not None and self.options.logs.stats_interval_s > 0:
+                self._tasks.append(asyncio.create_task(self.metrics.log_stats(self.options.logs.stats_interval_s)))
+        url = None
+        if self.metrics is not None:
+            url = self.metrics.serve("127.0.0.1" if self.local else ray.util.get_node_ip_address())
+        return {"worker_id": self.worker_id, "agent": self.agent.name, "epoch": self.agent.epoch, "metrics": url}
 
     async def ep_wake(self, meeting: int) -> None:
         """A peer of the group got work while it idled: meet now (`ExpertParallelGroup.woken`)."""
@@ -142,6 +163,8 @@ class WorkerShell:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.metrics is not None:
+            self.metrics.stop()
         await asyncio.to_thread(self.registry.deregister, self.worker_id)
 
 
