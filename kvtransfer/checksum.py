@@ -116,10 +116,42 @@ def checksum_torch(pool: torch.Tensor, page_ids: Sequence[int],
     return acc
 
 
-def pool_checksums(pools: Mapping[str, torch.Tensor],
-                   pages: Mapping[str, Sequence[int]]) -> dict[str, int]:
-    """Checksum per kind of `pages[kind]` in `pools[kind]`; one device sync at the end."""
-    partial = {k: page_checksum_tensor(pools[k], ids) for k, ids in pages.items()}
+def range_checksum_tensor(pool: torch.Tensor, page_ids: Sequence[int], first_index: int = 0,
+                          byte_range: tuple[int, int] | None = None) -> torch.Tensor:
+    """The terms of page_checksum that lie in `byte_range` (offset, length) of every page, for
+    pages page_ids[i] at position first_index + i of the request's page list: a 0-d int64 tensor
+    on pool.device, computed there with torch ops (no synchronisation, no host copy).
+
+    page_checksum is a sum over (position, word), so the checksum of a request's pages is the sum
+    of these over any ranges and runs that cover each (page, word) once: a sender can checksum
+    each layer's slice as the layer is computed and add them up at the end. On pages read as
+    int32 words the range must be word-aligned (ValueError otherwise)."""
+    page_bytes = pool.shape[1]
+    off, length = (0, page_bytes) if byte_range is None else byte_range
+    if off < 0 or length < 0 or off + length > page_bytes:
+        raise ValueError(f"byte range ({off}, {length}) outside a page of {page_bytes} bytes")
+    dev = pool.device
+    if not len(page_ids) or not length:
+        return torch.zeros((), dtype=torch.int64, device=dev)
+    as_words = page_bytes % 4 == 0
+    if as_words and (off % 4 or length % 4):
+        raise ValueError(f"byte range ({off}, {length}) not word-aligned on pages read as 32-bit words")
+    unit = 4 if as_words else 1
+    k0, width = off // unit, length // unit
+    rows = pool.index_select(0, _page_index(page_ids, dev))[:, off:off + length]       # [n, length]
+    w = (rows.contiguous().view(torch.int32) if as_words else rows).to(torch.int64)     # [n, width]
+    a = ((torch.arange(width, dtype=torch.int64, device=dev) + k0) * 2 + 1) * _G1
+    b = ((torch.arange(len(page_ids), dtype=torch.int64, device=dev) + first_index) * 2 + 1) * _G2
+    return w.mul_(a).mul_(b[:, None]).sum()
+
+
+def pool_checksums(pools: Mapping[str, torch.Tensor], pages: Mapping[str, Sequence[int]],
+                   given: Mapping[str, torch.Tensor] | None = None) -> dict[str, int]:
+    """Checksum per kind of `pages[kind]` in `pools[kind]`, or `given[kind]` where the caller
+    computed it already (a 0-d int64 tensor, e.g. summed from range_checksum_tensor); one device
+    sync at the end."""
+    given = given or {}
+    partial = {k: given[k] if k in given else page_checksum_tensor(pools[k], ids) for k, ids in pages.items()}
     if not partial:
         return {}
     first = next(iter(partial.values()))

@@ -280,10 +280,15 @@ class Sender:
         out.nbytes += batch.nbytes
 
     def finish(self, target: TransferTarget, header: bytes,
-               src_pages: Mapping[str, Sequence[int]] | None = None) -> None:
+               src_pages: Mapping[str, Sequence[int]] | None = None,
+               checksums: Mapping[str, torch.Tensor] | None = None) -> None:
         """Send TransferDone (checksums of every target pool, `header`) once all writes landed.
 
         src_pages: the full source page lists per kind, if not all were given to send().
+        checksums: per kind, the checksum of those pages as the caller already computed it on
+            their device (0-d int64 tensors: checksum.range_checksum_tensor summed over slices
+            covering every page's bytes once, e.g. layer by layer as the layers were produced);
+            the other kinds are computed here.
         """
         peer, _, key, out = self._open(target)
         known = dict(out.src_pages) if out is not None else {}
@@ -300,7 +305,7 @@ class Sender:
         out.src_pages = known
         # Read on the current stream: source data produced on it is complete by stream order.
         pages = {k: known[k] for k, ids in target.page_ids if ids}
-        sums = pool_checksums(self.agent.pools, pages)
+        sums = pool_checksums(self.agent.pools, pages, {k: v for k, v in (checksums or {}).items() if k in pages})
         out.attempt += 1
         out.pending_done = TransferDone(target.request_id, target.agent_epoch, out.attempt,
                                         tuple(sorted(sums.items())), bytes(header), 0)
@@ -353,8 +358,14 @@ class Sender:
                 del self._tombstones[key]
         return events
 
-    def _advance(self, out: _Outgoing) -> None:
-        """Post writes whose CUDA event fired; reap completed writes; send a due TransferDone."""
+    def post_ready(self) -> None:
+        """Post the queued writes whose CUDA event has fired, and nothing else (no answers, no
+        releases: those are poll()'s): a caller streaming layers calls it between layers, so each
+        layer's write starts as soon as the layer is done, not at the next poll()."""
+        for out in self._out.values():
+            self._post_queued(out)
+
+    def _post_queued(self, out: _Outgoing) -> None:
         if out.queued and out.answer is None:
             if time.time() >= out.target.lease_deadline - self.post_margin_s:
                 out.queued, out.answer = [], "lease_expired"
@@ -369,6 +380,10 @@ class Sender:
                     else:
                         waiting.append((ev, batch))
                 out.queued = waiting if out.answer is None else []
+
+    def _advance(self, out: _Outgoing) -> None:
+        """Post writes whose CUDA event fired; reap completed writes; send a due TransferDone."""
+        self._post_queued(out)
         stuck = bool(out.inflight) and time.time() > out.target.lease_deadline + self.stuck_s
         still = []
         for h in out.inflight:

@@ -31,10 +31,13 @@ import logging
 
 import torch
 
+from kvtransfer.checksum import range_checksum_tensor
 from kvtransfer.faults import FaultPlan
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
+from kvtransfer.regions import layer_byte_range
 from kvtransfer.sender import Sender
+from kvtransfer.write_plan import SendPart
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.delivery import (
     HOLDING,
@@ -46,6 +49,7 @@ from prefill_worker.delivery import (
     TransferFailed,
 )
 from prefill_worker.engine import PrefillConfig, PrefillEngine
+from prefill_worker.layer_stream import LayerStream, Streamed
 from prefill_worker.prefix_store import PrefixStore
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
@@ -83,9 +87,9 @@ class PrefillWorker:
         self.deliveries = Deliveries(hold_s=options.lease_s)  # one record per request, by engine id
         self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
         self.streamed_pages = 0  # pages shipped before their request's prefill ended
+        self.layer_streamed = 0  # requests whose last chunk went layer by layer as it was computed
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
-        self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
         self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
 
     # --- the shell (worker_runtime/shell.py) ------------------------------------------------
@@ -102,7 +106,7 @@ class PrefillWorker:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.deliveries.in_state(*HOLDING)),
-                "streamed_pages": self.streamed_pages, "repulls": self.repulls, "epoch": self.shell.agent.epoch,
+                "streamed_pages": self.streamed_pages, "layer_streamed": self.layer_streamed, "repulls": self.repulls, "epoch": self.shell.agent.epoch,
                 "queued": len(self.engine.waiting) + len(self.engine.running) + len(self._untargeted()),
                 "transfers": self.sender.metrics.snapshot()}
 
@@ -155,7 +159,6 @@ class PrefillWorker:
         fut = asyncio.get_running_loop().create_future()
         d = self.deliveries.open(req, dest, fut)  # ValueError if the id is in use: ids key all state here
         if target is not None:
-            self._connect_early(dest)
             self.commands.put(lambda: self._submit(d))
         else:
             self.commands.put(lambda: None)  # wake the loop: it asks for the target when its turn comes
@@ -164,6 +167,7 @@ class PrefillWorker:
     def _submit(self, d: Delivery) -> None:
         # an abort() that Ray ran before this prefill() was applied first: the delivery ended already
         if self.deliveries.find(d.request_id) is d:
+            self._connect_early(d.dest)  # in the loop: a step's layer writes use the sender meanwhile
             self.engine.submit(d.req)
 
     # --- targets asked for when a request is about to start -----------------------------------
@@ -213,7 +217,6 @@ class PrefillWorker:
         self._check_epoch(epoch)
         dest = Destination(decode_target(target), peer_metadata, peer_layout)
         fut = asyncio.get_running_loop().create_future()
-        self._connect_early(dest)
         self.commands.put(lambda: self._repull(lost_id, req, dest, fut))
         return await fut
 
@@ -223,6 +226,7 @@ class PrefillWorker:
             raise TransferFailed(f"peer_restarted: {self.worker_id} is epoch {self.shell.agent.epoch}, not {epoch}")
 
     def _repull(self, lost_id: str, req: GenerateRequest, dest: Destination, fut: asyncio.Future) -> None:
+        self._connect_early(dest)
         d = self.deliveries.find(lost_id)
         if d is None or d.state is State.ABORTING or d.req.prompt_ids != req.prompt_ids:
             fut.set_exception(TransferFailed(f"no KV of {lost_id!r} held here"))
@@ -270,7 +274,7 @@ class PrefillWorker:
                 elif group is not None and self.engine.has_work():  # queued as the group broke
                     self._fail_unfinished(f"ep_group_failed: {group.failure}")
                 elif self.engine.has_work():
-                    self._computed(await asyncio.to_thread(self.engine.step))
+                    await self._step()
                 elif self.deliveries.in_state(State.SHIPPING, State.ABORTING):
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
@@ -282,6 +286,17 @@ class PrefillWorker:
             except Exception:
                 log.exception("prefill loop error")
                 await asyncio.sleep(0.1)
+
+    async def _step(self) -> None:
+        """One engine step: planned here, run in a thread; the prompts it completes have their
+        layers written to their targets as the forward computes them (layer_stream.py)."""
+        planned = self.engine.plan()
+        if planned is None:
+            self._computed([])
+            return
+        stream = LayerStream.plan(planned.owners, self.deliveries, self.pools, self.sender,
+                                  self.options.prefill_layer_stream, len(self.engine.model.layers))
+        self._computed(await asyncio.to_thread(self.engine.run, planned, None, stream), stream)
 
     async def _group_step(self, group: ExpertParallelGroup) -> None:
         """One lockstep step of the expert-parallel group; when no rank had work, wait until the
@@ -340,13 +355,13 @@ class PrefillWorker:
             self.sender.handshake(name, dest.metadata, LayoutDescriptor.from_bytes(dest.layout))
             self.peers[name] = epoch
 
-    def _computed(self, finished: list) -> None:
+    def _computed(self, finished: list, stream: LayerStream | None = None) -> None:
         """After a step: ship what the engine finished, stream what became final of the rest."""
         for done in finished:
             d = self.deliveries.find(done.request_id)
             self.deliveries.computed(d, done)
             if d.state is State.SHIPPING:
-                self._ship(d)
+                self._ship(d, stream.result(d) if stream is not None else None)
         self._stream_progress()
 
     def _stream_progress(self) -> None:
@@ -379,18 +394,26 @@ class PrefillWorker:
                 d.streamed[kind] = offsets[kind] + len(run)
                 self.streamed_pages += len(run)
 
-    def _ship(self, d: Delivery) -> None:
-        """Write the rest of a computed request (what was not streamed) and notify its target."""
+    def _ship(self, d: Delivery, streamed: Streamed | None = None) -> None:
+        """Write the rest of a computed request (what was not streamed, per chunk or per layer)
+        and notify its target."""
         done, dest, sent = d.done, d.dest, d.streamed
         try:
             self._connect(dest)
             # kinds with no pages yet (e.g. c128 before 128 tokens) are not part of the target
             pages = {k: v for k, v in self.pools.resume_pages(done.seq).items() if v}
-            rest = {k: v[sent.get(k, 0):] for k, v in pages.items() if v[sent.get(k, 0):]}
-            if rest:
-                self.sender.send(dest.target, rest, first_page={k: sent.get(k, 0) for k in rest})
+            sums = None
+            if streamed is not None and streamed.failed is None and streamed.pages == pages:
+                parts, sums = self._after_layers(streamed)
+                if parts:
+                    self.sender.send_many(dest.target, parts)
+                self.layer_streamed += 1
+            else:
+                rest = {k: v[sent.get(k, 0):] for k, v in pages.items() if v[sent.get(k, 0):]}
+                if rest:
+                    self.sender.send(dest.target, rest, first_page={k: sent.get(k, 0) for k in rest})
             header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens)
-            self.sender.finish(dest.target, header.to_bytes(), src_pages=pages)
+            self.sender.finish(dest.target, header.to_bytes(), src_pages=pages, checksums=sums)
         except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
             log.warning("shipping %s failed: %s", d.request_id, e)
             self.sender.abort(dest.request_id)
@@ -398,6 +421,32 @@ class PrefillWorker:
                 self.deliveries.answer(d, TransferFailed(str(e)))
             else:
                 self.deliveries.lost(d, TransferFailed(str(e)))
+
+    def _after_layers(self, s: Streamed) -> tuple[list[SendPart], dict]:
+        """What the step's layer writes left: the slices of layers the main model does not write
+        (the MTP layer's), as parts; and the checksums of the kinds whose every layer went, from
+        the terms summed on the device while they were written plus the leading pages that
+        earlier steps wrote whole."""
+        parts, sums = [], {}
+        for kind, pages in s.pages.items():
+            first, spec = s.first[kind], self.pools.specs[kind]
+            missing = s.missing(self.pools, kind)
+            if not missing and kind in s.sums:
+                lead = range_checksum_tensor(self.pools.buffers[kind], pages[:first]) if first else 0
+                sums[kind] = s.sums[kind] + lead
+                continue
+            if not missing or not pages[first:]:
+                continue
+            runs = [[missing[0]]]
+            for i in missing[1:]:
+                if i == runs[-1][-1] + 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                r = layer_byte_range(spec.page_bytes, len(spec.layers), run[0], len(run))
+                parts.append(SendPart({kind: pages[first:]}, {kind: r}, {kind: first}))
+        return parts, sums
 
     def _poll_sender(self) -> None:
         for ev in self.sender.poll():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_runtime.engine_metrics import MetricsOptions
 from worker_runtime.logging_setup import LogOptions
 
 DEVICES = ("cpu", "cuda")
@@ -49,6 +48,10 @@ class WorkerOptions:
     max_seqs: int = 16  # concurrent requests per replica (pool sizing)
     threads: int = 1  # torch intra-op threads per replica
     prefill_token_budget: int = 1024
+    # a prefill worker writes the last chunk of a prompt into its decode target every this many
+    # model layers as the forward computes them (prefill_worker/layer_stream.py); 0: whole pages
+    # once the step is over
+    prefill_layer_stream: int = 1
     lease_s: float = 30.0  # how long a decode reservation waits for its KV
     prefix_cache: bool = True  # prefill workers keep finished prompts' pages for reuse
     heartbeat_s: float = 1.0
@@ -70,10 +73,10 @@ class WorkerOptions:
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
-    # the worker's own /metrics and /health endpoint (worker_runtime/engine_metrics.py); port None: none
-    metrics: MetricsOptions = field(default_factory=lambda: MetricsOptions(port=None))
 
     def __post_init__(self):
+        if self.prefill_layer_stream < 0:
+            raise ValueError(f"prefill_layer_stream must be >= 0 (0: off), got {self.prefill_layer_stream}")
         if self.router_grace_s <= 0:
             raise ValueError(f"router_grace_s must be positive, got {self.router_grace_s}")
         if self.device not in DEVICES:

@@ -8,7 +8,7 @@ import torch
 from kvtransfer import (Ack, FaultPlan, LayoutDescriptor, PoolLayout, TransferDone,
                         TransferTarget, coalesce, decode, decode_target, layer_byte_range,
                         page_checksum)
-from kvtransfer.checksum import _G1, _G2, checksum_torch, pool_checksums
+from kvtransfer.checksum import _G1, _G2, checksum_torch, pool_checksums, range_checksum_tensor
 from kvtransfer.protocol import Begin, Fenced
 from kvtransfer.regions import Span, total_bytes, truncate
 from kvt_harness import make_layout
@@ -202,3 +202,28 @@ def test_fault_plan_validates():
         FaultPlan(kill_at="somewhere")
     with pytest.raises(ValueError):
         FaultPlan(truncate_write=1.0)
+
+
+@pytest.mark.parametrize("page_bytes,layers", [(96, 4), (96, 3), (37 * 2, 2)])  # words; words; byte-wise pages
+def test_layer_slices_sum_to_the_whole_page_checksum(page_bytes, layers):
+    """A sender that checksums each layer's slice as it writes it, and the leading pages it wrote
+    whole before, arrives at page_checksum of the whole pages: the receiver verifies as ever."""
+    pool = _random_pool(10, page_bytes, 6)
+    ids = [7, 2, 9, 0, 4]
+    total = range_checksum_tensor(pool, ids[:2])  # written whole by an earlier chunk
+    for layer in range(layers):
+        total = total + range_checksum_tensor(pool, ids[2:], 2, layer_byte_range(page_bytes, layers, layer))
+    assert int(total) == page_checksum(pool, ids)
+    assert pool_checksums({"k": pool}, {"k": ids}, {"k": total}) == {"k": page_checksum(pool, ids)}
+    part = range_checksum_tensor(pool, ids[2:], 2, layer_byte_range(page_bytes, layers, 0))
+    bad = pool.clone()
+    bad[ids[3], 0] ^= 1  # a flipped byte of the first layer's slice
+    assert int(range_checksum_tensor(bad, ids[2:], 2, layer_byte_range(page_bytes, layers, 0))) != int(part)
+
+
+def test_range_checksum_refuses_a_range_outside_the_page_or_off_the_words():
+    pool = _random_pool(2, 64, 7)
+    with pytest.raises(ValueError, match="outside"):
+        range_checksum_tensor(pool, [0], 0, (60, 8))
+    with pytest.raises(ValueError, match="word-aligned"):
+        range_checksum_tensor(pool, [0], 0, (2, 8))

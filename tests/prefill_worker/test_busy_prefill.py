@@ -2,7 +2,7 @@
 router's HTTP API → placement → prefill worker → KV over the in-process transport → decode worker,
 worker_runtime/in_process.py): the decode worker reserves only when the prefill worker is about
 to start a request, so however long a request waits in that queue, its KV still arrives over the
-transfer. Zero decode-side prefills (the router's `decode_prefills` metric says so), every
+transfer, its last chunk written layer by layer as the forward computes it. Zero decode-side prefills (the router's `decode_prefills` metric says so), every
 request's tokens equal `generate`'s, pages idle at the end."""
 
 import asyncio
@@ -58,14 +58,18 @@ def decode_prefills(text: str) -> dict[str, float]:
     return out
 
 
+# layers written as the last chunk computes them (the default), one write per two layers, or whole
+# pages after the step
+@pytest.mark.parametrize("layer_stream", [1, pytest.param(2, marks=pytest.mark.exhaustive),
+                                          pytest.param(0, marks=pytest.mark.exhaustive)])
 def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_side(tiny_official_ckpt,
-                                                                                    registry_url):
+                                                                                    registry_url, layer_stream):
     cfg, model = load_checkpoint(tiny_official_ckpt)
     rng = random.Random(50)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(180, 220))] for _ in range(14)]
     options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="busy", max_tokens=MAX_TOKENS,
                             max_seqs=16, prefill_token_budget=64, heartbeat_s=0.2, lease_s=LEASE_S,
-                            prefix_cache=False)
+                            prefix_cache=False, prefill_layer_stream=layer_stream)
 
     async def run():
         local = InProcess()
@@ -109,5 +113,6 @@ def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_si
         assert tokens == reference(cfg, model, prompt, 4)
     assert decode_prefills(page) == {}, page  # no request was prefilled on the decode worker
     assert d_acct["fallbacks"] == 0 and d_acct["transfers"]["transfers"] == len(prompts), d_acct
+    assert p_acct["layer_streamed"] == (len(prompts) if layer_stream else 0), p_acct
     assert p_acct["free"] == p_acct["idle"], p_acct
     assert d_acct["free"] == d_acct["idle"], d_acct
