@@ -74,6 +74,7 @@ def verify(engine, planned) -> list[TokenChunk]:
             engine.pools.trim_window(r.seq)
             engine.spec_proposed += len(p.drafts)
             engine.spec_accepted += len(targets) - 1
+            engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
         r.state = RequestState.DECODING
         for token in targets:
             out.append(engine._emit(r, token))
