@@ -27,6 +27,7 @@ from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from prefill_worker.prefix_store import PrefixStore, Reuse
+from worker_runtime.engine_metrics import EngineStats
 from worker_runtime.wire import GenerateRequest, RequestState, StepShape, WorkerLoad
 
 
@@ -76,9 +77,11 @@ class PrefillEngine:
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
         self.computed_tokens = 0  # lifetime counter: prompt tokens run through the model
+        self.stats = EngineStats()  # the worker's engine metrics (worker_runtime/engine_metrics.py)
 
     def submit(self, req: GenerateRequest) -> None:
         self.waiting.append(Job(req))
+        self.stats.queued(req.request_id)
 
     def abort(self, request_id: str) -> bool:
         for job in list(self.waiting):
@@ -89,6 +92,7 @@ class PrefillEngine:
         if job is None:
             return False
         self._release(job)
+        self.stats.ended(request_id)
         return True
 
     def job(self, request_id: str) -> Job | None:
@@ -124,8 +128,11 @@ class PrefillEngine:
 
     def plan(self) -> Planned | None:
         """admit → schedule: this step's batch, or None when there is nothing to run now."""
+        self.stats.step_began()
         self._admit()
         batch, owners = self._schedule()
+        if batch is None:
+            self.stats.step_ended()
         return None if batch is None else Planned(batch, owners)
 
     # --- a rank of an expert-parallel group (worker_runtime/ep_group.py) ---------------------------
@@ -162,10 +169,14 @@ class PrefillEngine:
                 job.state = RequestState.TRANSFERRING
                 rows.append(i)
                 done.append(job)
+        self.stats.step_ended()
         if not done:
             return []
         # every finished prompt's first token in one batch on the device; only the ids come back
         firsts = sample_rows(logits[rows], [j.req.sampling for j in done], [j.seq.num_tokens for j in done])
+        for job in done:  # its first token: the prefill's part of the request is over
+            self.stats.first_token(job.req.request_id)
+            self.stats.ended(job.req.request_id)
         return [Prefilled(job.req.request_id, job.seq, first,
                           len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job)
                 for job, first in zip(done, firsts)]
@@ -185,6 +196,9 @@ class PrefillEngine:
             self.waiting.popleft()
             job.seq, job.state = seq, RequestState.PREFILLING
             self.running[job.req.request_id] = job
+            self.stats.scheduled(job.req.request_id)
+            if self.store is not None:
+                self.stats.prefix_lookup(len(job.req.prompt_ids), job.reuse.cached_tokens)
 
     def _schedule(self) -> tuple[ForwardBatch | None, list[Job]]:
         items, owners, budget = [], [], self.config.token_budget
@@ -198,6 +212,7 @@ class PrefillEngine:
             job.done += n
             budget -= n
             self.computed_tokens += n
+            self.stats.computed(prompt_tokens=n)
         if not items:
             return None, []
         return ForwardBatch.build(items, device=self.pools.device), owners

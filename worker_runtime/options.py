@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker_runtime.engine_metrics import MetricsOptions
 from worker_runtime.logging_setup import LogOptions
 
 DEVICES = ("cpu", "cuda")
@@ -73,6 +74,8 @@ class WorkerOptions:
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
+    # the worker's own /metrics and /health endpoint (worker_runtime/engine_metrics.py); port None: none
+    metrics: MetricsOptions = field(default_factory=lambda: MetricsOptions(port=None))
 
     def __post_init__(self):
         if self.prefill_layer_stream < 0:
