@@ -50,6 +50,11 @@ def _draft(parse, body: bytes, limits: Limits):
     return parse(parse_json(body), limits)
 
 
+async def _off_loop_if_large(body: bytes, work):
+    """`work()`, in a thread when the body is large enough for parsing it to hold up other clients."""
+    return await asyncio.to_thread(work) if len(body) > _THREAD_PARSE_BYTES else work()
+
+
 class HTTPApp:
     def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker, metrics,
                  max_body_bytes: int, body_read_timeout_s: float = 30.0):
@@ -114,13 +119,15 @@ class HTTPApp:
         await _send_json(send, 200, self._openapi_body)
 
     async def _tokenize(self, scope, receive, send):
-        text, add_bos, strs = tokenize_text(parse_json(await self._json_body(scope, receive)), self.limits)
+        body = await self._json_body(scope, receive)
+        text, add_bos, strs = await _off_loop_if_large(body, lambda: tokenize_text(parse_json(body), self.limits))
         ids = await tokenize(self.backend.tokenizer, text)
         await _send_json(send, 200, tokenize_response(self.backend.tokenizer, list(ids), add_bos, strs, self.limits))
 
     async def _detokenize(self, scope, receive, send):
-        body = parse_json(await self._json_body(scope, receive))
-        await _send_json(send, 200, detokenize(body, self.backend.tokenizer, self.limits))
+        body = await self._json_body(scope, receive)
+        out = await _off_loop_if_large(body, lambda: detokenize(parse_json(body), self.backend.tokenizer, self.limits))
+        await _send_json(send, 200, out)
 
     # --- generation routes
     async def _completions(self, scope, receive, send):
@@ -144,10 +151,7 @@ class HTTPApp:
     async def _generate(self, scope, receive, send, parse):
         arrival = time.perf_counter()
         body = await self._json_body(scope, receive)
-        if len(body) > _THREAD_PARSE_BYTES:
-            draft = await asyncio.to_thread(_draft, parse, body, self.limits)
-        else:
-            draft = _draft(parse, body, self.limits)
+        draft = await _off_loop_if_large(body, lambda: _draft(parse, body, self.limits))
         ids = draft.prompt_ids
         if ids is None:
             ids = await tokenize(self.backend.tokenizer, draft.prompt_text)
