@@ -31,6 +31,19 @@ holds ≤ T·(1-h). Against loads that swing across the band there is more:
 
 A pool with replicas but no reports at all (every worker still starting, or the registry down)
 holds: there is nothing to decide on.
+
+The P:D ratio (`pd_ratio`, docs/cluster.md "Choosing the P:D ratio"): at a steady arrival rate λ
+the prefill pool must compute λ·I prompt tokens a second and the decode pool emit λ·O tokens,
+so with X_P prefill tokens/s a prefill worker sustains within the TTFT target and X_D output
+tokens/s a decode worker sustains within the ITL target,
+
+    prefill workers / decode workers = (I / O) · (X_D / X_P)        (`pd_ratio(...)`)
+
+The decode pool follows the steady load (its running batch and pages); the prefill signal, a
+queue, only rises once requests already wait. So with a ratio r the decode pool is decided first
+and the prefill pool's minimum is raised to ceil(r · decode replicas) (within its max): prefill
+capacity arrives with the load that needs it, the queue signal still adds workers for bursts
+above it, and a scale-down never goes below it.
 """
 
 from __future__ import annotations
@@ -76,17 +89,36 @@ class PoolPolicy:
             raise ValueError("max_step_up and max_step_down must be >= 1")
 
 
+def pd_ratio(prompt_tokens: float, output_tokens: float, prefill_tokens_per_s: float,
+             decode_tokens_per_s: float) -> float:
+    """Prefill workers per decode worker that keep both pools at their per-worker throughput at the
+    SLO for a workload of `prompt_tokens` uncached prompt tokens and `output_tokens` generated
+    tokens per request: (I / O) · (X_D / X_P). The rates are per worker (one replica, however
+    many GPUs it spans), measured at the SLO: X_P the prefill tokens/s one prefill worker sustains
+    with TTFT in target, X_D the output tokens/s one decode worker sustains with ITL in target."""
+    for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                    ("prefill_tokens_per_s", prefill_tokens_per_s), ("decode_tokens_per_s", decode_tokens_per_s)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v}")
+    return (prompt_tokens / output_tokens) * (decode_tokens_per_s / prefill_tokens_per_s)
+
+
 @dataclass(frozen=True)
 class AutoscalerConfig:
     prefill: PoolPolicy = PoolPolicy(min_replicas=1, max_replicas=8, target=8192)
     decode: PoolPolicy = PoolPolicy(min_replicas=1, max_replicas=8, target=4, page_target=0.85)
     interval_s: float = 5.0  # how often the actuator observes and decides
+    # prefill workers per decode worker (`pd_ratio`): the prefill pool keeps at least
+    # ceil(pd_ratio · decode replicas); None: the pools scale on their own signals alone
+    pd_ratio: float | None = None
 
     def __post_init__(self):
         if self.decode.min_replicas < 1:
             raise ValueError("decode.min_replicas must be >= 1: without a decode worker nothing is served")
         if not self.interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        if self.pd_ratio is not None and not self.pd_ratio > 0:
+            raise ValueError(f"pd_ratio must be > 0 or None, got {self.pd_ratio}")
 
     def pool(self, name: str) -> PoolPolicy:
         return {"prefill": self.prefill, "decode": self.decode}[name]
@@ -94,14 +126,16 @@ class AutoscalerConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "AutoscalerConfig":
         """From JSON such as the Helm chart's autoscale ConfigMap:
-        {"interval_s": 5, "prefill": {PoolPolicy fields}, "decode": {...}}; unknown keys are errors."""
-        unknown = set(d) - {"interval_s", "prefill", "decode"}
+        {"interval_s": 5, "prefill": {PoolPolicy fields}, "decode": {...}, "pd_ratio": 1.0}; unknown
+        keys are errors."""
+        unknown = set(d) - {"interval_s", "prefill", "decode", "pd_ratio"}
         if unknown:
             raise ValueError(f"unknown autoscaler settings: {sorted(unknown)}")
         base = cls()
         return cls(prefill=PoolPolicy(**d["prefill"]) if "prefill" in d else base.prefill,
                    decode=PoolPolicy(**d["decode"]) if "decode" in d else base.decode,
-                   interval_s=float(d.get("interval_s", base.interval_s)))
+                   interval_s=float(d.get("interval_s", base.interval_s)),
+                   pd_ratio=None if d.get("pd_ratio") is None else float(d["pd_ratio"]))
 
 
 # --- state and decision -------------------------------------------------------------------
@@ -197,9 +231,13 @@ class Autoscaler:
         self.states = {p: PoolState(replicas[p]) for p in POOLS}
 
     def step(self, loads: Iterable[WorkerLoad], now: float) -> dict[str, int]:
-        loads = list(loads)
-        for p in POOLS:
-            self.states[p] = decide(p, self.config.pool(p), self.states[p], loads, now)
+        loads, cfg = list(loads), self.config
+        self.states["decode"] = decide("decode", cfg.decode, self.states["decode"], loads, now)
+        prefill = cfg.prefill
+        if cfg.pd_ratio is not None:  # the ratio rule: a floor under the prefill pool, from the decode pool
+            floor = min(math.ceil(cfg.pd_ratio * self.states["decode"].replicas - 1e-9), prefill.max_replicas)
+            prefill = replace(prefill, min_replicas=max(prefill.min_replicas, floor))
+        self.states["prefill"] = decide("prefill", prefill, self.states["prefill"], loads, now)
         return {p: s.replicas for p, s in self.states.items()}
 
     def reasons(self) -> dict[str, str]:

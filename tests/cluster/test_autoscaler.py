@@ -8,7 +8,17 @@ import math
 
 import pytest
 
-from cluster.autoscaler import POOLS, Autoscaler, AutoscalerConfig, PoolPolicy, PoolState, decide, recommend, signals
+from cluster.autoscaler import (
+    POOLS,
+    Autoscaler,
+    AutoscalerConfig,
+    PoolPolicy,
+    PoolState,
+    decide,
+    pd_ratio,
+    recommend,
+    signals,
+)
 from worker_runtime.wire import WorkerLoad
 
 
@@ -151,6 +161,44 @@ def test_autoscaler_steps_both_pools():
     got = scaler.step([pre(0, 3500), dec(0, waiting=10)], now=0)
     assert got == {"prefill": 4, "decode": 3}
     assert scaler.reasons()["prefill"].startswith("up")
+
+
+def test_pd_ratio_from_the_workload_and_the_per_worker_rates_at_the_slo():
+    # ISL 8192 / OSL 1024: 8 prompt tokens per output token; a prefill worker does 8x a decode worker's tokens/s
+    assert pd_ratio(8192, 1024, 20000, 2500) == pytest.approx(1.0)
+    assert pd_ratio(8192, 1024, 40000, 2500) == pytest.approx(0.5)  # twice the prefill rate: half the workers
+    assert pd_ratio(1024, 1024, 20000, 2500) == pytest.approx(0.125)  # short prompts: decode-heavy
+    with pytest.raises(ValueError, match="decode_tokens_per_s"):
+        pd_ratio(8192, 1024, 20000, 0)
+
+
+def test_the_ratio_rule_keeps_prefill_in_step_with_decode():
+    """With pd_ratio 1.5, the prefill pool follows the decode pool up at once (its queue empty),
+    keeps its queue-driven scale-up above the floor, and scales down no lower than the floor."""
+    prefill = PoolPolicy(min_replicas=1, max_replicas=8, target=1000, down_window_s=10, up_cooldown_s=0,
+                         down_cooldown_s=10)
+    decode = PoolPolicy(min_replicas=2, max_replicas=4, target=4)  # two decode workers throughout
+    scaler = Autoscaler(AutoscalerConfig(prefill=prefill, decode=decode, interval_s=1, pd_ratio=1.5),
+                        {"prefill": 1, "decode": 2})
+    got = scaler.step([pre(0, 0), dec(0, waiting=0), dec(1, waiting=0)], now=0)
+    assert got["prefill"] == 3  # ceil(1.5 · 2), though nothing is queued
+    got = scaler.step([pre(i, 3000) for i in range(3)] + [dec(0), dec(1)], now=1)
+    assert got["prefill"] == 7  # bursts still add workers on the queue signal: ceil(9000 / 1000) in steps of 4
+    for t in range(2, 60):  # the queue drains: down, one worker a cooldown, to the ratio floor and no lower
+        got = scaler.step([pre(i, 0) for i in range(got["prefill"])] + [dec(0), dec(1)], now=t)
+    assert got == {"prefill": 3, "decode": 2}
+    without = Autoscaler(AutoscalerConfig(prefill=prefill, decode=decode, interval_s=1), {"prefill": 1, "decode": 2})
+    assert without.step([pre(0, 0), dec(0), dec(1)], now=0)["prefill"] == 1
+
+
+def test_the_ratio_floor_is_capped_by_the_prefill_maximum():
+    prefill = PoolPolicy(min_replicas=1, max_replicas=4, target=1000)
+    scaler = Autoscaler(AutoscalerConfig(prefill=prefill, decode=DECODE, interval_s=1, pd_ratio=3.0),
+                        {"prefill": 1, "decode": 2})
+    assert scaler.step([pre(0, 0), dec(0), dec(1)], now=0)["prefill"] == 4
+    with pytest.raises(ValueError, match="pd_ratio"):
+        AutoscalerConfig(pd_ratio=0)
+    assert AutoscalerConfig.from_dict({"pd_ratio": 1.25}).pd_ratio == 1.25
 
 
 @pytest.mark.parametrize("kwargs", [
