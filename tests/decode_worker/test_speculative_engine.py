@@ -18,6 +18,7 @@ from model.transformer import Transformer
 from prefill_worker.engine import PrefillEngine
 from tests.decode_worker.test_decode_engine import run_all
 from tests.decode_worker.test_migration_engine import move
+from tests.model.test_speculation_fitted import PERIOD, fitted_model
 from worker_runtime.wire import GenerateRequest
 
 
@@ -113,3 +114,27 @@ def test_speculation_refuses_a_model_without_mtp_and_more_than_three_drafts(mode
         DecodeEngine(Transformer(model.cfg), pools, ByteTokenizer(320), "d", DecodeConfig(speculative_tokens=1))
     with pytest.raises(ValueError, match="0..3"):
         DecodeConfig(speculative_tokens=4)
+
+
+def test_runs_accepted_whole_end_at_max_tokens_and_stop_tokens_inside_them():
+    """The fitted model (tests/model/test_speculation_fitted.py) accepts most drafts: requests end
+    at max_tokens and at a stop token falling inside an accepted run, with the tokens of generate,
+    and the engine counts the drafts."""
+    rng = random.Random(5)
+    pattern = rng.sample(range(256), PERIOD)
+    model = fitted_model(pattern * 8)
+    stop = pattern[7]
+    reqs = [GenerateRequest("len", tuple(pattern * 2), max_tokens=9, ignore_eos=True),
+            GenerateRequest("stop", tuple(pattern * 2 + pattern[:3]), max_tokens=20, stop_token_ids=(stop,),
+                            sampling=SamplingParams(temperature=0.8, seed=1)),
+            GenerateRequest("long", tuple(pattern * 3 + pattern[:1]), max_tokens=14, ignore_eos=True)]
+    e = engine(model, 3)
+    got = run_all(e, reqs, arrivals=[0, 0, 1])
+    for r in reqs:
+        pools = KVPools(model.cfg, "fp32", max_tokens=128, max_seqs=1)
+        want = generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling,
+                        stop_ids=frozenset(r.stop_token_ids)).token_ids
+        assert got[r.request_id] == want, r.request_id
+    assert got["stop"][-1] == stop and len(got["stop"]) == 5
+    assert e.spec_accepted / e.spec_proposed > 0.8, (e.spec_accepted, e.spec_proposed)
+    assert e.pools.num_free() == e.pools.idle_free()
