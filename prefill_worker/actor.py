@@ -37,6 +37,7 @@ from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
 from kvtransfer.regions import layer_byte_range
 from kvtransfer.sender import Sender
+from kvtransfer.transport import metadata_epoch
 from kvtransfer.write_plan import SendPart
 from model.kv_pool import RATIO_OF_KIND
 from prefill_worker.delivery import (
@@ -185,6 +186,7 @@ class PrefillWorker:
             if ahead >= horizon or slots <= 0:
                 return
             ahead, slots = ahead + len(d.req.prompt_ids), slots - 1
+            self._connect_early(d.asker)  # its Ack of a reservation it gives up must reach us
             asyncio.ensure_future(self._ask(d, self.deliveries.ask(d), d.asker.decode_id))
 
     async def _ask(self, d: Delivery, ask: int, decode_id: str) -> None:
@@ -339,20 +341,25 @@ class PrefillWorker:
             log.warning("publishing %d KV events failed: %s", len(events), e)
 
     # --- writing the KV -------------------------------------------------------------------
-    def _connect_early(self, dest: Destination) -> None:
-        """Know the decode worker from the moment it reserved pages for us, not from the first write:
-        if it gives the reservation up first (lease over, abort), its Ack must find us able to
-        answer Fenced, or its pages wait out the receiver's fence timeout. A refused handshake is
-        left to _ship, which reports it."""
+    def _connect_early(self, dest: Destination | Asker) -> None:
+        """Know the decode worker from the moment it reserves pages for us (or is asked to), not
+        from the first write: if it gives the reservation up first (lease over, abort), its Ack
+        must find us able to answer Fenced, or its pages wait out the receiver's fence timeout. A
+        refused handshake is left to _ship, which reports it."""
         try:
-            self._connect(dest)
+            if isinstance(dest, Asker):  # a worker's id is its agent's name
+                self._handshake(dest.decode_id, metadata_epoch(dest.metadata), dest.metadata, dest.layout)
+            else:
+                self._connect(dest)
         except Exception as e:
-            log.debug("early handshake with %s failed: %s", dest.target.agent_name, e)
+            log.debug("early handshake with %s failed: %s", getattr(dest, "decode_id", None) or dest.request_id, e)
 
     def _connect(self, dest: Destination) -> None:
-        name, epoch = dest.target.agent_name, dest.target.agent_epoch
+        self._handshake(dest.target.agent_name, dest.target.agent_epoch, dest.metadata, dest.layout)
+
+    def _handshake(self, name: str, epoch: str, metadata: bytes, layout: bytes) -> None:
         if self.peers.get(name) != epoch:
-            self.sender.handshake(name, dest.metadata, LayoutDescriptor.from_bytes(dest.layout))
+            self.sender.handshake(name, metadata, LayoutDescriptor.from_bytes(layout))
             self.peers[name] = epoch
 
     def _computed(self, finished: list, stream: LayerStream | None = None) -> None:
