@@ -208,6 +208,13 @@ capabilities:
 
 {{/* Ray metrics and the v4serve worker preStop hook are shared by KubeRay groups and the
      KEDA-scaled Deployments: (dict "ctx" $ "role" "prefill" "standalone" bool) */}}
+{{- /* The custom resources a pool's worker pod advertises (JSON): its role and
+       serving.poolResources[role], which its actors request too (`--prefill/decode-resources`). */}}
+{{- define "v4serve.rayResources" -}}
+{{- $extra := index .ctx.Values.serving.poolResources .role | default dict -}}
+{{- if $extra }}{{ toJson (merge (dict .role 1) (deepCopy $extra)) }}{{ else }}{"{{ .role }}": 1}{{ end -}}
+{{- end }}
+
 {{- define "v4serve.workerPod" -}}
 {{- $ := .ctx }}
 {{- $w := include "v4serve.workerValues" (dict "ctx" $ "role" .role) | fromYaml }}
@@ -252,7 +259,7 @@ spec:
       args:
         - >-
           exec ray start --block --address={{ include "v4serve.rayHeadAddress" $ }}
-          --resources='{"{{ .role }}": 1}' --metrics-export-port=8080 --disable-usage-stats
+          --resources='{{ include "v4serve.rayResources" (dict "ctx" $ "role" .role) }}' --metrics-export-port=8080 --disable-usage-stats
       {{- end }}
       env:
         {{- include "v4serve.rayAuthEnv" $ | nindent 8 }}
