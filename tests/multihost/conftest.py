@@ -21,3 +21,10 @@ def pytest_collection_modifyitems(config, items):
     if why is not None:
         for item in chosen:
             item.add_marker(pytest.mark.skip(reason=f"multi-host test skipped: {why}"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_official_ckpt):
+    from tests.multihost.work import reference
+
+    return reference(tiny_official_ckpt)

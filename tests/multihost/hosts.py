@@ -155,6 +155,16 @@ class Hosts:
         self._procs: list[subprocess.Popen] = []
         self._reaper: subprocess.Popen | None = None
 
+    @classmethod
+    def attach(cls, run_id: str, n: int, subnet: str, log_dir: Path) -> Hosts:
+        """The hosts of run `run_id`, built by another process (which owns and removes them)."""
+        self = cls.__new__(cls)
+        self.run_id, self.subnet, self.limit_s, self.log_dir = run_id, subnet, 0.0, log_dir
+        self.hosts = tuple(Host(i, f"{run_id}-h{i}", f"{subnet}.{i + 1}") for i in range(n))
+        self.bridge = f"{run_id}-br"
+        self._procs, self._reaper = [], None
+        return self
+
     def __enter__(self) -> Self:
         return self.up()
 

@@ -31,6 +31,9 @@ class RayHostsConfig:
     head: int = 0  # the host of the Ray head (no pool resources: drivers and routers only)
     valkey: int = 0  # the host of the registry
     nodes: dict[int, dict[str, float]] = field(default_factory=dict)  # host → its custom resources
+    # the head's custom resources: none by default (drivers and routers only); a test of placement
+    # gives it pool roles without the pin resources, so that an unpinned pool could land there
+    head_resources: dict[str, float] = field(default_factory=dict)
     health_period_s: float = 1.0
     health_failures: int = 5
     join_timeout_s: float = 120.0
@@ -51,7 +54,9 @@ class RayHosts:
             raise ValueError("the head host runs drivers and routers: give pools hosts of their own")
         self.hosts, self.config = hosts, config
         self.base_env = dict(env or {})
-        self.temp_dir = hosts.log_dir / "ray"  # a Ray of its own: never the default /tmp/ray
+        # a Ray of its own, never the default /tmp/ray; a directory per host, as on separate machines
+        # (in a shared one each node's log monitor would publish every node's worker logs)
+        self.temp_dir = hosts.log_dir / "ray"
         self.nodes: dict[int, object] = {}
         self.head = self.valkey = None
         self._starts: dict[int, int] = {}
@@ -83,13 +88,12 @@ class RayHosts:
         self.head = self.hosts.popen(
             c.head, [_ray_bin(), "start", "--head", "--block", "--node-ip-address", self.hosts[c.head].ip,
                      "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard", "false",
-                     "--object-store-memory", str(OBJECT_STORE_BYTES),
-                     "--disable-usage-stats", "--temp-dir", str(self.temp_dir)],
+                     "--object-store-memory", str(OBJECT_STORE_BYTES), "--resources", json.dumps(c.head_resources),
+                     "--disable-usage-stats", "--temp-dir", str(self.temp_dir / f"h{c.head}")],
             env=self.env(**health), log="ray-head.log")
         self._wait_port(c.head, RAY_PORT, "the Ray head")
-        for i in c.nodes:
-            self.start_node(i, wait=False)
-        self.wait_nodes(list(c.nodes))
+        for i in c.nodes:  # one at a time: raylets starting together on a small machine time out
+            self.start_node(i)
         return self
 
     def start_valkey(self) -> None:
@@ -107,7 +111,8 @@ class RayHosts:
         self.nodes[i] = self.hosts.popen(
             i, [_ray_bin(), "start", "--block", "--address", self.gcs_address, "--node-ip-address",
                 self.hosts[i].ip, "--num-cpus", "0", "--resources", json.dumps(self.config.nodes[i]),
-                "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--temp-dir", str(self.temp_dir)],
+                "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats", "--temp-dir",
+                str(self.temp_dir / f"h{i}")],
             env=self.env(), log=f"ray-node-h{i}.{self._starts[i]}.log")
         if wait:
             self.wait_nodes([i])
