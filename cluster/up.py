@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 
 import ray
+from prometheus_client.core import GaugeMetricFamily
 
 from cluster.autoscale_actuator import ActuatorOptions, RayActuator, follow_ray_resources
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
@@ -90,6 +91,7 @@ async def run(options: UpOptions, env: Environment, ready_line=print) -> None:
             raise StartupError(f"the workers serve but did not register in the registry at {cluster.registry_url} "
                                f"within --start-timeout {options.start_timeout_s:g} s: {e}") from None
         actuator = _actuator(options, cluster)
+        backend.metrics.registry.register(_PoolSizes(cluster, actuator))
         supervisor = Supervisor(cluster).start()
         handle = await serve(options.router, backend, backend.metrics)
         ready_line(f"v4serve ready http={handle.http_url} grpc={handle.grpc_target} "
@@ -160,6 +162,24 @@ async def _backend(registry_url: str, model_dir: str, cluster: str, max_tokens: 
                         lambda: {w: backend.index.pages(w) for w in backend.index.workers()})
     await backend.start()
     return backend
+
+
+class _PoolSizes:
+    """v4serve_pool_workers{pool}: the workers the pools owner keeps per pool (the autoscaler's
+    current decision, starting and serving workers; else the fixed size). Only the pools owner
+    exports it, so no sum over routers counts it twice."""
+
+    def __init__(self, cluster: LocalCluster, actuator: RayActuator | None):
+        self.cluster, self.actuator = cluster, actuator
+
+    def collect(self):
+        sizes = (self.actuator.counts() if self.actuator is not None else
+                 {"prefill": len(self.cluster.prefill), "decode": len(self.cluster.decode)})
+        family = GaugeMetricFamily("v4serve_pool_workers", "Workers the pools owner keeps per pool (the "
+                                   "autoscaler's decision).", labels=["pool"])
+        for pool, n in sorted(sizes.items()):
+            family.add_metric([pool], n)
+        yield family
 
 
 def _actuator(options: UpOptions, cluster: LocalCluster) -> RayActuator | None:
