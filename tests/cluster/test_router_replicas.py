@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -52,6 +53,8 @@ class Served:
             self.log.append(line)
             if " ready " in line:
                 self.fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+                # keep reading: the process logs on (workers' stats lines), and a full pipe would block it
+                threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
                 return self
             assert time.time() < deadline, f"{self.args[0]} did not become ready:\n{''.join(self.log[-20:])}"
         raise AssertionError(f"{self.args[0]} exited with {self.proc.wait()}:\n{''.join(self.log[-20:])}")

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -45,9 +46,11 @@ class Up:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         deadline = time.time() + 180
         for line in self.proc.stdout:
-            if "ready" in line:
+            if line.startswith("v4serve ready"):
                 fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
                 self.http, self.grpc = fields["http"], fields["grpc"]
+                # keep reading: the process logs on (workers' stats lines), and a full pipe would block it
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
                 break
             assert time.time() < deadline, "v4serve up did not become ready"
         else:
