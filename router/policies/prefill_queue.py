@@ -9,7 +9,7 @@ bound. Without live prefill workers there is nothing to wait for (the decode wor
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from worker_runtime.wire import WorkerLoad
 
