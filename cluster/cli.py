@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--worker-metrics-port", type=_port, default=0,
                     help="each worker serves /metrics and /health on the first free port from this one (0: any "
                          "free port; the launcher logs each worker's URL)")
+    up.add_argument("--engine-stall-timeout", type=_positive, default=600,
+                    help="a worker's /health fails once one model step has run this many seconds (a wedged "
+                         "engine; the chart's liveness probe restarts it)")
     up.add_argument("--autoscale", choices=("off", "policy", "follow"), default="off",
                     help="policy: grow/shrink the pools on queue depth; follow: one worker per Ray "
                          "prefill/decode resource unit (pods scaled from outside, e.g. KEDA)")
@@ -368,7 +371,8 @@ def cmd_up(args: argparse.Namespace) -> None:
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
                            speculative_tokens=args.speculative_tokens,
                            logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
-                           metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve"),
+                           metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve",
+                                                  stall_s=float(args.engine_stall_timeout)),
                            **_device_options(args))
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
