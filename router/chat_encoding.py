@@ -26,7 +26,7 @@ The decode side, splitting a thinking completion into `reasoning_content` and `c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import NamedTuple
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -90,8 +90,7 @@ class ChatFormatError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):  # a tuple: built per message per request, cheaply
     """One message after validation. A user turn holds `blocks`: ("text", s) or ("tool_result", s,
     tool_call_id); `tools` (function schemas, as the client sent them) ride on a system message."""
 

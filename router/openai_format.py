@@ -60,7 +60,7 @@ class ResponseBuilder:
     tools: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # the worker's text (include_stop_str_in_output only)
     token_ids: list[int] = field(default_factory=list)
     _sent_role: bool = False
 
@@ -79,7 +79,8 @@ class ResponseBuilder:
     def _process(self, token_ids, text: str, finish_reason: str | None) -> tuple[str, str, list]:
         """(reasoning, content, tool call deltas) of a text delta."""
         self.token_ids.extend(token_ids)
-        self.released.append(text)
+        if self.options.include_stop_str:
+            self.released.append(text)
         if finish_reason == "stop" and self.options.include_stop_str:
             text += stop_string_matched(self.tokenizer, self.token_ids, "".join(self.released),
                                         self.options.stop_strings)
