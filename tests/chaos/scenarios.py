@@ -31,6 +31,7 @@ class Scenario:
     allow_errors: bool = False  # reason-coded failures are acceptable here
     split: bool = False  # needs decode-1 behind a network namespace link (netns.py)
     supervised: bool = False  # the bed replaces dead workers, as `v4serve up` does
+    hosts: bool = False  # runs on the bed of several hosts (hosts_bed.py, host_scenarios.py)
 
 
 # --- injection helpers ----------------------------------------------------------------------

@@ -1,14 +1,10 @@
 """Multi-host tests: a cluster of several Ray nodes, each in its own network namespace
 (tests/multihost/hosts.py). They need root; without it, or without iproute2, they are skipped
-with the reason. Marker `multihost` (registered here)."""
+with the reason. Marker `multihost` (pyproject.toml)."""
 
 from __future__ import annotations
 
 import pytest
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "multihost: builds hosts out of network namespaces (needs root, iproute2)")
 
 
 def pytest_collection_modifyitems(config, items):
