@@ -30,6 +30,8 @@ CRD_SCHEMAS = {
     ("ray.io/v1", "RayCluster"): "raycluster.ray.io_v1.json",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh_v1alpha1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com_v1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.monitoring.coreos.com_v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com_v1.json",
 }
 RELEASE, NAMESPACE = "prod", "serving"
 FULL = f"{RELEASE}-v4serve"
@@ -57,7 +59,8 @@ CONFIGS = {
     "no prefill pool": {"serving": {"prefill": 0, "decode": 2}},
     "expert-parallel prefill": {"serving": {"prefill": 4, "prefillEp": 2}},
     "expert-parallel decode on GPUs": {"serving": {"decode": 2, "decodeEp": 2, "device": "cuda"}},
-    "per-pool overrides": {"ray": {"workers": {"nodeSelector": {"gpu": "h200"}},
+    "per-pool overrides": {"serving": {"prefill": 8, "decode": 4},  # pods of 8 and 2 workers
+                           "ray": {"workers": {"nodeSelector": {"gpu": "h200"}},
                                    "prefill": {"gpus": 8, "nodeSelector": {"gpu": "h100"}},
                                    "decode": {"gpus": 2, "shmSize": "128Gi"}}},
     "redis persistence": {"redis": {"internal": {"persistence": {"enabled": True, "storageClass": "fast"},
@@ -73,6 +76,30 @@ CONFIGS = {
                                         "topologyKey": "kubernetes.io/hostname",
                                         "labelSelector": {"matchLabels": {"v4serve.io/component": "router"}}}}]}}},
                      "pools": {"nodeSelector": {"pool": "cpu"}, "podAnnotations": {"team": "serving"}}},
+    "hf weights": {"model": {"source": "hf", "hf": {"uri": "hf://deepseek-ai/DeepSeek-V4-Flash@a1b2c3d",
+                                                    "tokenSecret": "hf-token", "pvc": {"storageClass": "nfs"}}}},
+    "hf weights into your claim": {"model": {"source": "hf", "hf": {"uri": "hf://org/tiny-v4",
+                                                                    "pvc": {"existingClaim": "shared-models"}}}},
+    "worker pod extras": {"ray": {"workers": {
+        "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}, "podLabels": {"team": "llm"},
+        "runtimeClassName": "nvidia", "priorityClassName": "serving-high", "schedulerName": "volcano",
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"v4serve.io/component": "decode"}}}],
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+        "extraVolumes": [{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}],
+        "extraVolumeMounts": [{"name": "ib", "mountPath": "/dev/infiniband"}]},
+        "decode": {"priorityClassName": "serving-critical"}}},
+    "8 gpus per pod": {"serving": {"prefill": 8, "decode": 16}, "ray": {"workers": {"gpus": 8}},
+                       "kvTransfer": {"rdma": {"enabled": True}}},
+    "8 gpus per pod, one expert-parallel group": {"serving": {"prefill": 8, "prefillEp": 8, "decode": 8,
+                                                              "decodeEp": 8}, "ray": {"workers": {"gpus": 8}}},
+    "monitoring and router autoscaling": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+                                          "podMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                                          "prometheusRule": {"enabled": True},
+                                          "router": {"autoscaling": {"enabled": True, "maxReplicas": 6}},
+                                          "ray": {"workers": {"livenessProbe": {"enabled": False}}}},
 }
 
 
@@ -108,7 +135,7 @@ def one(docs, kind, name):
 
 def pod_templates(doc) -> list[tuple[str, dict]]:
     """(where, PodTemplateSpec) of a workload or a RayCluster."""
-    if doc["kind"] in ("Deployment", "StatefulSet"):
+    if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
         return [(doc["metadata"]["name"], doc["spec"]["template"])]
     if doc["kind"] == "RayCluster":
         out = [("head", doc["spec"]["headGroupSpec"]["template"])]
@@ -216,19 +243,20 @@ def test_default_objects(chart):
 
 
 def test_raycluster_worker_groups(chart):
-    docs = render(chart, {"ray": {"workers": {"nodeSelector": {"pool": "gpu"}}, "prefill": {"gpus": 4}}})
+    docs = render(chart, {"serving": {"prefill": 4},
+                          "ray": {"workers": {"nodeSelector": {"pool": "gpu"}}, "prefill": {"gpus": 4}}})
     rc = one(docs, "RayCluster", FULL)
     head = rc["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
     for role, g in groups.items():
-        # KubeRay passes this to `ray start --resources=...`: exactly one slot of the pool's resource
-        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {role: 1}
+        # KubeRay passes this to `ray start --resources=...`: one slot of the pool's resource per GPU
+        gpus = "4" if role == "prefill" else "1"
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {role: int(gpus)}
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 1  # fixed size without autoscaling
         spec = g["template"]["spec"]
         c = spec["containers"][0]
-        gpus = "4" if role == "prefill" else "1"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == gpus
         assert spec["nodeSelector"] == {"pool": "gpu"}
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
@@ -459,7 +487,8 @@ def test_keda(chart):
         dep = one(docs, "Deployment", f"{FULL}-{role}")
         c = dep["spec"]["template"]["spec"]["containers"][0]
         script = c["args"][0]
-        assert f"--resources='{{\"{role}\": 1}}'" in script and "--block" in script
+        resources = next(a for a in shlex.split(script) if a.startswith("--resources="))
+        assert json.loads(resources.split("=", 1)[1]) == {role: 1} and "--block" in script
         assert f"--address={FULL}-head-svc.{NAMESPACE}.svc.cluster.local:6379" in shlex.split(script)
         so = one(docs, "ScaledObject", f"{FULL}-{role}")["spec"]
         assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-{role}"}
@@ -527,6 +556,13 @@ BAD_VALUES = {
     "router extra args not strings": ({"router": {"extraArgs": [3]}}, "/router/extraArgs/0"),
     "unknown device": ({"serving": {"device": "tpu"}}, "/serving/device"),
     "decode graphs not batch sizes": ({"serving": {"decodeGraphs": "1,0"}}, "/serving/decodeGraphs"),
+    "hf uri not hf": ({"model": {"source": "hf", "hf": {"uri": "s3://bucket/model"}}}, "/model/hf/uri"),
+    "hf without a uri": ({"model": {"source": "hf"}}, "/model/hf"),
+    "worker pod unknown field": ({"ray": {"decode": {"hostIPC": True}}}, "/ray/decode"),
+    "spread constraint without a key": ({"ray": {"workers": {"topologySpreadConstraints": [{"maxSkew": 1}]}}},
+                                        "topologySpreadConstraints"),
+    "more than 16 gpus per pod": ({"ray": {"workers": {"gpus": 32}}}, "/ray/workers/gpus"),
+    "engine port too low": ({"serving": {"engineMetricsPort": 80}}, "/serving/engineMetricsPort"),
     "keda threshold of the old name": ({"autoscaling": {"prefill": {"minReplicas": 1, "maxReplicas": 2,
                                                                     "queueDepthPerReplica": 8}}}, "/autoscaling/prefill"),
 }
@@ -554,6 +590,15 @@ BAD_COMBINATIONS = {
                                            "serving.prefillEp > 1 needs autoscaling.mode none"),
     "partial expert-parallel decode group": ({"serving": {"decode": 3, "decodeEp": 2}},
                                              "serving.decode (3) must be a multiple of serving.decodeEp (2)"),
+    "pool not a multiple of the gpus per pod": ({"serving": {"decode": 12}, "ray": {"decode": {"gpus": 8}}},
+                                                "serving.decode (12) must be a multiple of ray.decode.gpus (8)"),
+    "expert-parallel group across part of a pod": ({"serving": {"decode": 12, "decodeEp": 3},
+                                                    "ray": {"decode": {"gpus": 4}}},
+                                                   "an expert-parallel group must fill whole pods"),
+    "several gpus per pod with keda": ({"serving": {"decode": 2}, "ray": {"decode": {"gpus": 2}},
+                                        "autoscaling": {"mode": "keda"}}, "ray.decode.gpus > 1 needs"),
+    "router autoscaling min above max": ({"router": {"autoscaling": {"enabled": True, "minReplicas": 9}}},
+                                         "router.autoscaling: minReplicas (9) > maxReplicas (8)"),
     "expert-parallel decode autoscaled": ({"serving": {"decode": 2, "decodeEp": 2}, "autoscaling": {"mode": "ray"}},
                                           "serving.decodeEp > 1 needs autoscaling.mode none"),
 }

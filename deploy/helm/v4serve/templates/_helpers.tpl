@@ -166,11 +166,27 @@ v4serve.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/* ---- pods --------------------------------------------------------------------------- */}}
+{{/* model.source hf: hf://org/name[@revision] → (dict "repo" "org/name" "revision" "rev" or "") */}}
+{{- define "v4serve.hfModel" -}}
+{{- $ref := trimPrefix "hf://" .Values.model.hf.uri }}
+{{- $parts := splitList "@" $ref }}
+{{- toYaml (dict "repo" (first $parts) "revision" (ternary (last $parts) "" (eq (len $parts) 2))) }}
+{{- end }}
+
+{{/* the claim holding the weights: model.pvc's, or for hf the chart's download volume (or yours) */}}
+{{- define "v4serve.modelClaim" -}}
+{{- if eq .Values.model.source "hf" }}
+{{- .Values.model.hf.pvc.existingClaim | default (printf "%s-models" (include "v4serve.fullname" .)) }}
+{{- else }}
+{{- .Values.model.pvc.claimName }}
+{{- end }}
+{{- end }}
+
 {{- define "v4serve.modelVolume" -}}
 - name: models
-{{- if eq .Values.model.source "pvc" }}
+{{- if has .Values.model.source (list "pvc" "hf") }}
   persistentVolumeClaim:
-    claimName: {{ .Values.model.pvc.claimName }}
+    claimName: {{ include "v4serve.modelClaim" . }}
     readOnly: true
 {{- else }}
   hostPath:
@@ -186,7 +202,10 @@ v4serve.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{- define "v4serve.modelDir" -}}
-{{- if .Values.model.path }}
+{{- if eq .Values.model.source "hf" }}
+{{- $hf := include "v4serve.hfModel" . | fromYaml }}
+{{- printf "%s/hf/%s/%s" (.Values.model.mountPath | trimSuffix "/") $hf.repo ($hf.revision | default "main") }}
+{{- else if .Values.model.path }}
 {{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (.Values.model.path | trimPrefix "/") }}
 {{- else }}
 {{- .Values.model.mountPath }}
@@ -195,11 +214,43 @@ v4serve.io/instance: {{ .Release.Name }}
 
 {{- define "v4serve.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true  # writes go to the /tmp and /dev/shm volumes
 capabilities:
   drop: [ALL]
 {{- if .rdma }}
   add: [IPC_LOCK]  # pinning RDMA-registered memory
 {{- end }}
+{{- end }}
+
+{{- define "v4serve.modelDownloadJob" -}}
+{{ include "v4serve.fullname" . }}-model-download-{{ .Values.model.hf.uri | sha256sum | trunc 8 }}
+{{- end }}
+
+{{/* model.source hf: pods start once the download Job marked the checkpoint complete */}}
+{{- define "v4serve.waitForModel" -}}
+{{- if eq .Values.model.source "hf" -}}
+- name: wait-for-model
+  image: {{ include "v4serve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["/bin/sh", "-c"]
+  args:
+    - >-
+      until [ -f "{{ include "v4serve.modelDir" . }}/.v4serve-download-complete" ]; do
+      echo "waiting for {{ .Values.model.hf.uri }} to be downloaded (Job {{ include "v4serve.modelDownloadJob" . }})";
+      sleep 15; done
+  resources:
+    requests: {cpu: 10m, memory: 32Mi}
+    limits: {memory: 64Mi}
+  securityContext:
+    {{- include "v4serve.containerSecurityContext" (dict "rdma" false) | nindent 4 }}
+  volumeMounts:
+    {{- include "v4serve.modelMount" . | nindent 4 }}
+{{- end }}
+{{- end }}
+
+{{/* the worker pods' engine endpoints: one port per worker of the pod, from engineMetricsPort */}}
+{{- define "v4serve.enginePort" -}}
+{{ .Values.serving.engineMetricsPort }}
 {{- end }}
 
 {{- define "v4serve.httpScheme" -}}
@@ -211,8 +262,12 @@ capabilities:
 {{- /* The custom resources a pool's worker pod advertises (JSON): its role and
        serving.poolResources[role], which its actors request too (`--prefill/decode-resources`). */}}
 {{- define "v4serve.rayResources" -}}
+{{- $w := include "v4serve.workerValues" (dict "ctx" .ctx "role" .role) | fromYaml }}
+{{- $n := int $w.gpus }}
 {{- $extra := index .ctx.Values.serving.poolResources .role | default dict -}}
-{{- if $extra }}{{ toJson (merge (dict .role 1) (deepCopy $extra)) }}{{ else }}{"{{ .role }}": 1}{{ end -}}
+{{- $out := dict .role $n }}
+{{- range $k, $v := $extra }}{{- $_ := set $out $k (mulf $v $n) }}{{- end }}
+{{- toJson $out -}}
 {{- end }}
 
 {{- define "v4serve.workerPod" -}}
@@ -221,13 +276,29 @@ capabilities:
 {{- $kv := $.Values.kvTransfer -}}
 metadata:
   labels:
+    {{- with $w.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     {{- include "v4serve.componentLabels" (dict "ctx" $ "component" .role) | nindent 4 }}
     {{- include "v4serve.rayMemberLabel" $ | nindent 4 }}
+  {{- with $w.podAnnotations }}
+  annotations:  # e.g. k8s.v1.cni.cncf.io/networks for a Multus / SR-IOV RDMA interface
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 spec:
   serviceAccountName: {{ include "v4serve.serviceAccountName" $ }}
   automountServiceAccountToken: false
   securityContext:
     {{- toYaml $.Values.podSecurityContext | nindent 4 }}
+  {{- range $key := list "runtimeClassName" "priorityClassName" "schedulerName" }}
+  {{- with index $w $key }}
+  {{ $key }}: {{ . }}
+  {{- end }}
+  {{- end }}
+  {{- with $w.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- if $kv.hostNetwork }}
   hostNetwork: true
   dnsPolicy: ClusterFirstWithHostNet
@@ -248,6 +319,10 @@ spec:
   {{- with $w.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with include "v4serve.waitForModel" $ }}
+  initContainers:
+    {{- . | nindent 4 }}
   {{- end }}
   containers:
     - name: ray-worker
@@ -274,8 +349,30 @@ spec:
         {{- with $kv.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+        {{- with $w.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        - name: TRITON_CACHE_DIR  # the root filesystem is read-only
+          value: /tmp/triton
       ports:
         - {name: metrics, containerPort: 8080}
+        {{- range $i := until (int $w.gpus) }}
+        - {name: engine-{{ $i }}, containerPort: {{ add (int (include "v4serve.enginePort" $)) $i }}}
+        {{- end }}
+      {{- if $w.livenessProbe.enabled }}
+      livenessProbe:  # a wedged step loop: a worker's /health answers 503 (no worker listening yet is fine)
+        exec:
+          command:
+            - /bin/sh
+            - -c
+            - >-
+              for p in {{ range $i := until (int $w.gpus) }}{{ add (int (include "v4serve.enginePort" $)) $i }} {{ end }}; do
+              wget -q -T {{ $w.livenessProbe.timeoutSeconds }} -O /dev/null "http://127.0.0.1:$p/health";
+              [ $? -eq 8 ] && exit 1; done; exit 0
+        periodSeconds: {{ $w.livenessProbe.periodSeconds }}
+        timeoutSeconds: {{ mul (int $w.livenessProbe.timeoutSeconds) (add1 (int $w.gpus)) }}
+        failureThreshold: {{ $w.livenessProbe.failureThreshold }}
+      {{- end }}
       resources:
         requests:
           {{- range $k, $v := $w.resources.requests }}
@@ -303,6 +400,9 @@ spec:
         - {name: dshm, mountPath: /dev/shm}
         - {name: tmp, mountPath: /tmp}
         {{- include "v4serve.modelMount" $ | nindent 8 }}
+        {{- with $w.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
   volumes:
     - name: dshm
       emptyDir:
@@ -311,6 +411,9 @@ spec:
     - name: tmp
       emptyDir: {}
     {{- include "v4serve.modelVolume" $ | nindent 4 }}
+    {{- with $w.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/* ---- the v4serve processes: pools owner (`v4serve up`) and routers (`v4serve router`) --- */}}
@@ -377,6 +480,10 @@ spec:
   {{- with $pod.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with include "v4serve.waitForModel" $ }}
+  initContainers:
+    {{- . | nindent 4 }}
   {{- end }}
   containers:
     - name: {{ .component }}
