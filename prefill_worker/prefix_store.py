@@ -6,7 +6,8 @@ moves the pages and keeps their reference counts exact.
   the match point copied into the request's state slot. At least one prompt token is always left
   to compute: its logits sample the first token.
 * `snapshot(seq)`: copy of the ratio-4 compress-state slots at a page boundary (the ratio-128 ring
-  holds nothing a 128-aligned boundary needs). Taken where the request may later be matched:
+  holds nothing a 128-aligned boundary needs), and of the MTP slot (the main streams at the
+  boundary's last token, which the MTP layer's next position pairs with). Taken where the request may later be matched:
   the prompt's last page boundary, and where it diverged from the tree (`tree_tokens`).
 * `finish(...)`: insert the prompt's full pages into the tree. The tree takes over the request's
   references to new pages; for pages it already had, the request drops its own.
@@ -21,7 +22,7 @@ from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from prefill_worker.radix_cache import CacheLock, PageRecord, RadixCache
 from worker_runtime.wire import KVEvent
 
-SNAPSHOT_KINDS = ("state_c4", "state_c4_indexer")
+SNAPSHOT_KINDS = ("state_c4", "state_c4_indexer", "state_mtp")
 FULL_KINDS = ("c4", "c128", "c4_indexer")
 
 

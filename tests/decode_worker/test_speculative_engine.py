@@ -7,6 +7,7 @@ tests/worker_runtime/test_in_process_speculation.py."""
 import random
 
 import pytest
+import torch
 
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
@@ -16,6 +17,7 @@ from model.tiny import random_weights, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
 from prefill_worker.engine import PrefillEngine
+from prefill_worker.prefix_store import PrefixStore
 from tests.decode_worker.test_decode_engine import run_all
 from tests.decode_worker.test_migration_engine import move
 from tests.model.test_speculation_fitted import PERIOD, fitted_model
@@ -138,3 +140,30 @@ def test_runs_accepted_whole_end_at_max_tokens_and_stop_tokens_inside_them():
     assert got["stop"][-1] == stop and len(got["stop"]) == 5
     assert e.spec_accepted / e.spec_proposed > 0.8, (e.spec_accepted, e.spec_proposed)
     assert e.pools.num_free() == e.pools.idle_free()
+
+
+def test_a_prefix_cache_hit_gives_the_mtp_layer_of_a_full_prefill(model):
+    """A prompt resumed from a cached prefix at a page boundary b: its first computed chunk pairs
+    the streams at b-1, restored with the compress state from the snapshot, with token b; the MTP
+    layer's window then holds the bytes a prefill without the cache writes."""
+    rng = random.Random(7)
+    shared = [rng.randrange(256) for _ in range(130)]
+    a, b = shared + [1, 2, 3], shared + [rng.randrange(256) for _ in range(8)]
+    pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=512, max_seqs=4, with_mtp=True)
+    pe = PrefillEngine(model, pools, "p0", store=PrefixStore(pools, "p0"))
+    fresh_pools = KVPools(model.cfg, "fp32", page_size=128, max_tokens=512, max_seqs=4, with_mtp=True)
+    fresh = PrefillEngine(model, fresh_pools, "p1")
+    done = {}
+    for engine_, name, prompt in ((pe, "a", a), (pe, "b", b), (fresh, "f", b)):
+        engine_.submit(GenerateRequest(name, tuple(prompt), max_tokens=4))
+        while name not in done:
+            for d in engine_.step():
+                done[d.request_id] = d
+        if name == "a":
+            pe.release(done["a"])  # into the cache
+    assert done["b"].computed_tokens == len(b) - 128  # resumed at the page boundary
+    window = torch.arange(len(b) - 1 - model.cfg.sliding_window, len(b) - 1)  # MTP positions, 127 among them
+    layer = pools.mtp_layer
+    assert torch.equal(pools.read("swa", layer, done["b"].seq.pages["swa"], window),
+                       fresh_pools.read("swa", layer, done["f"].seq.pages["swa"], window))
+    assert done["b"].first_token == done["f"].first_token
