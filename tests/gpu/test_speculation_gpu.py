@@ -1,0 +1,81 @@
+"""Speculative decoding on a GPU replica (device format, Triton kernels, fp8_pack pools), as
+`v4serve up --device cuda --speculative-tokens N` builds it. Verify steps run eagerly: their
+segments of N+1 tokens go through the kernels as prefill chunks do. Without batch-invariant
+kernels (docs/gpu.md) a verify row's logits may differ in the last bits from a single step's, so
+tokens are compared with plain decoding up to a near-tie, not bit for bit."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model.generate import generate
+from model.kv_pool import KVPools
+from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import load_replica
+from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import GenerateRequest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NEW = 24
+
+
+def agree_up_to_a_near_tie(got: list[int], want: list[int], logits: torch.Tensor) -> bool:
+    """Equal, or equal up to a token where plain decoding's top two logits were within 1% of the
+    logits' spread (a choice the last bits of a product can flip)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            row = logits[i].float()
+            top = row.topk(2).values
+            return float(top[0] - top[1]) <= 0.01 * float(row.max() - row.min())
+    return len(got) == len(want)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_speculative_generate_on_the_gpu_agrees_with_plain_decoding(tiny_official_ckpt, n):
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=2,
+                            device="cuda", kernels="triton", speculative_tokens=n)
+    cfg, model, pools = load_replica(options)
+    assert model.mtp and pools.with_mtp
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (150,), generator=g).tolist()
+    plain_pools = KVPools(cfg, "fp8_pack", max_tokens=512, max_seqs=1, device="cuda", with_mtp=True)
+    plain = generate(model, plain_pools, prompt, NEW, SamplingParams(), keep_logits=True)
+    got = generate(model, pools, prompt, NEW, SamplingParams(), speculative_tokens=n)
+    assert agree_up_to_a_near_tie(got.token_ids, plain.token_ids, plain.logits)
+    assert got.proposed > 0
+
+
+def test_speculative_decode_engine_on_the_gpu_returns_every_page(tiny_official_ckpt):
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
+                            device="cuda", kernels="triton", speculative_tokens=2)
+    cfg, model, pools = load_replica(options)
+    engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
+                          DecodeConfig(max_running=4, speculative_tokens=2))
+    g = torch.Generator().manual_seed(0)
+    requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()), max_tokens=NEW,
+                                ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+                for i, k in enumerate((150, 37, 90))]
+    for r in requests:
+        engine.submit(r)
+    tokens = {r.request_id: [] for r in requests}
+    while engine.has_work():
+        for chunk in engine.step():
+            assert chunk.error is None, chunk.error
+            tokens[chunk.request_id] += chunk.token_ids
+    assert all(len(t) == NEW for t in tokens.values())
+    assert engine.spec_proposed > 0
+    assert pools.num_free() == pools.idle_free()
+    # the same requests without speculation: equal up to near-ties (no batch invariance on the GPU)
+    _, _, plain_pools = load_replica(dataclasses.replace(options, speculative_tokens=0))
+    plain = DecodeEngine(model, plain_pools, ByteTokenizer(cfg.vocab_size), "p", DecodeConfig(max_running=4))
+    for r in requests:
+        plain.submit(r)
+    want = {r.request_id: [] for r in requests}
+    while plain.has_work():
+        for chunk in plain.step():
+            want[chunk.request_id] += chunk.token_ids
+    assert all(tokens[r][0] == want[r][0] for r in tokens)  # first tokens: the same prefill step
