@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="file with one API key per line (keeps keys out of the command line)")
     serving.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: HTTPS and gRPC over TLS")
     serving.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    serving.add_argument("--access-log", action="store_true", help="log one line per HTTP request (method, path, "
+                                                                   "status, client)")
 
     up = sub.add_parser("up", parents=[serving],
                         help="start the pools (and Ray, Redis unless RAY_ADDRESS, REDIS_URL name them) and "
@@ -319,7 +321,7 @@ def _router_config(args: argparse.Namespace, model_dir: Path):
                         tokenizer_dir=str(tokenizer_dir(model_dir, args.tokenizer)),
                         generation_defaults=GenerationDefaults.from_model_dir(model_dir),
                         tls_cert=str(args.tls_cert) if args.tls_cert else None,
-                        tls_key=str(args.tls_key) if args.tls_key else None,
+                        tls_key=str(args.tls_key) if args.tls_key else None, access_log=args.access_log,
                         placement=PlacementConfig(remote_prefill_threshold=args.remote_prefill_threshold))
 
 

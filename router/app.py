@@ -113,11 +113,16 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
         http_port = sock.getsockname()[1]
         app = HTTPApp(backend, dispatcher, limits, keys, metrics, config.max_body_bytes, config.body_read_timeout_s)
         head = HeadLimits(config.max_header_bytes, config.max_headers, config.header_read_timeout_s)
-        uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level, access_log=False,
+        uv = uvicorn.Config(app, lifespan="off", log_config=None, log_level=config.log_level,
+                            access_log=config.access_log,
                             ws="none", http=protocol_class(head, dispatcher.rejected),
                             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
                             timeout_graceful_shutdown=config.shutdown_grace_s + _SHUTDOWN_TAIL_S,
                             timeout_keep_alive=30, server_header=False, proxy_headers=False)
+        if config.access_log:  # uvicorn set its loggers to log_level (and an earlier Config may have cut this one off)
+            access = logging.getLogger("uvicorn.access")
+            access.setLevel(logging.INFO)
+            access.propagate = True
         http = _EmbeddedServer(uv)
         http_task = asyncio.create_task(http.serve(sockets=[sock]))
         while not http.started:

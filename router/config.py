@@ -72,6 +72,7 @@ class RouterConfig:
 
     # --- serving
     log_level: str = "warning"
+    access_log: bool = False  # one INFO line per HTTP request (logger uvicorn.access)
     shutdown_grace_s: float = 5.0
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
