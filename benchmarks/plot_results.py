@@ -144,10 +144,10 @@ def kv_transfer() -> None:
 
 def serve_flash() -> None:
     """V4-Flash served on 4× H200, P/D against aggregated: rate per GPU and ITL by concurrency."""
-    r = json.loads((RESULTS / "serve_flash_4xh200.json").read_text())
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label, style in (("pd", "P/D: prefill EP2 + decode EP2", "o-"), ("aggregated", "aggregated: 2 × EP2", "s-")):
-        rows = r[key]
+    for key, label, style in (("pd", "P/D: prefill EP2 + decode EP2", "o-"), ("agg", "aggregated: 2 × EP2", "s-")):
+        run = json.loads((RESULTS / f"serve_flash_4xh200_{key}.json").read_text())
+        rows = [d for d in run["levels"] if d["mode"] == "closed"]
         c = [d["concurrency"] for d in rows]
         left.plot(c, [d["total_tok_s_per_gpu"] for d in rows], style, label=label)
         right.plot(c, [d["itl_ms"]["p50"] for d in rows], style, label=f"{label}, p50")
