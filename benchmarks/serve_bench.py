@@ -177,6 +177,14 @@ class Bench:
         return self.by_rate.get(rate) or await self.level("poisson", rate, self.args.rate_requests)
 
 
+async def warmup_for(session: httpx.AsyncClient, url: str) -> int:
+    """Two warm-up requests per worker the router's /health counts: a worker that never saw a
+    prompt compiles its prefill kernels on its first, which a measured level would otherwise pay
+    (seconds of TTFT on a GPU)."""
+    health = (await session.get(f"{url}/health")).json()
+    return 2 * max(1, health.get("prefill", 0) + health.get("decode", 0))
+
+
 async def main_async(args, tiers: tuple[Tier, ...]) -> dict:
     timeout = httpx.Timeout(args.read_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -186,8 +194,9 @@ async def main_async(args, tiers: tuple[Tier, ...]) -> dict:
             bench.resume(args.resume)
         # sent at once, so the router spreads them over the workers: each worker process compiles
         # and allocates what its first prompt needs before the measured levels
+        warmup = args.warmup if args.warmup is not None else await warmup_for(session, args.url)
         warm = await asyncio.gather(*(one(session, args.url, [random.Random(-1 - i).randrange(2, args.vocab)
-                                                              for _ in range(args.isl)], 4) for i in range(args.warmup)))
+                                                              for _ in range(args.isl)], 4) for i in range(warmup)))
         if any(r["error"] for r in warm):
             raise SystemExit(f"warm-up failed: {[r['error'] for r in warm if r['error']][:3]}")
         for c in args.concurrency:
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--level-budget-s", type=float, default=600.0, help="stop sending new requests after this")
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of the deployment (per-GPU rates)")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests, sent at once (≥ 2 per worker)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up requests, sent at once (default: 2 per worker the router's /health counts)")
     ap.add_argument("--read-timeout-s", type=float, default=600.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=None)

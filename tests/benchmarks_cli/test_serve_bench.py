@@ -301,3 +301,38 @@ def test_the_json_holds_every_level_its_mode_percentiles_attainment_and_the_good
 def test_a_resumed_run_judges_the_stored_levels_and_finds_the_same_goodput(served):
     assert served["resumed"]["goodput"] == served["result"]["goodput"]
     assert len(served["resumed"]["levels"]) == len(served["result"]["levels"])
+
+
+# ---------------------------------------------------------------- the warm-up
+
+
+@pytest.mark.parametrize("health, expected", [({"ok": True, "prefill": 2, "decode": 3}, 10),
+                                              ({"ok": True, "prefill": 0, "decode": 4}, 8),
+                                              ({"ok": False, "prefill": 0, "decode": 0}, 2)])
+def test_the_default_warmup_is_two_requests_per_worker_the_router_counts(health, expected):
+    import http.server
+    import threading
+
+    import httpx
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's name is http.server's)
+            body = json.dumps(health).encode() if self.path == "/health" else b"{}"
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async def ask():
+            async with httpx.AsyncClient() as session:
+                return await serve_bench.warmup_for(session, f"http://127.0.0.1:{server.server_port}")
+        assert asyncio.run(ask()) == expected
+    finally:
+        server.shutdown()
