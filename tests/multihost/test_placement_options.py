@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from cluster.cli import _resources, build_parser
+from cluster.cli_parser import _resources, build_parser
 from cluster.launcher import ClusterOptions
 from worker_runtime.options import WorkerOptions
 
