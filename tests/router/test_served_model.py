@@ -91,3 +91,17 @@ def test_tiny_tokenizer_json_is_the_byte_tokenizer(tmp_path):
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert auto.encode("hé<｜User｜>", add_special_tokens=False) == byte.encode("hé<｜User｜>")
     assert len(auto) == 320 and auto.eos_token_id == 257 and auto.bos_token_id == 256
+
+
+def test_cli_flags_reach_the_router_config(tmp_path):
+    from cluster.cli import _router_config, build_parser
+    d = _ckpt(tmp_path, {"_name_or_path": "org/Model"}, {"temperature": 0.3})
+    args = build_parser().parse_args(["up", "--model", str(d)])
+    cfg = _router_config(args, d)
+    assert (cfg.model_name, cfg.model_aliases) == ("org/Model", ("v4serve",))
+    assert cfg.generation_defaults.temperature == 0.3 and cfg.tokenizer_dir == str(d)
+    write_tiny_tokenizer(tmp_path, 320)
+    args = build_parser().parse_args(["router", "--model", str(d), "--served-model-name", "a", "--served-model-name",
+                                      "b", "--tokenizer", str(tmp_path / "tokenizer.json")])
+    cfg = _router_config(args, d)
+    assert (cfg.model_name, cfg.model_aliases, cfg.tokenizer_dir) == ("a", ("b", "v4serve"), str(tmp_path))
