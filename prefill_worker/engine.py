@@ -87,6 +87,7 @@ class PrefillEngine:
         for job in list(self.waiting):
             if job.req.request_id == request_id:
                 self.waiting.remove(job)
+                self.stats.ended(request_id)
                 return True
         job = self.running.pop(request_id, None)
         if job is None:

@@ -197,10 +197,7 @@ class WorkerMetrics:
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
-            try:
-                load, usage = self.sources.load(), self.sources.kv_usage()
-            except RuntimeError:  # a queue changed while read: the next line has it
-                continue
+            load, usage = _read(self.sources)
             idle = not (load.running or load.waiting or self.stats.prompt_tokens - prompt
                         or self.stats.generation_tokens - generated)
             if idle and was_idle:
@@ -257,10 +254,7 @@ class _Collector:
             c.add_metric(values, value)
             return c
 
-        try:
-            load, usage = m.sources.load(), m.sources.kv_usage()
-        except RuntimeError:  # a queue changed while read (the engine's thread): read once more
-            load, usage = m.sources.load(), m.sources.kv_usage()
+        load, usage = _read(m.sources)
         fullest = max(usage.values(), default=0.0)
         yield gauge("v4serve_engine_requests_running", "Requests in the running batch.", load.running)
         yield gauge("v4serve_engine_requests_waiting", "Requests queued for admission.", load.waiting)
@@ -318,6 +312,18 @@ class _Collector:
                                         "their KV transfer failed.", labels=names)
         fallbacks.add_metric(values, counts.get("fallbacks", 0))
         yield from (done, nbytes, failed, migrations, fallbacks)
+
+
+def _read(sources: Sources, tries: int = 5):
+    """(load, KV usage), read from another thread than the engine's: a queue that changed while
+    it was iterated raises RuntimeError; the next read sees it settled."""
+    for attempt in range(tries):
+        try:
+            return sources.load(), sources.kv_usage()
+        except RuntimeError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.001)
 
 
 def _labelled(families, labels: dict[str, str]):

@@ -164,7 +164,7 @@ class WorkerShell:
         for t in self._tasks:
             t.cancel()
         if self.metrics is not None:
-            self.metrics.stop()
+            await asyncio.to_thread(self.metrics.stop)  # waits for the server's loop to notice
         await asyncio.to_thread(self.registry.deregister, self.worker_id)
 
 

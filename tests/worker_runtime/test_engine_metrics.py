@@ -19,6 +19,7 @@ from model.checkpoint import load_checkpoint
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
+from prefill_worker.engine import PrefillConfig, PrefillEngine
 from worker_runtime.engine_metrics import EngineStats, MetricsOptions, Sources, WorkerMetrics
 from worker_runtime.wire import GenerateRequest
 
@@ -89,6 +90,24 @@ def test_phases_tokens_and_labels(engine):
     assert value("vllm:num_requests_waiting", "vllm:num_requests_waiting") == 0
     assert "v4serve_engine_spec_decode_draft_tokens" not in families  # no speculation ran
     assert engine.stats._phases == {}  # nothing left behind
+
+
+def test_prefill_phases_and_an_abort_while_queued(tiny_official_ckpt):
+    cfg, model = load_checkpoint(tiny_official_ckpt)
+    pools = KVPools(cfg, "fp32", max_tokens=256, max_seqs=4)
+    prefill = PrefillEngine(model, pools, "prefill-0", PrefillConfig(token_budget=64, max_running=1))
+    prefill.submit(request("a", 1))
+    prefill.submit(request("b", 1))  # queued behind a: max_running 1
+    prefill.abort("b")
+    done = []
+    while prefill.has_work():
+        done += prefill.step()
+    assert [d.request_id for d in done] == ["a"]
+    stats = prefill.stats
+    assert stats._phases == {}  # the aborted one left nothing behind either
+    for histogram in (stats.queue_time, stats.prefill_time):  # a's, not b's
+        assert [s.value for s in histogram.collect()[0].samples if s.name.endswith("_count")] == [1]
+    assert stats.prompt_tokens == 20 and stats.generation_tokens == 0 and stats.steps >= 1
 
 
 def test_endpoint_health_and_ports(engine):
