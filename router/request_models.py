@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_SEED = 1 << 64
 MAX_TOP_K = 1 << 31
 
-Float = float
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1, lt=MAX_TOP_K)]
@@ -138,12 +137,12 @@ class _Common(_Strict):
     user: str | None = None
     # known, not implemented: refused at any value other than the neutral one
     n: int | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    repetition_penalty: Float | None = None
-    logit_bias: dict[str, Float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
-    min_p: Float | None = None
+    min_p: float | None = None
     priority: int | None = None
     response_format: dict[str, Any] | None = None
 
