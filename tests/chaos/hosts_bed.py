@@ -12,7 +12,9 @@ Each node has room for one worker of its pool, so a worker whose host crashed is
 the supervisor of `v4serve up`, running here) only once that host is back: the bed reboots a
 crashed host after `REBOOT_S`, as a machine restarting its Ray service would. The GCS declares
 a node dead after HEALTH_FAILURES missed checks a second apart: longer than every partition
-that is meant to heal in place, shorter than the one meant to lose the node.
+from the head that is meant to heal in place, shorter than the one meant to lose the node. The
+decode lease is LEASE_S: a partition of a second or two ends within it even after TCP's
+retransmission backoff, one of 10-12 s does not.
 
 A run of the matrix builds the hosts once (`HostsRig`) and runs each scenario in a process on
 host 0 (`python -m tests.chaos.hosts_bed`), under a cluster name of its own (its registry keys
@@ -42,6 +44,9 @@ DECODE_NODE = {"decode": 1, "v4serve_decode": 1}
 SUBNET = "10.214.0"
 HEALTH_FAILURES = 10  # × 1 s: a node cut off from the head for longer is declared dead
 REBOOT_S = 2.0  # a crashed host's Ray is back this long after the crash
+# the decode reservation's lease here: past TCP's retransmission backoff after a link that came
+# back within a second or two (the local bed's 3 s is shorter than that backoff can be)
+LEASE_S = 8.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,7 +61,7 @@ class HostsBed(Bed):
     runs there), supervised as `v4serve up` supervises its pools."""
 
     def __init__(self, ckpt: Path, config: BedConfig, hosts: Hosts, ray_hosts: RayHosts, name: str):
-        super().__init__(ckpt, replace(config, supervised=True, split=False))
+        super().__init__(ckpt, replace(config, supervised=True, split=False, lease_s=LEASE_S))
         self.hosts, self.ray_hosts, self.name = hosts, ray_hosts, name
         self.extra: dict = {}  # what an injection measured (recovery times), for the report
 
