@@ -1,5 +1,5 @@
-"""`v4serve up` on one of the hosts, joined to the Ray cluster and registry of `RayHosts`
-(RAY_ADDRESS, REDIS_URL), its router listening on that host's address."""
+"""`v4serve up` (or `v4serve router`) on one of the hosts, joined to the Ray cluster and registry
+of `RayHosts` (RAY_ADDRESS, REDIS_URL), its router listening on that host's address."""
 
 from __future__ import annotations
 
@@ -19,16 +19,17 @@ HTTP_PORT, GRPC_PORT = 8000, 50051
 
 
 class UpOnHost:
-    """`v4serve up --model MODEL ARGS...` on host `host`; blocks until its ready line."""
+    """`v4serve COMMAND --model MODEL ARGS...` on host `host` (COMMAND `up`, or `router` to serve
+    the pools an `up` elsewhere owns); blocks until its ready line."""
 
     def __init__(self, hosts: Hosts, ray_hosts: RayHosts, host: int, model_dir: Path, args: list[str],
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, command: str = "up"):
         ip = hosts[host].ip
         self.http, self.grpc = f"http://{ip}:{HTTP_PORT}", f"{ip}:{GRPC_PORT}"
-        self.log = hosts.log_dir / f"up-h{host}.log"
+        self.log = hosts.log_dir / f"{command}-h{host}.log"
         env = ray_hosts.env(XDG_CACHE_HOME=str(hosts.log_dir / "cache"))
         self.proc = hosts.popen(
-            host, [sys.executable, "-m", "cluster.cli", "up", "--model", str(model_dir), "--host", ip,
+            host, [sys.executable, "-m", "cluster.cli", command, "--model", str(model_dir), "--host", ip,
                    "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT), *args],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.ready = ""
@@ -48,7 +49,7 @@ class UpOnHost:
             for line in self.proc.stdout:
                 out.write(line)
                 out.flush()
-                if not self.ready and "v4serve ready" in line:
+                if not self.ready and line.startswith("v4serve") and " ready " in line:
                     self.ready = line.strip()
                     seen.set()
 
