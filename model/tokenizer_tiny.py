@@ -13,6 +13,7 @@ the byte tokenizer, which decodes the runs apart, gives two).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from model.tokenizer import BYTE_SPECIALS
@@ -53,11 +54,18 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     return json.dumps(doc, ensure_ascii=False, indent=1)
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers of a shared model directory (a cached tiny model) see the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_tiny_tokenizer(model_dir: str | Path, vocab_size: int) -> None:
     """tokenizer.json and tokenizer_config.json (for AutoTokenizer) into the model directory."""
     out = Path(model_dir)
-    (out / "tokenizer.json").write_text(tiny_tokenizer_json(vocab_size))
+    _write_atomically(out / "tokenizer.json", tiny_tokenizer_json(vocab_size))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BYTE_SPECIALS[0],
               "eos_token": BYTE_SPECIALS[1], "add_bos_token": False, "add_eos_token": False,
               "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1) + "\n")
+    _write_atomically(out / "tokenizer_config.json", json.dumps(config, ensure_ascii=False, indent=1) + "\n")
