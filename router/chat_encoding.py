@@ -176,6 +176,8 @@ def _merge_user_turns(msgs: list[Message]) -> list[Message]:
             out[-1] = Message("user", blocks=out[-1].blocks + (block,))
         else:
             out.append(Message("user", blocks=(block,)))
+    if sum(m.role == "tool" for m in msgs) < 2:  # no turn with several results to put in order
+        return out
     order: dict[str, int] = {}
     for i, m in enumerate(out):
         if m.role == "assistant" and m.tool_calls:
