@@ -293,7 +293,7 @@ def test_a_request_queued_at_the_prefill_worker_holds_nothing_and_never_expires(
     """await_prefill reserves nothing: however long the prefill worker's queue, no lease runs; the
     pages are reserved when that worker is about to start it, and the KV then arrives verified."""
     p, d = pd
-    req = request("q", 300, seed=8)
+    req = request("q", 40, seed=8)
     free = d.pools.num_free()
     d.inbound.await_prefill(req, None, p.agent.nixl_name)
     with pytest.raises(ValueError, match="already awaited"):
@@ -334,7 +334,7 @@ def test_no_room_at_the_reservation_keeps_it_queued_until_there_is(model):
 @pytest.mark.parametrize("how", ["abort", "prefill_failed"])
 def test_a_queued_request_aborted_or_failed_frees_nothing_it_never_had(model, pd, how):
     p, d = pd
-    req = request(f"x-{how}", 200, seed=11)
+    req = request(f"x-{how}", 40, seed=11)
     d.inbound.await_prefill(req, None, p.agent.nixl_name)
     if how == "abort":
         assert d.inbound.abort(req.request_id).queued
