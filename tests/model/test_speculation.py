@@ -88,10 +88,17 @@ def state_bytes(pools: KVPools, seq: SeqKV) -> dict[str, torch.Tensor]:
     return {k: pools.buffers[k][seq.pages[k][0]].clone() for k in STATE_KINDS if k in pools.kinds_for()}
 
 
-def test_a_rejected_run_leaves_the_pools_as_plain_decoding_does(model):
+@pytest.mark.parametrize("mtp_ratio", [0, 4])
+def test_a_rejected_run_leaves_the_pools_as_plain_decoding_does(model, mtp_ratio):
     """A verify across a ratio-4 and a ratio-128 window end (positions 126..129) whose drafts are
-    all wrong, or right but one: the compress rings and the MTP slot afterwards are the bytes of
-    plain decoding at the same length, and so are the next step's logits."""
+    all wrong, or right but two: the compress rings (the MTP layer's too, when it compresses) and
+    the MTP slot afterwards are the bytes of plain decoding at the same length, and so are the
+    next step's logits."""
+    if mtp_ratio:
+        cfg = tiny_config(compress_ratios=[*model.cfg.compress_ratios, mtp_ratio])
+        model = Transformer(cfg, with_mtp=True)
+        model.load_state_dict(random_weights({k: v.shape for k, v in model.state_dict().items()}, cfg, 0))
+        assert model.cfg.num_hidden_layers in model.cfg.layers_with_ratio(4, with_mtp=True)
     ids = prompt(126, seed=2)
     params = SamplingParams()
     for accept in (0, 2):
