@@ -90,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids")
     gen.add_argument("--max-new-tokens", type=_positive, required=True)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0: greedy (default: the checkpoint's generation_config.json, else 1.0)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling mass (default: generation_config.json, else 1.0)")
+    gen.add_argument("--top-k", type=int, default=None, help="0: no top-k cut (default: generation_config.json, else 0)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--kv-dtype", choices=STORAGE_FORMATS, default="fp32", help="KV cache storage format")
     gen.add_argument("--chunk-size", type=_positive, default=None, help="prefill the prompt in chunks of N tokens")
