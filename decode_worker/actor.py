@@ -125,7 +125,10 @@ class DecodeWorker:
                 "transfers_idle": self.receiver.idle() and not self.sender.holding(),
                 "held": self.receiver.held(), "sending": self.sender.holding(),
                 "fallbacks": self.inbound.counts["fallbacks"], "finished": self.finished,
-                "awaiting": len(self.inbound.awaiting), "running": len(self.engine.running),
+                # KV awaited into reserved pages (a transfer under way or due), and requests queued at
+                # their prefill worker with nothing reserved yet
+                "awaiting": sum(not a.queued for a in self.inbound.awaiting.values()),
+                "queued": sum(a.queued for a in self.inbound.awaiting.values()), "running": len(self.engine.running),
                 "tokens_left": self.engine.tokens_left(),
                 "migrating": len(self.outbound.migrations), "epoch": self.agent.epoch,
                 "router_lost": self.router_lost,
