@@ -105,3 +105,9 @@ def test_cli_flags_reach_the_router_config(tmp_path):
                                       "b", "--tokenizer", str(tmp_path / "tokenizer.json")])
     cfg = _router_config(args, d)
     assert (cfg.model_name, cfg.model_aliases, cfg.tokenizer_dir) == ("a", ("b", "v4serve"), str(tmp_path))
+
+
+def test_generate_leaves_unset_sampling_fields_to_the_checkpoint():
+    from cluster.cli import build_parser
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--max-new-tokens", "1"])
+    assert (args.temperature, args.top_p, args.top_k) == (None, None, None)  # cmd_generate fills them
