@@ -202,7 +202,8 @@ HOST_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("partition_prefill_decode",
              "prefill-0's and decode-0's hosts cut off for 10-12 s (past the lease) during a transfer",
              partition("prefill-0", "decode-0", (10.0, 12.0), "awaiting", 1, "during a transfer"),
-             lambda o: recovered(o, _held_or_expired(o)), hosts=True),
+             # the second wave starts while the link is down: its prefills for decode-0 are cut too
+             lambda o: recovered(o, _held_or_expired(o)), hosts=True, waves_s=5.0),
     Scenario("partition_prefill_decode_within_lease",
              ("prefill-0's and decode-0's hosts cut off for 1-2 s during a transfer (within the lease)"),
              partition("prefill-0", "decode-0", (1.0, 2.0), "awaiting", 1, "during a transfer"),
