@@ -88,7 +88,7 @@ def _device_options(args: argparse.Namespace) -> dict:
     kernels = args.kernels or ("triton" if args.device == "cuda" else "torch")
     graphs = args.decode_graphs
     if graphs is None:
-        capturable = args.device == "cuda" and kernels == "triton" and not args.speculative_tokens
+        capturable = args.device == "cuda" and kernels == "triton"
         graphs = tuple(b for b in DEFAULT_DECODE_GRAPHS if b <= args.max_seqs) if capturable else ()
     if args.device == "cuda" and args.gpus_per_worker <= 0:
         raise CliError("--device cuda needs --gpus-per-worker > 0 (the GPU Ray gives each worker)")

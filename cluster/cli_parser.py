@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model ops (default: triton on cuda, torch on cpu)")
     up.add_argument("--speculative-tokens", type=int, choices=range(4), default=0, metavar="{0..3}",
                     help="decode workers draft N tokens per request and step with the MTP block and verify them "
-                         "in the step (the tokens are those of N = 0, the default; eager steps, no decode graphs)")
+                         "in the step (the tokens are those of N = 0, the default; --decode-graphs then capture "
+                         "verify steps of N+1 tokens a request)")
     up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
                     help="decode batch sizes captured as CUDA graphs, e.g. 1,8,32,64 "
                          "(default on cuda with triton: 1,2,4,8,16,32,64 up to --max-seqs; 'none': eager)")

@@ -80,7 +80,8 @@ class DecodeWorker:
         self.worker_id, self.options = worker_id, options
         cfg, model, self.pools = load_replica(options, options.decode_ep.size > 1)
         # a rank of an expert-parallel group captures its graphs with its peers, once the group formed
-        graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens)
+        graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens,
+                               tokens_per_row=1 + options.speculative_tokens)
                   if options.decode_graphs and options.decode_ep.size == 1 else None)
         tokenizer = load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,

@@ -96,8 +96,9 @@ class DecodeEngine:
                                 "max_running × (1 + speculative tokens) + the prefill token budget")
         if spec:
             speculation.check_model(model, pools)
-            if graphs is not None:
-                raise ValueError("speculative decoding runs its verify steps eagerly: no decode graphs with it")
+        if graphs is not None and graphs.tokens_per_row != 1 + spec:
+            raise ValueError(f"decode graphs of {graphs.tokens_per_row} token(s) a request cannot run the steps of "
+                             f"{spec} speculative token(s) ({1 + spec} a request)")
         self.graphs = graphs
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token

@@ -4,8 +4,11 @@
 * `draft`: at schedule time, every decoding request drafts up to N tokens with the MTP block
   (fewer near its max_tokens: a step never feeds a position past its reservation), and its
   segment becomes the verify segment [last token, drafts...].
-* `verify`: the step's forward runs eagerly with logits at every row of a verify segment and at
-  the last row of the others; one batched sampling draws the target's token at every such row;
+* `verify`: the step's forward, with logits at every row of a verify segment and at the last row
+  of the others: a CUDA graph of the batch's size when every segment verifies N drafts and the
+  worker captured graphs of N+1 tokens a row (`DecodeGraphs.tokens_per_row`; the MTP extension
+  then runs eagerly after the replay), else eagerly; one batched sampling draws the target's
+  token at every such row;
   each verify segment keeps its agreeing prefix plus the target's next token and rolls the pools
   back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
   max_tokens inside an accepted run ends the request there, as it would without speculation.
@@ -43,8 +46,16 @@ def verify(engine, planned) -> list[TokenChunk]:
     rows = [list(range(s.offset, s.offset + s.length)) if p is not None else [s.offset + s.length - 1]
             for s, p in zip(batch.segments, pending)]
     flat = [i for seg_rows in rows for i in seg_rows]
-    logits, streams = engine.model(batch, engine.pools, return_streams=True,
-                                   logit_rows=torch.tensor(flat, device=batch.input_ids.device))
+    graphs = engine.graphs
+    graph = graphs.for_batch(batch) if graphs is not None and all(p is not None for p in pending) else None
+    if graph is not None:  # every row a verify segment of the graph's length: flat is every row, in order
+        logits = graph.run(batch)
+        streams = graph.streams[: len(flat)]
+        engine.model.extend_mtp(streams, batch, engine.pools)
+        graphs.replays += 1
+    else:
+        logits, streams = engine.model(batch, engine.pools, return_streams=True,
+                                       logit_rows=torch.tensor(flat, device=batch.input_ids.device))
     batch.commit()
     out, picked, params, positions, at = [], [], [], [], 0
     for i, (r, yields) in enumerate(owners):

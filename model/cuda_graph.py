@@ -17,6 +17,12 @@ batch, and the GPU would sit idle for it before the replay. `HostStaging` moves
 it into the previous step: right after a replay is queued, the next step's inputs are written
 for the same requests one position on, and when the next batch is exactly that, its step writes
 only the token ids.
+
+A graph of `tokens_per_row` L > 1 is a speculative verify step (`model/speculation.py`): each row
+is one request's segment of L tokens (its last sampled token and L-1 drafts), with logits and
+main streams at every token. The MTP block's extension (`Transformer.extend_mtp`) is not in the
+graph (its inputs are per-request host decisions): `run` returns the streams and the caller runs
+the extension eagerly over the real batch.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from model.kv_pool import ALL_KINDS, KVPools, SeqKV
 class DecodeGraph:
     """One captured decode step for up to `batch_size` requests of up to `max_context` tokens."""
 
-    def __init__(self, model, pools: KVPools, batch_size: int, max_context: int, scratch: SeqKV | None = None):
+    def __init__(self, model, pools: KVPools, batch_size: int, max_context: int, scratch: SeqKV | None = None,
+                 tokens_per_row: int = 1):
         """`scratch`: a request reserved for `max_context` tokens that the padding rows decode
-        (graphs of several buckets share one); by default this graph reserves its own."""
+        (graphs of several buckets share one); by default this graph reserves its own.
+        `tokens_per_row`: L tokens a row (L > 1: a verify step, logits and streams at every token)."""
         if pools.device == "cpu" or torch.device(pools.device).type != "cuda":
             raise ValueError("CUDA graphs need pools on a CUDA device")
         self.model, self.pools, self.B, self.max_context = model, pools, batch_size, max_context
+        self.L = L = tokens_per_row
         device = torch.device(pools.device)
         self.owns_scratch = scratch is None
         self.scratch = SeqKV() if scratch is None else scratch
@@ -46,16 +55,17 @@ class DecodeGraph:
         self.widths.update({k: 1 for k in ALL_KINDS if k not in self.widths})
         B = batch_size
         self.staging = HostStaging(B, [self.widths[k] for k in ALL_KINDS], self.scratch, pools.cfg.sliding_window,
-                                   pools.page_size, pinned=True)
+                                   pools.page_size, pinned=True, tokens_per_row=L)
         # the per-step inputs as views of one device buffer laid out as a `HostInputs` array: a
         # step's inputs arrive in one copy, and only ids and positions are widened to int64 after it
         # (inside the graph)
         self.flat = torch.from_numpy(self.staging.buffers[0].array).to(device)
-        ids, positions, seg_start, seg_end, *tables = self.flat.split([B] * 4 + [B * self.widths[k] for k in ALL_KINDS])
+        ids, positions, seg_start, seg_end, *tables = self.flat.split(
+            [B * L, B * L, B, B] + [B * self.widths[k] for k in ALL_KINDS])
         self.ids = ids.long()
         self.positions = positions.long()
         self.meta = BatchMeta(
-            token_seq=torch.arange(B, dtype=torch.int32, device=device),
+            token_seq=torch.arange(B, dtype=torch.int32, device=device).repeat_interleave(L),
             positions=positions, seg_start=seg_start, seg_end=seg_end,
             tables={k: t.view(B, self.widths[k]) for k, t in zip(ALL_KINDS, tables)},
             max_end=max_context)
@@ -69,27 +79,31 @@ class DecodeGraph:
         self.load_inputs(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
             self._widen()
-            self.model(self.batch, pools, all_logits=True)
+            self.model(self.batch, pools, all_logits=True, return_streams=L > 1)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
+        self.streams = None
         with torch.cuda.graph(self.graph):  # the widening copies are the graph's first nodes
             self._widen()
-            self.logits = self.model(self.batch, pools, all_logits=True)
+            out = self.model(self.batch, pools, all_logits=True, return_streams=L > 1)
+        self.logits, self.streams = out if L > 1 else (out, None)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode batch (one token per segment); the caller commits it."""
+        """Logits [n·L, vocab] of a batch of n segments of L tokens each (L = 1: a decode step); the
+        caller commits it. With L > 1 the step's main streams are `streams[: n·L]` until the next
+        replay."""
         segs = batch.segments
         # (one pass over the rows: until the replay is queued the GPU waits on the host)
-        if len(segs) > self.B or any(s.length != 1 or s.end > self.max_context for s in segs):
-            if len(segs) > self.B or any(s.length != 1 for s in segs):
-                raise ValueError(f"a decode graph of {self.B} rows runs up to {self.B} one-token segments, "
-                                 f"got {[s.length for s in segs]}")
+        if len(segs) > self.B or any(s.length != self.L or s.end > self.max_context for s in segs):
+            if len(segs) > self.B or any(s.length != self.L for s in segs):
+                raise ValueError(f"a decode graph of {self.B} rows runs up to {self.B} segments of {self.L} "
+                                 f"token(s), got {[s.length for s in segs]}")
             raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
         rows = self.staging.rows(segs)
         staged = self.load_inputs(rows, list(batch.host_ids) if batch.host_ids else batch.input_ids.tolist())
         self.graph.replay()
         self._stage_next(rows, staged)
-        return self.logits[: len(segs)]
+        return self.logits[: len(segs) * self.L]
 
     def run_padding(self) -> None:
         """Replay with padding rows alone: a rank of an expert-parallel group without a request
@@ -112,8 +126,9 @@ class DecodeGraph:
 
     def _widen(self) -> None:
         """ids and positions from `flat`'s int32 into the int64 tensors the model reads."""
-        self.ids.copy_(self.flat[:self.B])
-        self.positions.copy_(self.flat[self.B:2 * self.B])
+        n = self.B * self.L
+        self.ids.copy_(self.flat[:n])
+        self.positions.copy_(self.flat[n:2 * n])
 
     def _stage_next(self, rows: list[tuple[SeqKV, int]], staged: bool) -> None:
         """While the GPU runs the step just queued: check the staged tables it read, then stage the
@@ -129,26 +144,26 @@ class DecodeGraph:
 
 
 class HostInputs:
-    """The host side of a decode graph's per-step inputs: one int32 array laid out as ids [B],
-    positions [B], segment starts [B], segment ends [B], then each kind's page table [B, width]
-    padded with -1, sent to the GPU in one copy per step (`pinned`: the array is page-locked
-    memory, which the copy reads asynchronously).
+    """The host side of a decode graph's per-step inputs: one int32 array laid out as ids [B·L],
+    positions [B·L] (L tokens a row, row-major), segment starts [B], segment ends [B], then each
+    kind's page table [B, width] padded with -1, sent to the GPU in one copy per step (`pinned`:
+    the array is page-locked memory, which the copy reads asynchronously).
 
     A table row is rewritten only when its request's page list differs from the one it was last
     written from (a list comparison, in C): a decode step changes few rows, while building every
     row afresh at 256 requests × 32K tokens (5 kinds × 128 pages a row) takes as long as a GPU
     step."""
 
-    def __init__(self, rows: int, widths: list[int], pinned: bool = False):
-        self.rows, self.widths = rows, widths
-        size = 4 * rows + rows * sum(widths)
+    def __init__(self, rows: int, widths: list[int], pinned: bool = False, tokens_per_row: int = 1):
+        self.rows, self.widths, self.L = rows, widths, tokens_per_row
+        size = 2 * rows * tokens_per_row + 2 * rows + rows * sum(widths)
         self.array: np.ndarray = (torch.full((size,), -1, dtype=torch.int32, pin_memory=True).numpy() if pinned
                                   else np.full(size, -1, dtype=np.int32))
         self._written: list[list[list[int] | None]] = [[None] * rows for _ in widths]
 
     def table(self, kind: int) -> np.ndarray:
         """Kind `kind`'s page table [rows, width] (a view into `array`)."""
-        start = 4 * self.rows + self.rows * sum(self.widths[:kind])
+        start = 2 * self.rows * self.L + 2 * self.rows + self.rows * sum(self.widths[:kind])
         return self.array[start:start + self.rows * self.widths[kind]].reshape(self.rows, self.widths[kind])
 
     def update_tables(self, pages: list[list[list[int]]]) -> None:
@@ -185,16 +200,19 @@ class HostStaging:
     and raises on any other change rather than let a step read another request's pages unseen."""
 
     def __init__(self, rows: int, widths: list[int], scratch: SeqKV, window: int, page_size: int,
-                 pinned: bool = False):
-        """`window`, `page_size`: the model's sliding window and the pools' tokens per SWA page."""
-        self.buffers = [HostInputs(rows, widths, pinned) for _ in range(2)]
+                 pinned: bool = False, tokens_per_row: int = 1):
+        """`window`, `page_size`: the model's sliding window and the pools' tokens per SWA page.
+        `tokens_per_row` L: a row is a segment of L tokens; the next step is staged L positions on
+        (every draft accepted), and loaded afresh when fewer were."""
+        self.buffers = [HostInputs(rows, widths, pinned, tokens_per_row) for _ in range(2)]
+        self.L = tokens_per_row
         self.scratch, self.window, self.page_size = scratch, window, page_size
         self.current = 0  # the buffer the next step's inputs go in
         self.staged: list[tuple[SeqKV, int]] | None = None  # the rows `buffers[current]` holds
         self.hits = 0  # steps that found their inputs staged
 
     def rows(self, segs) -> list[tuple[SeqKV, int]]:
-        """(request, position) of every row of a step of one-token segments `segs`, padded with
+        """(request, first position) of every row of a step of L-token segments `segs`, padded with
         the scratch request at position 0."""
         rows = [(s.seq, s.start) for s in segs]
         return rows + [(self.scratch, 0)] * (self.buffers[0].rows - len(rows))
@@ -203,9 +221,9 @@ class HostStaging:
         """Write a step's inputs into `buffers[current]` (its last copy done); True when they were
         staged and only the ids were written."""
         host = self.buffers[self.current]
-        B, a = host.rows, host.array
+        n, a = host.rows * self.L, host.array
         staged = rows == self.staged  # in C: requests by identity (SeqKV), positions by value
-        a[:B] = ids + [0] * (B - len(ids))
+        a[:n] = ids + [0] * (n - len(ids))
         if staged:
             self.hits += 1
         else:
@@ -231,14 +249,15 @@ class HostStaging:
         """After loading `buffers[current]` for `rows`: switch buffers and stage the same rows one
         position on in the other (its last copy done)."""
         self.current ^= 1
-        self.staged = [(seq, 0 if seq is self.scratch else p + 1) for seq, p in rows]
+        self.staged = [(seq, 0 if seq is self.scratch else p + self.L) for seq, p in rows]
         _write_rows(self.buffers[self.current], self.staged)
 
 
 def _write_rows(host: HostInputs, rows: list[tuple[SeqKV, int]]) -> None:
-    """Positions, one-token segment bounds and page tables of `rows` into `host` (ids aside)."""
-    B, a = host.rows, host.array
-    a[B:2 * B] = [p for _, p in rows]
-    a[2 * B:3 * B] = a[B:2 * B]  # one-token segments start at their position
-    a[3 * B:4 * B] = [p + 1 for _, p in rows]
+    """Positions, L-token segment bounds and page tables of `rows` into `host` (ids aside)."""
+    B, L, a = host.rows, host.L, host.array
+    n = B * L
+    a[n:2 * n] = [p + j for _, p in rows for j in range(L)]
+    a[2 * n:2 * n + B] = [p for _, p in rows]
+    a[2 * n + B:2 * n + 2 * B] = [p + L for _, p in rows]
     host.update_tables([[seq.pages[k] for seq, _ in rows] for k in ALL_KINDS])

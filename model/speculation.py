@@ -19,7 +19,7 @@ A request at n cached tokens whose last sampled token x_n is fed next takes one 
   every rejected position; the MTP slot takes the main streams at the last kept position.
 
 A chain writes the MTP layer at positions n-1..n+k-2 with drafted inputs; the verify's forward
-rewrites n-1..n+k-1 from the main streams (`Transformer._extend_mtp`), and the roll-back restores
+rewrites n-1..n+k-1 from the main streams (`Transformer.extend_mtp`), and the roll-back restores
 the MTP layer's rows from position n+a on, which it holds for n+a+1 cached tokens.
 """
 

@@ -141,7 +141,7 @@ class Transformer(nn.Module):
 
         Writes the batch's KV into `pools`; the caller then calls `batch.commit()`. When the model
         has its MTP block and the pools hold its layer, the step also runs the MTP block over the
-        positions the new tokens complete (`_extend_mtp`), so its KV keeps up with the main layers'.
+        positions the new tokens complete (`extend_mtp`), so its KV keeps up with the main layers'.
         With `return_streams` also returns the final residual streams [T, hc, D] (the MTP input).
         """
         self.check_step_tokens(batch.input_ids.shape[0], "the batch")
@@ -153,7 +153,7 @@ class Transformer(nn.Module):
         # the head reads `res` as it would without the MTP block: its logits do not depend on it
         streams = mhc.settle(res, self.impl) if return_streams or extend else None
         if extend:
-            self._extend_mtp(streams, batch, pools)
+            self.extend_mtp(streams, batch, pools)
         if logit_rows is None:
             logit_rows = slice(None) if all_logits else batch.last_rows
         c = self.cfg
@@ -162,7 +162,7 @@ class Transformer(nn.Module):
         logits = self.head(h).float()
         return (logits, streams) if return_streams else logits
 
-    def _extend_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
+    def extend_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
         """MTP position t pairs the main streams at t with token t+1, so a segment of tokens at
         [s, e) completes MTP positions [s-1, e-1): the first pairs the streams at s-1, kept in the
         request's `state_mtp` slot since the step before, with token s. The slot then takes the

@@ -66,22 +66,25 @@ class DecodeGraphs:
     request replays the agreed bucket's graph on padding rows alone, so its exchanges match."""
 
     def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, tokens_per_row: int = 1):
         self.scratch = SeqKV()
         pools.reserve(self.scratch, max_context)
         self.graphs = []
         for b in buckets:
             if expert_parallel:
                 set_capacity(model, b)
-            self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch))
+            self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch,
+                                           tokens_per_row=tokens_per_row))
         if expert_parallel:
             set_capacity(model, 0)
+        self.tokens_per_row = tokens_per_row  # > 1: speculative verify steps of that many tokens a request
         self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
 
     def for_batch(self, batch) -> DecodeGraph | None:
-        """The smallest graph that runs `batch`, or None (a prefill chunk in it, or too many rows)."""
+        """The smallest graph that runs `batch`, or None (a prefill chunk in it, a verify segment of
+        fewer drafts, or too many rows)."""
         segs = batch.segments
-        if any(s.length != 1 for s in segs):
+        if any(s.length != self.tokens_per_row for s in segs):
             return None
         return self.for_rows(len(segs))
 

@@ -98,8 +98,6 @@ class WorkerOptions:
                 raise ValueError(f"decode_graphs must be increasing positive batch sizes, got {self.decode_graphs}")
         if not 0 <= self.speculative_tokens <= 3:
             raise ValueError(f"speculative_tokens must be in 0..3 (0: off), got {self.speculative_tokens}")
-        if self.speculative_tokens and self.decode_graphs:
-            raise ValueError("speculative_tokens runs decode steps eagerly: it cannot be combined with decode_graphs")
         if self.speculative_tokens and self.decode_ep.size > 1:
             raise ValueError("speculative_tokens is not supported with an expert-parallel decode pool (decode_ep)")
         for name in ("prefill_ep", "decode_ep"):

@@ -1,12 +1,11 @@
-"""`--speculative-tokens` on `v4serve up` and `generate`: 0..3, into the workers' options; with
-it a GPU cluster captures no decode graphs by default (verify steps run eagerly), and options
-that cannot serve it are refused with the reason."""
+"""`--speculative-tokens` on `v4serve up` and `generate`: 0..3, into the workers' options, and
+options that cannot serve it are refused with the reason."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.cli import _device_options, build_parser
+from cluster.cli_parser import build_parser
 from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
 
@@ -20,17 +19,8 @@ def test_the_flag_takes_0_to_3_and_defaults_to_off(command, capsys):
     assert "--speculative-tokens" in capsys.readouterr().err
 
 
-def test_a_speculative_gpu_cluster_captures_no_decode_graphs_by_default():
-    args = build_parser().parse_args(["up", "--device", "cuda", "--gpus-per-worker", "1", "--speculative-tokens", "2"])
-    assert _device_options(args)["decode_graphs"] == ()
-    plain = build_parser().parse_args(["up", "--device", "cuda", "--gpus-per-worker", "1"])
-    assert _device_options(plain)["decode_graphs"] != ()
-
-
 def test_worker_options_refuse_what_speculation_cannot_serve():
     with pytest.raises(ValueError, match="0..3"):
         WorkerOptions("m", "", speculative_tokens=4)
-    with pytest.raises(ValueError, match="decode_graphs"):
-        WorkerOptions("m", "", device="cuda", kernels="triton", decode_graphs=(1, 2), speculative_tokens=1)
     with pytest.raises(ValueError, match="expert-parallel"):
         WorkerOptions("m", "", decode_ep=ExpertParallelOptions(size=2), speculative_tokens=1)

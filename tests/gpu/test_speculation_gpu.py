@@ -1,8 +1,9 @@
 """Speculative decoding on a GPU replica (device format, Triton kernels, fp8_pack pools), as
-`v4serve up --device cuda --speculative-tokens N` builds it. Verify steps run eagerly: their
-segments of N+1 tokens go through the kernels as prefill chunks do. Without batch-invariant
-kernels (docs/gpu.md) a verify row's logits may differ in the last bits from a single step's, so
-tokens are compared with plain decoding up to a near-tie, not bit for bit."""
+`v4serve up --device cuda --speculative-tokens N` builds it. A verify step's segments of N+1
+tokens go through the kernels eagerly as prefill chunks do, or replay a decode graph of N+1 tokens
+a request. Without batch-invariant kernels (docs/gpu.md) a verify row's logits may differ in the
+last bits from a single step's, so tokens are compared with plain decoding up to a near-tie, not
+bit for bit."""
 
 import dataclasses
 
@@ -14,7 +15,7 @@ from model.generate import generate
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
-from worker_runtime.model_loader import load_replica
+from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.wire import GenerateRequest
 
@@ -79,3 +80,40 @@ def test_speculative_decode_engine_on_the_gpu_returns_every_page(tiny_official_c
         for chunk in plain.step():
             want[chunk.request_id] += chunk.token_ids
     assert all(tokens[r][0] == want[r][0] for r in tokens)  # first tokens: the same prefill step
+
+
+def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt):
+    """Decode graphs captured as verify steps of N+1 = 3 tokens a request: every step whose
+    requests all verify two drafts replays one (then extends the MTP layer eagerly), the others
+    run eagerly; every request gets its tokens, pages come back (the scratch request stays held),
+    and the tokens match an eager speculative replica up to near-ties."""
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
+                            device="cuda", kernels="triton", speculative_tokens=2, decode_graphs=(1, 2, 4))
+    cfg, model, pools = load_replica(options)
+    graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=3)
+    engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
+                          DecodeConfig(max_running=4, speculative_tokens=2), graphs)
+    g = torch.Generator().manual_seed(2)
+    requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()), max_tokens=NEW,
+                                ignore_eos=True) for i, k in enumerate((150, 37, 90))]
+    for r in requests:
+        engine.submit(r)
+    tokens = {r.request_id: [] for r in requests}
+    while engine.has_work():
+        for chunk in engine.step():
+            assert chunk.error is None, chunk.error
+            tokens[chunk.request_id] += chunk.token_ids
+    assert all(len(t) == NEW for t in tokens.values())
+    assert graphs.replays > 0
+    assert pools.num_free() == engine.idle_free() and engine.idle_free() != pools.idle_free()
+    _, _, eager_pools = load_replica(dataclasses.replace(options, decode_graphs=()))
+    eager = DecodeEngine(model, eager_pools, ByteTokenizer(cfg.vocab_size), "e",
+                         DecodeConfig(max_running=4, speculative_tokens=2))
+    for r in requests:
+        eager.submit(r)
+    want = {r.request_id: [] for r in requests}
+    while eager.has_work():
+        for chunk in eager.step():
+            want[chunk.request_id] += chunk.token_ids
+    assert all(tokens[r][0] == want[r][0] for r in tokens)  # first tokens: the same prefill step
+    assert sum(tokens[r] == want[r] for r in tokens) >= 2

@@ -146,3 +146,25 @@ def test_a_staged_step_raises_when_a_page_it_reads_changed():
     assert staging.load(rows, [2])
     with pytest.raises(RuntimeError, match="its swa pages changed"):
         staging.check(rows)
+
+
+def test_verify_rows_of_several_tokens_are_laid_out_row_major_and_staged_for_all_accepted():
+    """A verify graph's rows (`tokens_per_row` 3): ids and positions for every token, row-major,
+    one segment [p, p+3) a row; the next step is staged 3 positions on, which a step that accepted
+    every draft finds, and one that accepted fewer rewrites."""
+    rng = random.Random(9)
+    B, L = 3, 3
+    staging = HostStaging(B, WIDTHS, request(rng, 0), WINDOW, PAGE, tokens_per_row=L)
+    seqs = [request(rng, p) for p in (300, 517)]
+    for step, advance in enumerate((L, 1, L, L)):  # accepted: all, none, all
+        rows = staging.rows([Segment(seq, seq.num_tokens, L, i * L) for i, seq in enumerate(seqs)])
+        ids = [rng.randrange(1000) for _ in range(len(seqs) * L)]
+        assert staging.load(rows, ids) == (step in (1, 3))  # found staged after a step that accepted all
+        a, n = staging.buffers[staging.current].array, B * L
+        assert a[:n].tolist() == ids + [0] * L
+        starts = [s.num_tokens for s in seqs] + [0]
+        assert a[n:2 * n].tolist() == [p + j for p in starts for j in range(L)]
+        assert a[2 * n:2 * n + B].tolist() == starts and a[2 * n + B:2 * n + 2 * B].tolist() == [p + L for p in starts]
+        staging.stage_next(rows)
+        for seq in seqs:
+            seq.num_tokens += advance
