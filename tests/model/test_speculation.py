@@ -129,7 +129,7 @@ def test_a_rejected_run_leaves_the_pools_as_plain_decoding_does(model, mtp_ratio
 
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, seed=11)
-CASES = [(GREEDY, 1), (GREEDY, 3), (SAMPLED, 2)]  # the rest of the matrix: exhaustive
+CASES = [(GREEDY, 3), (SAMPLED, 2)]  # the rest of the matrix: exhaustive (CI is near its time cap)
 ALL_CASES = [(p, n) for p in (GREEDY, SAMPLED) for n in (1, 2, 3) if (p, n) not in CASES]
 REFERENCES: dict[SamplingParams, object] = {}  # plain generate's answer per sampling, computed once
 
