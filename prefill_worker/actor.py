@@ -192,8 +192,9 @@ class PrefillWorker:
     async def _ask(self, d: Delivery, ask: int, decode_id: str) -> None:
         try:
             decode = await asyncio.to_thread(self.shell.get_actor, decode_id)
-            reply = await decode.reserve_for_prefill.remote(d.request_id)
-        except Exception as e:  # the decode worker is gone: nothing was computed or reserved for it
+            # an answer later than a lease would find the reservation expired there: give up on it
+            reply = await asyncio.wait_for(decode.reserve_for_prefill.remote(d.request_id), self.options.lease_s)
+        except Exception as e:  # the decode worker is gone or cut off: nothing was computed here for it
             log.warning("asking %s for the target of %s failed: %s", decode_id, d.request_id, e)
             reply = TargetReply(None, "gone")
         self.commands.put(lambda: self._answered(d, ask, reply))
