@@ -6,6 +6,7 @@ transfer, its last chunk written layer by layer as the forward computes it. Zero
 request's tokens equal `generate`'s, pages idle at the end."""
 
 import asyncio
+import math
 import random
 import time
 
@@ -19,6 +20,8 @@ from model.checkpoint import load_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
+from prefill_worker.engine import PrefillConfig, PrefillEngine  # noqa: E402
+from worker_runtime.wire import GenerateRequest  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 from prefill_worker.actor import PrefillWorker  # noqa: E402
 from router.app import serve  # noqa: E402
@@ -31,6 +34,8 @@ from worker_runtime.registry import Registry  # noqa: E402
 
 MAX_TOKENS = 512
 LEASE_S = 3.0
+BUDGET = 64  # prefill tokens per step
+PROMPT = 64  # tokens per prompt: one step each
 
 
 @pytest.fixture
@@ -46,6 +51,20 @@ def reference(cfg, model, prompt, max_tokens):
     pools = KVPools(cfg, "fp32", max_tokens=MAX_TOKENS, max_seqs=1)
     return generate(model, pools, list(prompt), max_tokens, SamplingParams(temperature=0.0),
                     stop_ids=frozenset({cfg.eos_token_id})).token_ids
+
+
+def step_seconds(cfg, model) -> float:
+    """The fastest of a few prefill steps of BUDGET tokens on this machine (the queue's length
+    scales with it, so that a fast machine still holds the queue for more than two leases)."""
+    engine = PrefillEngine(model, KVPools(cfg, "fp32", max_tokens=MAX_TOKENS, max_seqs=1), "probe",
+                           PrefillConfig(token_budget=BUDGET, max_running=1))
+    times = []
+    for i in range(4):
+        engine.submit(GenerateRequest(f"probe-{i}", tuple(range(2, 2 + BUDGET)), 1))
+        t = time.perf_counter()
+        engine.release(engine.step()[0])
+        times.append(time.perf_counter() - t)
+    return min(times[1:])
 
 
 def decode_prefills(text: str) -> dict[str, float]:
@@ -65,10 +84,13 @@ def decode_prefills(text: str) -> dict[str, float]:
 def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_side(tiny_official_ckpt,
                                                                                     registry_url, layer_stream):
     cfg, model = load_checkpoint(tiny_official_ckpt)
+    # a prompt's own step and the two it may wait once its target is asked for take ~0.5 s of the
+    # 3 s lease here (room for a loaded machine); the queue holds prefill work for 2.2 leases
+    n = min(max(math.ceil(2.2 * LEASE_S / step_seconds(cfg, model)), 20), 60)
     rng = random.Random(50)
-    prompts = [[rng.randrange(256) for _ in range(rng.randrange(180, 220))] for _ in range(14)]
+    prompts = [[rng.randrange(256) for _ in range(PROMPT)] for _ in range(n)]
     options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="busy", max_tokens=MAX_TOKENS,
-                            max_seqs=16, prefill_token_budget=64, heartbeat_s=0.2, lease_s=LEASE_S,
+                            max_seqs=16, prefill_token_budget=BUDGET, heartbeat_s=0.2, lease_s=LEASE_S,
                             prefix_cache=False, prefill_layer_stream=layer_stream)
 
     async def run():
