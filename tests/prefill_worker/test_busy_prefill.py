@@ -20,10 +20,9 @@ from model.checkpoint import load_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
-from prefill_worker.engine import PrefillConfig, PrefillEngine  # noqa: E402
-from worker_runtime.wire import GenerateRequest  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 from prefill_worker.actor import PrefillWorker  # noqa: E402
+from prefill_worker.engine import PrefillConfig, PrefillEngine  # noqa: E402
 from router.app import serve  # noqa: E402
 from router.cluster_backend import ClusterBackend  # noqa: E402
 from router.config import PlacementConfig, RouterConfig  # noqa: E402
@@ -31,6 +30,7 @@ from router.metrics import RouterMetrics  # noqa: E402
 from worker_runtime.in_process import InProcess  # noqa: E402
 from worker_runtime.options import WorkerOptions  # noqa: E402
 from worker_runtime.registry import Registry  # noqa: E402
+from worker_runtime.wire import GenerateRequest  # noqa: E402
 
 MAX_TOKENS = 512
 LEASE_S = 3.0
