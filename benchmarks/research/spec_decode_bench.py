@@ -1,0 +1,130 @@
+"""Speculative decoding in the decode engine at a forced acceptance rate, against the same engine
+without speculation: time per output token and per step at each concurrency (dummy V4-Flash
+layers with the MTP block on one GPU; `--device cpu`: the tiny model on the reference path).
+
+Random weights accept no drafts, so acceptance is forced: a plain run first records every
+request's tokens; in the speculative run each draft, once the MTP block has run, is replaced by
+the recorded token at its position with probability p, else by another token. The target's
+verify decides as always, so a draft is accepted where the verify rows give the recorded tokens
+(on a GPU without batch invariance a near-tie may flip one: the measured rate is reported). The
+rate is per draft, so at depth N a step emits 1 + p + p² + ... + p^N tokens on average.
+
+    python benchmarks/research/spec_decode_bench.py --layers 8 --concurrency 1 16 64 --n 1 2 --accept 0.6 0.8 0.9
+    python benchmarks/research/spec_decode_bench.py --device cpu --concurrency 1 2 --n 1 --accept 0.8 --new 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model import speculation
+from model.dummy_weights import dummy_model
+from model.kv_pool import KVPools
+from model.tiny import flash_config, tiny_config
+from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import DecodeGraphs
+from worker_runtime.wire import GenerateRequest, RequestState
+
+
+def run(engine: DecodeEngine, requests: list[GenerateRequest], sync) -> tuple[dict[str, list[int]], float, int, int]:
+    """Serve `requests` together: (tokens per request, seconds of steps where all decode, their
+    steps, the tokens those steps emitted)."""
+    for r in requests:
+        engine.submit(r)
+    tokens = {r.request_id: [] for r in requests}
+    seconds = steps = emitted = 0
+    while engine.has_work():
+        decoding = all(x.state is RequestState.DECODING for x in engine.running.values()) and not engine.waiting
+        sync()
+        t = time.perf_counter()
+        chunks = engine.step()
+        sync()
+        if decoding:
+            seconds += time.perf_counter() - t
+            steps += 1
+            emitted += sum(len(c.token_ids) for c in chunks)
+        for c in chunks:
+            tokens[c.request_id] += c.token_ids
+    return tokens, seconds, steps, emitted
+
+
+def forcing(real, engine: DecodeEngine, recorded: dict[str, list[int]], p: float, vocab: int, rng: random.Random):
+    """`real` (speculation.draft) with each draft replaced by the recorded token with probability p."""
+
+    def draft(model, pools, requests):
+        owner = {id(r.seq): r for r in engine.running.values()}
+        out = []
+        for pend in real(model, pools, requests):
+            r = owner[id(pend.seq)]
+            base = pend.start + 1 - len(r.req.prompt_ids)  # generated index of the first draft's position
+            want = recorded[r.req.request_id]
+            drafts = tuple(want[base + k] if base + k < len(want) and rng.random() < p else (d + 1) % vocab
+                           for k, d in enumerate(pend.drafts))
+            out.append(dataclasses.replace(pend, drafts=drafts))
+        return out
+
+    return draft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--layers", type=int, default=8, help="V4-Flash layers (cuda)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 2], help="speculative tokens")
+    ap.add_argument("--accept", type=float, nargs="+", default=[0.6, 0.8, 0.9])
+    ap.add_argument("--isl", type=int, default=512)
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--graphs", action="store_true", help="capture decode graphs (verify buckets with N > 0)")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    cfg = flash_config(args.layers) if cuda else tiny_config()
+    model = dummy_model(cfg, "triton" if cuda else "torch", args.device, act_fp8=cuda, with_mtp=True)
+    fmt = "fp8_pack" if cuda else "fp32"
+    max_tokens = args.isl + args.new + 8
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rng = random.Random(0)
+    real_draft = speculation.draft
+    for c in args.concurrency:
+        requests = [GenerateRequest(f"r{i}", tuple(rng.randrange(2, 256) for _ in range(args.isl)),
+                                    max_tokens=args.new, ignore_eos=True) for i in range(c)]
+
+        def engine(n: int, c: int = c) -> DecodeEngine:
+            pools = KVPools(cfg, fmt, max_tokens=max_tokens, max_seqs=c + 1, device=args.device, with_mtp=True)
+            buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= c) or (1,)
+            graphs = DecodeGraphs(model, pools, buckets, max_tokens, tokens_per_row=n + 1) if args.graphs else None
+            return DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
+                                DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n),
+                                graphs)
+
+        recorded, secs, steps, emitted = run(engine(0), requests, sync)
+        base = secs / emitted
+        print(json.dumps({"concurrency": c, "n": 0, "tpot_ms": base * 1e3 * c, "step_ms": secs / steps * 1e3,
+                          "tokens_per_step": emitted / steps}), flush=True)
+        for n in args.n:
+            for p in args.accept:
+                e = engine(n)
+                speculation.draft = forcing(real_draft, e, recorded, p, cfg.vocab_size, random.Random(1))
+                try:
+                    _, secs, steps, emitted = run(e, requests, sync)
+                finally:
+                    speculation.draft = real_draft
+                print(json.dumps({"concurrency": c, "n": n, "accept": p, "tpot_ms": secs / emitted * 1e3 * c,
+                                  "step_ms": secs / steps * 1e3, "tokens_per_step": emitted / steps / c,
+                                  "measured_accept": e.spec_accepted / max(1, e.spec_proposed),
+                                  "speedup": base / (secs / emitted)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
