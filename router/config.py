@@ -62,6 +62,8 @@ class RouterConfig:
     # a stop string is held back while the text could still grow into it: its length bounds that delay
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 64
+    max_n: int = 16  # choices per prompt (`n`); more → 400
+    max_batch_prompts: int = 32  # prompts in one /v1/completions batch; more → 400
     request_timeout_s: float | None = 600.0  # per-request deadline; None: none
     overload_retry_after_s: float = 1.0  # Retry-After when the concurrency limit is hit
 
@@ -82,7 +84,8 @@ class RouterConfig:
         if self.http_port is None and self.grpc_port is None:
             raise ValueError("at least one of http_port and grpc_port must be set")
         for name in ("max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_concurrent_requests",
-                     "max_header_bytes", "max_headers", "header_read_timeout_s", "body_read_timeout_s"):
+                     "max_header_bytes", "max_headers", "header_read_timeout_s", "body_read_timeout_s", "max_n",
+                     "max_batch_prompts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

@@ -2,6 +2,7 @@
 
     slot = dispatcher.admit()                          # 429 / RESOURCE_EXHAUSTED before any work
     outcome = await dispatcher.execute(slot, req, emit, arrival, owner)
+    outcomes = await dispatcher.execute_group(slot, request_id, children, emit_k, arrival, owner)  # n > 1, batches
 
 `execute` relays the backend's `TokenChunk`s to `emit` under the request's deadline and records
 the latency metrics. Whatever way it ends other than a finish reason — an error chunk, the
@@ -22,8 +23,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
+from router.choices import Child
 from router.errors import APIError, shutting_down
 from router.metrics import RouterMetrics
 from worker_runtime.wire import ErrorCode, GenerateRequest, TokenChunk, Usage
@@ -31,6 +33,7 @@ from worker_runtime.wire import ErrorCode, GenerateRequest, TokenChunk, Usage
 log = logging.getLogger("v4serve.router.dispatch")
 
 Emit = Callable[[TokenChunk], Awaitable[None]]
+EmitChoice = Callable[[int, TokenChunk], Awaitable[None]]  # (choice index, chunk)
 _SETTLE_TIMEOUT_S = 10.0  # closing and aborting a finished request's backend stream, at most
 
 
@@ -41,17 +44,18 @@ class Outcome:
 
 
 class Slot:
-    """One admitted request's place under `max_concurrent_requests`; release is idempotent."""
+    """One admitted request's places under `max_concurrent_requests` (one per choice); release is
+    idempotent."""
 
-    __slots__ = ("_dispatcher", "_held")
+    __slots__ = ("_dispatcher", "_held", "count")
 
-    def __init__(self, dispatcher: "Dispatcher"):
-        self._dispatcher, self._held = dispatcher, True
+    def __init__(self, dispatcher: "Dispatcher", count: int = 1):
+        self._dispatcher, self._held, self.count = dispatcher, True, count
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._dispatcher._active -= 1
+            self._dispatcher._active -= self.count
 
 
 class _Running:
@@ -84,19 +88,20 @@ class Dispatcher:
         self._settling: set[asyncio.Task] = set()
 
     # --- admission
-    def admit(self) -> Slot:
-        """A slot, or APIError(OVERLOADED) when the pools or the router are over their limits."""
+    def admit(self, count: int = 1) -> Slot:
+        """A slot for a request of `count` concurrent generations (its choices), or
+        APIError(OVERLOADED) when the pools or the router are over their limits."""
         if self.closing:
             raise shutting_down()
         retry = self.backend.overloaded()
         if retry is not None:
             raise APIError(ErrorCode.OVERLOADED, "the serving pools are over their queue limits; retry later",
                            retry_after=max(float(retry), 0.0))
-        if self._active >= self.max_concurrent:
+        if self._active + count > self.max_concurrent:
             raise APIError(ErrorCode.OVERLOADED, f"more than {self.max_concurrent} requests in flight; retry later",
                            retry_after=self.retry_after_s)
-        self._active += 1
-        return Slot(self)
+        self._active += count
+        return Slot(self, count)
 
     def rejected(self, err: APIError) -> None:
         """Count a request that failed outside `execute` (validation, auth, admission, a bug)."""
@@ -203,6 +208,111 @@ class Dispatcher:
         self.metrics.usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         return Outcome(relay.finish.finish_reason, usage)
 
+    async def execute_group(self, slot: Slot, request_id: str, children: Sequence[Child], emit: EmitChoice,
+                            arrival: float, owner: str | None = None) -> list[Outcome]:
+        """Run a request of several choices (router/choices.py): each child streams to
+        `emit(index, chunk)` in a task of its own, a child with `after` once that child's first
+        chunk is out. One child failing fails the request with its error, and whatever ends the
+        request (deadline, disconnect, Abort of `request_id` or of a child's id, shutdown) ends
+        every child; each unfinished one is aborted in the backend. One outcome per child."""
+        ids = [request_id] + [c.req.request_id for c in children]
+        taken = next((i for i in ids if i in self._inflight), None)
+        if taken is not None:
+            slot.release()
+            raise APIError(ErrorCode.INVALID_REQUEST, f"request_id '{taken}' is already in flight", "request_id")
+        run = _Running(asyncio.current_task(), owner)
+        for i in ids:
+            self._inflight[i] = run
+        self.metrics.in_flight.inc()
+        relays = [_Relay(self.metrics, arrival) for _ in children]
+        gens: list = [None] * len(children)
+        first = [asyncio.Event() for _ in children]
+
+        async def child(k: int, c: Child) -> None:
+            if c.after is not None:
+                await first[c.after].wait()
+            gen = gens[k] = self.backend.generate(c.req)
+            relay = relays[k]
+            try:
+                async for chunk in gen:
+                    if chunk.error is not None:
+                        raise APIError.from_info(chunk.error)
+                    first[k].set()
+                    relay.observe(chunk)
+                    await emit(c.index, chunk)
+                    if chunk.finish_reason is not None:
+                        relay.finish = chunk
+                        return
+            finally:
+                first[k].set()  # a choice waiting on this one must not wait forever
+            raise APIError(ErrorCode.INTERNAL, "the backend ended the stream without a finish reason")
+
+        tasks = [asyncio.ensure_future(child(k, c)) for k, c in enumerate(children)]
+        outcome_label = ("cancelled", "client_disconnect")
+        try:
+            timeout = None if children[0].req.deadline is None else max(0.0, children[0].req.deadline - time.time())
+            async with asyncio.timeout(timeout):
+                await _first_failure(tasks)
+            outcome_label = ("success", relays[0].finish.finish_reason)
+        except TimeoutError:
+            err = APIError(ErrorCode.DEADLINE_EXCEEDED, "the request did not finish before its deadline")
+            err.counted, outcome_label = True, ("error", err.reason)
+            raise err from None
+        except APIError as err:
+            err.counted, outcome_label = True, ("error", err.reason)
+            raise
+        except asyncio.CancelledError:
+            if run.ended_by is None:
+                raise
+            asyncio.current_task().uncancel()
+            err, outcome_label = run.ended_by
+            err.counted = True
+            raise err from None
+        except Exception as exc:  # reason-coded, never a bare 500 trace
+            err = APIError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            err.counted, outcome_label = True, ("error", err.reason)
+            raise err from exc
+        finally:
+            run.running = False
+            self.metrics.in_flight.dec()
+            slot.release()
+            relays[0].done(outcome_label)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            pending = [(c.req.request_id, g, r.finish is None) for c, g, r in zip(children, gens, relays)]
+            await self._settle_all(ids, run, pending)
+        outcomes = [Outcome(r.finish.finish_reason, r.finish.usage or Usage(len(c.req.prompt_ids), r.tokens))
+                    for c, r in zip(children, relays)]
+        # each prompt counted once (its first choice's), cache hits wherever they happened
+        self.metrics.usage(sum(o.usage.prompt_tokens for c, o in zip(children, outcomes) if c.after is None),
+                           sum(o.usage.completion_tokens for o in outcomes), sum(o.usage.cached_tokens for o in outcomes))
+        return outcomes
+
+    async def _settle_all(self, ids: list[str], run: _Running, streams: list[tuple[str, object, bool]]) -> None:
+        """`_settle` for a group: every started child's stream closed, the unfinished ones aborted
+        (a child that never started was never seen by the backend)."""
+        async def settle():
+            try:
+                async with asyncio.timeout(_SETTLE_TIMEOUT_S):
+                    for rid, gen, unfinished in streams:
+                        if gen is None:
+                            continue
+                        await _close_quietly(gen)
+                        if unfinished:
+                            await self.backend.abort(rid)
+            except Exception:  # noqa: BLE001 - the request has ended; a failing abort is logged, not raised
+                log.exception("settling request %s in the backend failed", ids[0])
+            finally:
+                for i in ids:
+                    if self._inflight.get(i) is run:
+                        del self._inflight[i]
+
+        task = asyncio.ensure_future(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        await asyncio.shield(task)
+
     async def _settle(self, rid: str, run: _Running, gen, abort: bool) -> None:
         """Close the backend stream; for a request that did not finish, close it and abort it
         there in a task of its own, which cancelling the caller again does not stop. The request
@@ -261,6 +371,16 @@ class _Relay:
     def done(self, outcome: tuple[str, str]) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
         self.metrics.request_finished(*outcome)
+
+
+async def _first_failure(tasks: list[asyncio.Task]) -> None:
+    """Wait for every task; the first to fail (in the order they end) fails the wait, its error raised."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
 
 
 async def _close_quietly(gen) -> None:

@@ -24,9 +24,9 @@ from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
 from router.openai_format import stop_string_matched
-from router.openai_protocol import Limits, finalize, parse_completion, tokenize
+from router.openai_protocol import Limits, ParsedRequest, finalize, parse_completion, prompt_ids
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
-from worker_runtime.wire import ErrorCode, GenerateRequest
+from worker_runtime.wire import ErrorCode
 
 log = logging.getLogger("v4serve.router.grpc")
 
@@ -42,7 +42,7 @@ def request_body(req: pb.GenerateRequest) -> dict:
     if has_text == has_ids:
         raise invalid("exactly one of 'prompt' and 'prompt_token_ids' must be set", "prompt")
     body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids)}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
         if req.HasField(name):
             body[name] = getattr(req, name)
     if req.stop:
@@ -81,65 +81,71 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return None
         return self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
 
-    async def _request(self, request, context) -> tuple[GenerateRequest, bool]:
-        """Validated exactly as the equivalent /v1/completions body; a large message in a thread.
-        Also: whether the stop string stays in the text."""
+    async def _request(self, request, context) -> ParsedRequest:
+        """Validated exactly as the equivalent /v1/completions body; a large message in a thread."""
         if request.ByteSize() > _THREAD_PARSE_BYTES:
             draft = await asyncio.to_thread(lambda: parse_completion(request_body(request), self.limits))
         else:
             draft = parse_completion(request_body(request), self.limits)
         rid = _check_request_id(request.request_id) if request.request_id else None
-        ids = draft.prompt_ids
-        if ids is None:
-            ids = await tokenize(self.backend.tokenizer, draft.prompt_text)
-        req = finalize(draft, ids, self.limits, time.time(), request_id=rid).generate
+        parsed = finalize(draft, await prompt_ids(draft, self.backend.tokenizer), self.limits, time.time(),
+                          request_id=rid)
         remaining = context.time_remaining()
+        deadline = parsed.children[0].req.deadline
         if remaining is not None:  # the client's own deadline tightens the request's
             client_deadline = time.time() + remaining
-            if req.deadline is None or client_deadline < req.deadline:
-                req = replace(req, deadline=client_deadline)
-        return req, draft.options.include_stop_str
+            if deadline is None or client_deadline < deadline:
+                parsed = replace(parsed, children=tuple(replace(c, req=replace(c.req, deadline=client_deadline))
+                                                        for c in parsed.children))
+        return parsed
 
     async def Generate(self, request, context):
         arrival = time.perf_counter()
         try:
-            req, keep_stop = await self._request(request, context)
+            parsed = await self._request(request, context)
             owner = self._owner(context)
-            slot = self.dispatcher.admit()
+            slot = self.dispatcher.admit(len(parsed.children))
         except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
             err = _as_api_error(exc, "Generate")
             self.dispatcher.rejected(err)
             await _abort_with(context, err)
             return
 
-        last = None  # held back so the final message can carry the usage the dispatcher settles
-        ids, released = [], []  # for the stop string, with include_stop_str_in_output
+        rid, keep_stop = parsed.request_id, parsed.options.include_stop_str
+        lock = asyncio.Lock()  # choices stream from tasks of their own: one write at a time
+        # per choice: its last chunk (held back for the usage), and its ids and text (the stop string)
+        last, ids, released = {}, {c.index: [] for c in parsed.children}, {c.index: [] for c in parsed.children}
 
-        async def emit(chunk):
-            nonlocal last
+        async def emit_choice(k, chunk):
             if keep_stop:
-                ids.extend(chunk.token_ids)
-                released.append(chunk.text)
+                ids[k].extend(chunk.token_ids)
+                released[k].append(chunk.text)
             if chunk.finish_reason is not None:
-                last = chunk
+                last[k] = chunk
                 return
-            await context.write(pb.GenerateResponse(request_id=req.request_id, token_ids=chunk.token_ids,
-                                                    text=chunk.text))
+            async with lock:
+                await context.write(pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                                                        index=k))
 
         try:
-            outcome = await self.dispatcher.execute(slot, req, emit, arrival, owner)
+            if len(parsed.children) == 1:
+                outcomes = [await self.dispatcher.execute(slot, parsed.generate, lambda c: emit_choice(0, c),
+                                                          arrival, owner)]
+            else:
+                outcomes = await self.dispatcher.execute_group(slot, rid, parsed.children, emit_choice, arrival, owner)
         except APIError as err:
             self.dispatcher.rejected(err)  # an error execute did not count (a request id in use)
             await _abort_with(context, err)
             return
-        u = outcome.usage
-        text = last.text
-        if keep_stop and outcome.finish_reason == "stop":
-            text += stop_string_matched(self.backend.tokenizer, ids, "".join(released), req.stop_strings)
-        await context.write(pb.GenerateResponse(
-            request_id=req.request_id, token_ids=last.token_ids, text=text, finish_reason=outcome.finish_reason,
-            usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                           cached_tokens=u.cached_tokens)))
+        for c, outcome in zip(parsed.children, outcomes):
+            u, text = outcome.usage, last[c.index].text
+            if keep_stop and outcome.finish_reason == "stop":
+                text += stop_string_matched(self.backend.tokenizer, ids[c.index], "".join(released[c.index]),
+                                            c.req.stop_strings)
+            await context.write(pb.GenerateResponse(
+                request_id=rid, token_ids=last[c.index].token_ids, text=text, finish_reason=outcome.finish_reason,
+                index=c.index, usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                              cached_tokens=u.cached_tokens)))
 
     async def Abort(self, request, context):
         """With API keys on, only the caller's own requests (made with the same key) are found."""

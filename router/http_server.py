@@ -20,11 +20,12 @@ import math
 import time
 
 from router.auth import KeyChecker
+from router.choices import merge_usage
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
 from router.json_body import parse_json
-from router.openai_format import SSE_DONE, ResponseBuilder, sse
-from router.openai_protocol import Limits, finalize, parse_chat, parse_completion, tokenize
+from router.openai_format import SSE_DONE, ResponseBuilder, group_response, sse
+from router.openai_protocol import Limits, finalize, parse_chat, parse_completion, prompt_ids, tokenize
 from router.openapi import openapi_document
 from router.tokenize_api import detokenize, tokenize_response, tokenize_text
 from worker_runtime.wire import ErrorCode
@@ -152,33 +153,40 @@ class HTTPApp:
         arrival = time.perf_counter()
         body = await self._json_body(scope, receive)
         draft = await _off_loop_if_large(body, lambda: _draft(parse, body, self.limits))
-        ids = draft.prompt_ids
-        if ids is None:
-            ids = await tokenize(self.backend.tokenizer, draft.prompt_text)
+        ids = await prompt_ids(draft, self.backend.tokenizer)
         parsed = finalize(draft, ids, self.limits, time.time())
         owner = self.keys.identify(_header(scope, b"authorization"))
-        slot = self.dispatcher.admit()
+        children, opts = parsed.children, parsed.options
+        slot = self.dispatcher.admit(len(children))
         try:
-            req, opts = parsed.generate, parsed.options
-            builder = ResponseBuilder(req.request_id, self.limits.model_name, int(time.time()), opts,
-                                      self.backend.tokenizer)
-            run = self.dispatcher.execute(slot, req, _emitter(builder, send, opts.stream), arrival, owner)
+            builders = [ResponseBuilder(parsed.request_id, self.limits.model_name, int(time.time()), opts,
+                                        self.backend.tokenizer, index=c.index) for c in children]
+            if len(children) == 1:
+                run = self.dispatcher.execute(slot, parsed.generate, _emitter(builders[0], send, opts.stream),
+                                              arrival, owner)
+            else:
+                run = self.dispatcher.execute_group(slot, parsed.request_id, children,
+                                                    _group_emitter(builders, send, opts.stream), arrival, owner)
             scope[_COUNTED] = True  # from here on the dispatcher counts the request's outcome
             if opts.stream:
-                await self._stream(receive, send, run, builder)
+                await self._stream(receive, send, run, builders[0], parsed.n)
             else:
                 outcome = await _unless_disconnected(receive, run)
-                await _send_json(send, 200, builder.response(outcome.finish_reason, outcome.usage))
+                if len(children) == 1:
+                    await _send_json(send, 200, builders[0].response(outcome.finish_reason, outcome.usage))
+                else:
+                    await _send_json(send, 200, group_response(builders, outcome, parsed.n))
         finally:
             slot.release()
 
-    async def _stream(self, receive, send, run, builder):
+    async def _stream(self, receive, send, run, builder, n: int):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         tail = b""
         try:
             outcome = await _unless_disconnected(receive, run)
             if builder.options.include_usage:
-                tail = sse(builder.usage_chunk(outcome.usage))
+                usage = merge_usage([o.usage for o in outcome], n) if isinstance(outcome, list) else outcome.usage
+                tail = sse(builder.usage_chunk(usage))
         except APIError as err:  # headers are out: the error travels as an SSE event
             tail = sse(err.body())
         await send({"type": "http.response.body", "body": tail + SSE_DONE, "more_body": False})
@@ -210,6 +218,22 @@ def _emitter(builder: ResponseBuilder, send, stream: bool):
     async def write(chunk):
         data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
         await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write if stream else add
+
+
+def _group_emitter(builders: list[ResponseBuilder], send, stream: bool):
+    """The `emit` of a request of several choices: choice k's chunks through builders[k]. Its
+    choices stream from tasks of their own, so each SSE event is written whole under a lock."""
+    lock = asyncio.Lock()
+
+    async def add(k, chunk):
+        builders[k].add(chunk.token_ids, chunk.text, chunk.finish_reason)
+
+    async def write(k, chunk):
+        data = sse(builders[k].chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
+        async with lock:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
     return write if stream else add
 

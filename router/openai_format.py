@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from router.chat_encoding import ReasoningSplitter
+from router.choices import merge_usage
 from router.openai_protocol import ResponseOptions
 from router.tool_calls import ToolCallParser
 from worker_runtime.wire import Usage
@@ -56,6 +57,7 @@ class ResponseBuilder:
     created: int
     options: ResponseOptions
     tokenizer: object = None  # for include_stop_str_in_output
+    index: int = 0  # the choice's index (n > 1, batches)
     splitter: ReasoningSplitter | None = None
     tools: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
@@ -109,6 +111,11 @@ class ResponseBuilder:
         self.text.append(c)
 
     def response(self, finish_reason: str, usage: Usage) -> dict:
+        return {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
+                "choices": [self.choice(finish_reason)], "usage": usage_dict(usage)}
+
+    def choice(self, finish_reason: str) -> dict:
+        """The whole response's choice of this builder."""
         content = "".join(self.text)
         if self.options.chat:
             message = {"role": "assistant", "content": content}
@@ -119,14 +126,13 @@ class ResponseBuilder:
                 message["tool_calls"] = [{"id": c["id"], "type": "function",
                                           "function": {"name": c["name"], "arguments": c["arguments"]}}
                                          for c in self.tools.calls]
-            choice = {"index": 0, "message": message, "logprobs": None,
+            choice = {"index": self.index, "message": message, "logprobs": None,
                       "finish_reason": self.finish_reason(finish_reason)}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": content, "logprobs": None, "finish_reason": finish_reason}
         if self.options.return_token_ids:
             choice["token_ids"] = list(self.token_ids)
-        return {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage_dict(usage)}
+        return choice
 
     # --- streaming
     def chunk(self, token_ids, text: str, finish_reason: str | None) -> dict:
@@ -143,9 +149,9 @@ class ResponseBuilder:
                 delta["reasoning_content"] = r
             if calls:
                 delta["tool_calls"] = [d.openai() for d in calls]
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": c, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": c, "logprobs": None, "finish_reason": finish_reason}
         if self.options.return_token_ids:
             choice["token_ids"] = list(token_ids)
         out = {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
@@ -158,6 +164,14 @@ class ResponseBuilder:
         """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
         return {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage_dict(usage)}
+
+
+def group_response(builders: list[ResponseBuilder], outcomes, n: int) -> dict:
+    """The whole response of a request of several choices (builders and outcomes in choice order;
+    `n` choices per prompt): every choice, and the usage with each prompt counted once."""
+    out = builders[0].response(outcomes[0].finish_reason, merge_usage([o.usage for o in outcomes], n))
+    out["choices"] = [b.choice(o.finish_reason) for b, o in zip(builders, outcomes)]
+    return out
 
 
 def stream_error(err) -> dict:

@@ -3,12 +3,15 @@
 Parsing runs in two steps so that tokenization (CPU work, run off the event loop for long
 prompts) sits between them:
 
-    draft = parse_completion(body, limits)  |  parse_chat(body, limits)   # types, ranges, prompt text
-    ids   = draft.prompt_ids or tokenizer.encode(draft.prompt_text)
-    req   = finalize(draft, ids, limits, now)                            # lengths, defaults, deadline
+    draft  = parse_completion(body, limits)  |  parse_chat(body, limits)  # types, ranges, prompts
+    ids    = await prompt_ids(draft, tokenizer)                          # one id tuple per prompt
+    parsed = finalize(draft, ids, limits, now)                           # lengths, defaults, deadline
+
+A request becomes one `GenerateRequest` per choice (`router/choices.py`): `n` per prompt, and a
+`/v1/completions` batch holds several prompts.
 
 The bodies are validated by the typed models of `request_models.py` (unknown fields refused);
-fields that would change the output but are not implemented (penalties, logprobs, n > 1, …) are
+fields that would change the output but are not implemented (penalties, logprobs, echo, …) are
 refused with a 400 naming them unless at their neutral value, never silently ignored;
 bookkeeping fields (`user`, `metadata`, …) are accepted and have no effect on the output.
 """
@@ -24,6 +27,7 @@ from pydantic import ValidationError
 from model.sampling import SamplingParams
 from router.chat_encoding import ChatFormatError, encode_messages, from_request
 from router.chat_options import chat_mode, tools_offered
+from router.choices import Child, plan_children
 from router.errors import APIError, invalid
 from router.generation_defaults import GenerationDefaults
 from router.request_models import ChatCompletionRequest, CompletionRequest, first_error
@@ -48,6 +52,9 @@ class Limits:
     defaults: GenerationDefaults
     default_seed: int | None
     timeout_s: float | None
+    max_n: int = 16
+    max_batch_prompts: int = 32
+    max_children: int = 4096  # the router's max_concurrent_requests: a request's choices all run at once
 
     @classmethod
     def build(cls, config, backend) -> Limits:
@@ -59,7 +66,8 @@ class Limits:
                    max_tokens_limit=config.max_tokens_limit, default_max_tokens=config.default_max_tokens,
                    max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars,
                    max_stop_token_ids=config.max_stop_token_ids, defaults=config.generation_defaults,
-                   default_seed=config.default_seed, timeout_s=config.request_timeout_s)
+                   default_seed=config.default_seed, timeout_s=config.request_timeout_s, max_n=config.max_n,
+                   max_batch_prompts=config.max_batch_prompts, max_children=config.max_concurrent_requests)
 
     @property
     def model_name(self) -> str:
@@ -78,13 +86,16 @@ class ResponseOptions:
     stop_strings: tuple[str, ...] = ()
 
 
+Prompt = str | tuple[int, ...]  # text to tokenize, or token ids as given
+
+
 @dataclass(frozen=True)
 class Draft:
-    """A checked request whose prompt is not tokenized yet (exactly one of text / ids)."""
+    """A checked request whose prompts are not tokenized yet (each text or ids)."""
 
     options: ResponseOptions
-    prompt_text: str | None
-    prompt_ids: tuple[int, ...] | None
+    prompts: tuple[Prompt, ...]  # one, or a /v1/completions batch
+    n: int  # choices per prompt
     max_tokens: int | None
     sampling: SamplingParams
     stop_strings: tuple[str, ...]
@@ -94,8 +105,16 @@ class Draft:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    generate: GenerateRequest
+    request_id: str  # the client's id of the whole request (its response's `id`, what Abort names)
+    children: tuple[Child, ...]  # one per choice, in choice order
+    n: int  # choices per prompt
     options: ResponseOptions
+
+    @property
+    def generate(self) -> GenerateRequest:
+        """The request of a single-choice request."""
+        assert len(self.children) == 1, "a request with several choices has several GenerateRequests"
+        return self.children[0].req
 
 
 # --------------------------------------------------------------------------- checks
@@ -111,7 +130,7 @@ def _validate(model_cls, body):
 
 
 # Known fields this server does not implement: accepted only at their neutral value.
-_NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "top_logprobs": (0,),
+_NEUTRAL = {"echo": (False,), "top_logprobs": (0,),
             "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
             "min_tokens": (0,), "min_p": (0,), "priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
 
@@ -122,8 +141,6 @@ def _refuse_unsupported(req) -> None:
         v = getattr(req, name)
         if ok is None or v is None or any(v == o for o in ok):
             continue
-        if name in ("n", "best_of"):
-            raise invalid(f"'{name}' is n=1 only by this server", name)
         raise invalid(f"'{name}' is not supported by this server (only {ok[0]!r} is accepted)", name)
     logprobs = getattr(req, "logprobs", None)
     if logprobs is not None and logprobs is not False:  # completions: 0 asks for the sampled token's
@@ -159,10 +176,23 @@ def _stop_strings(req, limits: Limits) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _choices(req, limits: Limits) -> int:
+    """`n` (choices per prompt), bounded; `best_of` is accepted only where it changes nothing (1 or n)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= limits.max_n:
+        raise invalid(f"'n' must be an integer in [1, {limits.max_n}]", "n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of not in (1, n):
+        raise invalid("'best_of' is not supported by this server (only 1 or n, which return every choice)",
+                      "best_of")
+    return n
+
+
 def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls: bool = False) -> dict:
     """Fields shared by completions and chat, checked; returns Draft keyword arguments."""
     check_model(req.model, limits)
     _refuse_unsupported(req)
+    n = _choices(req, limits)
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
@@ -193,6 +223,7 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=bool(req.return_token_ids),
             include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings),
+        "n": n,
         "max_tokens": max_tokens,
         "sampling": SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed),
         "stop_strings": stop_strings,
@@ -203,24 +234,33 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
 # --------------------------------------------------------------------------- endpoints
 
 def parse_completion(body, limits: Limits) -> Draft:
-    """/v1/completions: `prompt` is a string, an array of token ids, or a one-element batch of either."""
+    """/v1/completions: `prompt` is a string, an array of token ids, or a batch of either (a list of
+    strings or of id arrays: each prompt its own `n` choices, indexed prompt-major)."""
     req = _validate(CompletionRequest, body)
     common = _common(req, limits, chat=False)
     prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("'prompt' must not be empty", "prompt")
-        return Draft(prompt_text=prompt, prompt_ids=None, **common)
     if not prompt:
         raise invalid("'prompt' must not be empty", "prompt")
-    if isinstance(prompt[0], (str, list)):
-        raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
-    if len(prompt) > limits.max_prompt_tokens:  # before checking each id of a huge one
-        raise invalid(f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}",
-                      "prompt", openai_code="context_length_exceeded")
-    return Draft(prompt_text=None, prompt_ids=check_token_ids(prompt, limits, "prompt"), **common)
+    batch = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+    prompts = list(prompt) if batch else [prompt]
+    if len(prompts) > limits.max_batch_prompts:
+        raise invalid(f"a batch may hold at most {limits.max_batch_prompts} prompts", "prompt")
+    if len(prompts) * common["n"] > limits.max_children:
+        raise invalid(f"n × prompts ({len(prompts) * common['n']}) exceeds this server's limit of "
+                      f"{limits.max_children} concurrent generations", "n")
+    out = []
+    for i, p in enumerate(prompts):
+        param = f"prompt[{i}]" if batch else "prompt"
+        if not p:
+            raise invalid(f"'{param}' must not be empty", param)
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        if len(p) > limits.max_prompt_tokens:  # before checking each id of a huge one
+            raise invalid(f"the prompt has {len(p)} tokens; the limit is {limits.max_prompt_tokens}",
+                          param, openai_code="context_length_exceeded")
+        out.append(check_token_ids(p, limits, param))
+    return Draft(prompts=tuple(out), **common)
 
 
 def parse_chat(body, limits: Limits) -> Draft:
@@ -235,7 +275,9 @@ def parse_chat(body, limits: Limits) -> Draft:
                                effort, drop)
     except ChatFormatError as e:
         raise invalid(str(e), e.param) from None
-    return Draft(prompt_text=text, prompt_ids=None, **common)
+    if common["n"] > limits.max_children:
+        raise invalid(f"'n' exceeds this server's limit of {limits.max_children} concurrent generations", "n")
+    return Draft(prompts=(text,), **common)
 
 
 async def tokenize(tokenizer, text: str) -> tuple[int, ...]:
@@ -248,9 +290,24 @@ async def tokenize(tokenizer, text: str) -> tuple[int, ...]:
         raise invalid("the prompt contains invalid Unicode (an unpaired surrogate)", "prompt") from None
 
 
-def finalize(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits, now: float,
+async def prompt_ids(draft: Draft, tokenizer) -> list[tuple[int, ...]]:
+    """Each prompt of `draft` as token ids (texts tokenized, long ones in a thread)."""
+    return [p if isinstance(p, tuple) else await tokenize(tokenizer, p) for p in draft.prompts]
+
+
+def finalize(draft: Draft, ids: list[tuple[int, ...]], limits: Limits, now: float,
              request_id: str | None = None) -> ParsedRequest:
-    """Length checks and defaults; `now` is unix seconds (the deadline is absolute)."""
+    """Length checks and defaults for each prompt's ids; the request's choices as child requests.
+    `now` is unix seconds (the deadline is absolute)."""
+    if request_id is None:
+        request_id = ("chatcmpl-" if draft.options.chat else "cmpl-") + secrets.token_hex(12)
+    deadline = now + limits.timeout_s if limits.timeout_s is not None else None
+    bases = [_generate_request(draft, p, limits, request_id, deadline) for p in ids]
+    return ParsedRequest(request_id, plan_children(bases, draft.n, request_id), draft.n, draft.options)
+
+
+def _generate_request(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits, request_id: str,
+                      deadline: float | None) -> GenerateRequest:
     n = len(prompt_ids)
     if n == 0:
         raise invalid("the prompt encodes to no tokens", "prompt")
@@ -262,10 +319,6 @@ def finalize(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits, now: flo
     if max_tokens > room or room <= 0:
         raise invalid(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
                       f"length {limits.max_model_len}", "max_tokens", openai_code="context_length_exceeded")
-    if request_id is None:
-        request_id = ("chatcmpl-" if draft.options.chat else "cmpl-") + secrets.token_hex(12)
-    deadline = now + limits.timeout_s if limits.timeout_s is not None else None
-    req = GenerateRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
-                          sampling=draft.sampling, stop_token_ids=draft.stop_token_ids,
-                          stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline)
-    return ParsedRequest(req, draft.options)
+    return GenerateRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
+                           sampling=draft.sampling, stop_token_ids=draft.stop_token_ids,
+                           stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline)

@@ -135,8 +135,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="extension: token_ids on every choice and chunk")
     user: str | None = None
+    n: int | None = Field(None, description="choices per prompt, 1..16 (RouterConfig.max_n)")
     # known, not implemented: refused at any value other than the neutral one
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -152,7 +152,7 @@ class CompletionRequest(_Common):
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, description="1 or n only")
 
 
 class ChatCompletionRequest(_Common):
@@ -194,7 +194,7 @@ _WHAT = {
     "top_k": f"an integer in [-1, {MAX_TOP_K}) (-1 or 0: off)", "seed": "a 64-bit integer",
     "max_tokens": "an integer", "max_completion_tokens": "an integer", "stream": "a boolean",
     "ignore_eos": "a boolean", "return_token_ids": "a boolean", "include_stop_str_in_output": "a boolean",
-    "model": "a string", "stop": "a non-empty string or an array of non-empty strings",
+    "model": "a string", "n": "an integer", "stop": "a non-empty string or an array of non-empty strings",
     "stop_token_ids": "an array of integers", "prompt": "a string or an array of token ids",
     "messages": "a non-empty array of messages", "stream_options": "an object",
 }

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arouter/proto/v4serve.proto\x12\nv4serve.v1\"\xe6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\r\n\x05model\x18\x0c \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.v4serve.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.v4serve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.v4serve.v1.Model2\xa0\x02\n\tInference\x12G\n\x08Generate\x12\x1b.v4serve.v1.GenerateRequest\x1a\x1c.v4serve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.v4serve.v1.AbortRequest\x1a\x19.v4serve.v1.AbortResponse\x12?\n\x06Health\x12\x19.v4serve.v1.HealthRequest\x1a\x1a.v4serve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.v4serve.v1.ListModelsRequest\x1a\x1e.v4serve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arouter/proto/v4serve.proto\x12\nv4serve.v1\"\xfc\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\r\n\x05model\x18\x0c \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_n\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.v4serve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.v4serve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.v4serve.v1.Model2\xa0\x02\n\tInference\x12G\n\x08Generate\x12\x1b.v4serve.v1.GenerateRequest\x1a\x1c.v4serve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.v4serve.v1.AbortRequest\x1a\x19.v4serve.v1.AbortResponse\x12?\n\x06Health\x12\x19.v4serve.v1.HealthRequest\x1a\x1a.v4serve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.v4serve.v1.ListModelsRequest\x1a\x1e.v4serve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=43
-  _globals['_GENERATEREQUEST']._serialized_end=401
-  _globals['_USAGE']._serialized_start=403
-  _globals['_USAGE']._serialized_end=483
-  _globals['_GENERATERESPONSE']._serialized_start=486
-  _globals['_GENERATERESPONSE']._serialized_end=614
-  _globals['_ABORTREQUEST']._serialized_start=616
-  _globals['_ABORTREQUEST']._serialized_end=650
-  _globals['_ABORTRESPONSE']._serialized_start=652
-  _globals['_ABORTRESPONSE']._serialized_end=682
-  _globals['_HEALTHREQUEST']._serialized_start=684
-  _globals['_HEALTHREQUEST']._serialized_end=699
-  _globals['_HEALTHRESPONSE']._serialized_start=702
-  _globals['_HEALTHRESPONSE']._serialized_end=836
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=790
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=836
-  _globals['_LISTMODELSREQUEST']._serialized_start=838
-  _globals['_LISTMODELSREQUEST']._serialized_end=857
-  _globals['_MODEL']._serialized_start=859
-  _globals['_MODEL']._serialized_end=901
-  _globals['_LISTMODELSRESPONSE']._serialized_start=903
-  _globals['_LISTMODELSRESPONSE']._serialized_end=958
-  _globals['_INFERENCE']._serialized_start=961
-  _globals['_INFERENCE']._serialized_end=1249
+  _globals['_GENERATEREQUEST']._serialized_end=423
+  _globals['_USAGE']._serialized_start=425
+  _globals['_USAGE']._serialized_end=505
+  _globals['_GENERATERESPONSE']._serialized_start=508
+  _globals['_GENERATERESPONSE']._serialized_end=651
+  _globals['_ABORTREQUEST']._serialized_start=653
+  _globals['_ABORTREQUEST']._serialized_end=687
+  _globals['_ABORTRESPONSE']._serialized_start=689
+  _globals['_ABORTRESPONSE']._serialized_end=719
+  _globals['_HEALTHREQUEST']._serialized_start=721
+  _globals['_HEALTHREQUEST']._serialized_end=736
+  _globals['_HEALTHRESPONSE']._serialized_start=739
+  _globals['_HEALTHRESPONSE']._serialized_end=873
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=827
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=873
+  _globals['_LISTMODELSREQUEST']._serialized_start=875
+  _globals['_LISTMODELSREQUEST']._serialized_end=894
+  _globals['_MODEL']._serialized_start=896
+  _globals['_MODEL']._serialized_end=938
+  _globals['_LISTMODELSRESPONSE']._serialized_start=940
+  _globals['_LISTMODELSRESPONSE']._serialized_end=995
+  _globals['_INFERENCE']._serialized_start=998
+  _globals['_INFERENCE']._serialized_end=1286
 # @@protoc_insertion_point(module_scope)

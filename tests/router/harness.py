@@ -19,9 +19,9 @@ VOCAB = 512
 
 class RouterThread:
     def __init__(self, config: RouterConfig | None = None, stub_config: StubConfig | None = None,
-                 token_pool: tuple[int, ...] | None = None):
+                 token_pool: tuple[int, ...] | None = None, backend_cls: type = StubBackend):
         self.tokenizer = ByteTokenizer(VOCAB)
-        self.stub = StubBackend(self.tokenizer, stub_config or StubConfig(max_model_len=2048), token_pool)
+        self.stub = backend_cls(self.tokenizer, stub_config or StubConfig(max_model_len=2048), token_pool)
         self.config = config or RouterConfig(http_port=0, grpc_port=0)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
