@@ -188,7 +188,9 @@ class LocalCluster:
             role = name.rsplit("-", 1)[0]
             left[role] -= 1
             metrics = started[name].get("metrics") if isinstance(started[name], dict) else None
-            log.info("%s serving after %.1f s%s", name, time.monotonic() - since, f", metrics {metrics}" if metrics else "")
+            total = len(getattr(self, role))
+            log.info("%s serving after %.1f s (%s %d/%d)%s", name, time.monotonic() - since, role, total - left[role],
+                     total, f", metrics {metrics}" if metrics else "")
             if left[role] == 0:
                 log.info("%s: all %d workers serving", role, len(getattr(self, role)))
         return started

@@ -1,4 +1,4 @@
-"""Watching a real `v4serve up --model tiny` (1 prefill, 2 decode workers): each worker serves its
+"""Watching a real `v4serve up --model tiny` (1 prefill, 1 decode worker): each worker serves its
 own /metrics, scraped once each; every engine series carries model_name, worker and role and
 comes from that worker alone, so summing over workers counts each token once (the router's own
 count agrees); every metric the shipped Grafana dashboard and alert rules query exists on the
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cluster  # starts Ray
 pytest.importorskip("nixl")
 
 FILES = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "v4serve" / "files"
-WORKERS = {"prefill-0", "decode-0", "decode-1"}
+WORKERS = {"prefill-0", "decode-0"}
 METRIC = re.compile(r"\b(?:v4serve_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
@@ -37,7 +37,7 @@ class Up:
     def __init__(self, tmp: Path):
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "up", "--model", "tiny", "--prefill", "1", "--decode", "2",
+            [sys.executable, "-m", "cluster.cli", "up", "--model", "tiny", "--prefill", "1", "--decode", "1",
              "--http-port", "0", "--grpc-port", "0", "--max-model-len", "1024", "--remote-prefill-threshold", "64",
              "--stats-interval", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -60,7 +60,8 @@ class Up:
     def worker_urls(self) -> dict[str, str]:
         found = {}
         for line in self.before_ready:
-            m = re.search(r"cluster\.launcher: (\S+) serving after [\d.]+ s, metrics (\S+)$", line)
+            m = re.search(r"cluster\.launcher: (\S+) serving after [\d.]+ s \((?:prefill|decode) \d+/\d+\), "
+                          r"metrics (\S+)$", line)
             if m:
                 found[m.group(1)] = m.group(2)
         return found
@@ -172,8 +173,8 @@ def test_every_dashboard_and_alert_query_names_a_metric_that_exists(scraped):
 
 def test_console_shows_progress_and_stats_lines(up, scraped):
     before = "\n".join(up.before_ready)
-    for line in ("prefill: starting 1 workers (loading weights from", "decode: starting 2 workers",
-                 "prefill: all 1 workers serving", "decode: all 2 workers serving"):
+    for line in ("prefill: starting 1 workers (loading weights from", "decode: starting 1 workers",
+                 "prefill: all 1 workers serving", "decode: all 1 workers serving"):
         assert line in before, line
     stats = [line for line in up.lines if re.search(r"\((decode-\d|prefill-0) pid=\d+\).*: running \d+, waiting", line)]
     assert any("generation " in line and "tok/s" in line for line in stats), up.lines[-30:]
