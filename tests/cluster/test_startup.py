@@ -57,8 +57,9 @@ def test_port_in_use_fails_at_once_naming_it(tiny_official_ckpt, listening, flag
     out, seconds = v4serve(command, "--model", str(tiny_official_ckpt), flag, str(listening), other, "0",
                            env={"XDG_CACHE_HOME": str(tmp_path)})
     line = one_error_line(out)
-    # ~2.5 s in all on an idle machine: the CLI's start, then the check (the bound allows for a loaded one)
-    assert out.returncode == 1 and seconds < max(5.0, cli_start_s + 2.0), (out.returncode, seconds, cli_start_s)
+    # ~2.5 s in all on an idle machine: the CLI's start, then the check (the bound allows for a loaded
+    # one, where one interpreter start varies twofold; starting Ray alone takes 20 s there)
+    assert out.returncode == 1 and seconds < max(5.0, 2 * cli_start_s + 3.0), (out.returncode, seconds, cli_start_s)
     assert f"{flag} {listening}" in line and "already in use" in line and f"pick a free one with {flag}" in line
     assert "ray" not in out.stderr.lower()  # nothing was started
 
