@@ -160,7 +160,8 @@ class HTTPApp:
         slot = self.dispatcher.admit(len(children))
         try:
             builders = [ResponseBuilder(parsed.request_id, self.limits.model_name, int(time.time()), opts,
-                                        self.backend.tokenizer, index=c.index) for c in children]
+                                        self.backend.tokenizer, index=c.index, prompt_tokens=len(c.req.prompt_ids))
+                        for c in children]
             if len(children) == 1:
                 run = self.dispatcher.execute(slot, parsed.generate, _emitter(builders[0], send, opts.stream),
                                               arrival, owner)

@@ -58,6 +58,7 @@ class ResponseBuilder:
     options: ResponseOptions
     tokenizer: object = None  # for include_stop_str_in_output
     index: int = 0  # the choice's index (n > 1, batches)
+    prompt_tokens: int = 0  # for the usage on every chunk (stream_options.continuous_usage_stats)
     splitter: ReasoningSplitter | None = None
     tools: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
@@ -156,7 +157,11 @@ class ResponseBuilder:
             choice["token_ids"] = list(token_ids)
         out = {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
                "choices": [choice]}
-        if self.options.include_usage:
+        if self.options.continuous_usage:  # as vLLM: this choice's tokens so far
+            n = len(self.token_ids)
+            out["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
+                            "total_tokens": self.prompt_tokens + n}
+        elif self.options.include_usage:
             out["usage"] = None
         return out
 

@@ -79,6 +79,7 @@ class ResponseOptions:
     chat: bool
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
     return_token_ids: bool = False
     thinking: bool = False  # chat in thinking mode: split the output at </think>
     tool_calls: bool = False  # chat with tools offered: parse DSML tool calls out of the content
@@ -221,6 +222,8 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
         "options": ResponseOptions(
             chat=chat, stream=stream, thinking=thinking, tool_calls=tool_calls,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.include_usage  # as vLLM: needs both
+                                  and req.stream_options.continuous_usage_stats),
             return_token_ids=bool(req.return_token_ids),
             include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings),
         "n": n,

@@ -30,6 +30,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="extension (vLLM's): the usage so far on every chunk")
 
 
 class TextPart(_Strict):

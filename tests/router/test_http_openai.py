@@ -185,3 +185,20 @@ def test_prefix_cache_hit_tokens_counted(router, client):
     r = client.completions.create(model="stub", prompt=prompt, max_tokens=2, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == 512
     assert router.metric("v4serve_prefix_cache_hit_tokens_total") >= before + 512
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(router, client):
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it), with include_usage."""
+    prompt = router.tokenizer.encode("count as you go")
+    stream = client.completions.create(model="stub", prompt="count as you go", max_tokens=5, temperature=0,
+                                       stream=True, stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True})
+    chunks = list(stream)
+    body = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in body] == [1, 2, 3, 4, 5]
+    assert all(c.usage.prompt_tokens == len(prompt) and c.usage.total_tokens == len(prompt) + i + 1
+               for i, c in enumerate(body))
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+    plain = list(client.completions.create(model="stub", prompt="x", max_tokens=2, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)  # without include_usage: no usage at all, as vLLM
