@@ -134,7 +134,8 @@ async def serve(config: RouterConfig, backend, metrics: RouterMetrics | None = N
     grpc_server = None
     grpc_port = None
     if config.grpc_port is not None:
-        grpc_server = GRPCServer(backend, dispatcher, limits, keys, config.max_body_bytes)
+        grpc_server = GRPCServer(backend, dispatcher, limits, keys, config.max_body_bytes,
+                                 access_log=config.access_log)
         grpc_port = grpc_server.bind(config.host, config.grpc_port, config.tls_cert, config.tls_key)
         if grpc_port == 0:
             raise RuntimeError(f"could not bind gRPC on {config.host}:{config.grpc_port}")

@@ -29,6 +29,7 @@ from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
 from worker_runtime.wire import ErrorCode
 
 log = logging.getLogger("v4serve.router.grpc")
+access_logger = logging.getLogger("v4serve.router.grpc.access")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "v4serve.v1.Inference"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes need no key
@@ -172,20 +173,78 @@ def _as_api_error(exc: Exception, method: str) -> APIError:
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
     """Every call passes here first: refuses calls without a valid `authorization: Bearer <key>`
     metadata entry (health exempt), and turns undecodable request messages (bad UTF-8 in a string
-    field, a corrupt wire format) into INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+    field, a corrupt wire format) into INVALID_ARGUMENT instead of grpc's UNKNOWN. With
+    `access_log`, every finished call logs one INFO line (`_access_logged`)."""
 
-    def __init__(self, keys: KeyChecker):
-        self.keys = keys
+    def __init__(self, keys: KeyChecker, access_log: bool = False):
+        self.keys, self.access_log = keys, access_log
+        if access_log:  # at INFO whatever the router's level, as uvicorn's access logger
+            access_logger.setLevel(logging.INFO)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
+        edge = _guard_malformed(handler)
         if self.keys.enabled and not details.method.startswith(_OPEN_SERVICES):
             md = dict(details.invocation_metadata or ())
             if not self.keys.allows(md.get("authorization")):
-                return _deny_handler(handler)
-        return _guard_malformed(handler)
+                edge = _deny_handler(handler)
+        return _access_logged(edge, details.method) if self.access_log else edge
+
+
+class _ResponseIds:
+    """A call's context that notes the request id of the messages written (a Generate the client
+    sent without one gets the router's), delegating everything else."""
+
+    def __init__(self, context, request_id: str):
+        self._context, self.request_id = context, request_id
+
+    async def write(self, message):
+        if not self.request_id:
+            self.request_id = getattr(message, "request_id", "")
+        await self._context.write(message)
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def _access_logged(handler, method: str):
+    """`handler` logging, once its call ends, `<peer> - "<method>" <status> <seconds>s request_id=<id>`
+    at INFO on logger `v4serve.router.grpc.access` (HTTP's lines: `uvicorn.access`)."""
+    kind = (handler.request_streaming, handler.response_streaming)
+    inner = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+             (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
+
+    async def behavior(request, context):
+        start = time.perf_counter()
+        ctx = _ResponseIds(context, "" if kind[0] else getattr(request, "request_id", ""))
+        code = None
+        try:
+            result = inner(request, ctx)
+            if inspect.isasyncgen(result):
+                async for msg in result:
+                    await ctx.write(msg)
+                return None
+            response = await result
+            ctx.request_id = ctx.request_id or getattr(response, "request_id", "")
+            return response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN  # abort() set it before raising
+            raise
+        finally:
+            code = code or context.code() or grpc.StatusCode.OK
+            peer = (context.peer() or "-").removeprefix("ipv4:").removeprefix("ipv6:")
+            access_logger.info('%s - "%s" %s %.3fs request_id=%s', peer, method, code.name,
+                            time.perf_counter() - start, ctx.request_id or "-")
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[kind](behavior, request_deserializer=handler.request_deserializer,
+                      response_serializer=handler.response_serializer)
 
 
 class _Malformed:
@@ -242,10 +301,10 @@ class GRPCServer:
     """The grpc.aio server with Inference, health (tracking the backend) and reflection."""
 
     def __init__(self, backend, dispatcher: Dispatcher, limits: Limits, keys: KeyChecker,
-                 max_message_bytes: int, health_interval_s: float = 1.0):
+                 max_message_bytes: int, health_interval_s: float = 1.0, access_log: bool = False):
         self.backend = backend
         self.server = grpc.aio.server(
-            interceptors=[EdgeInterceptor(keys)],
+            interceptors=[EdgeInterceptor(keys, access_log)],
             options=[("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(backend, dispatcher, limits, keys), self.server)
         self.health = health.aio.HealthServicer()

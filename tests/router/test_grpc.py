@@ -1,5 +1,7 @@
 """The gRPC API through stubs generated from router/proto/v4serve.proto."""
 
+import logging
+import re
 import threading
 
 import grpc
@@ -9,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from harness import RouterThread, wait_for
 
 from router.config import RouterConfig
+from router.grpc_server import SERVICE
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
 from worker_runtime.wire import ErrorCode
 
@@ -240,3 +243,33 @@ def test_every_error_is_counted(router, stub):
         del router.stub.tokenizer.encode
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert router.metric("v4serve_requests_total", internal) == before + 1
+
+
+def test_access_log_one_line_per_finished_call(router, stub, caplog):
+    """With access_log every finished call logs peer, method, status, duration and request id (the
+    router's own id when the client sent none); without it, nothing."""
+    caplog.set_level(logging.INFO, logger="v4serve.router.grpc.access")
+    list(stub.Generate(pb.GenerateRequest(prompt="quiet", max_tokens=2), timeout=10))
+    assert not [r for r in caplog.records if r.name == "v4serve.router.grpc.access"]
+
+    logged = RouterThread(RouterConfig(http_port=None, grpc_port=0, access_log=True))
+    try:
+        with grpc.insecure_channel(logged.grpc_target) as ch:
+            s = pb_grpc.InferenceStub(ch)
+            list(s.Generate(pb.GenerateRequest(prompt="hi", max_tokens=3, request_id="acc-1"), timeout=10))
+            out = list(s.Generate(pb.GenerateRequest(prompt="hi", max_tokens=3), timeout=10))
+            ours = out[0].request_id
+            with pytest.raises(grpc.RpcError):
+                list(s.Generate(pb.GenerateRequest(prompt="hi", max_tokens=-1, request_id="acc-bad"), timeout=10))
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        wait_for(lambda: len([r for r in caplog.records if r.name == "v4serve.router.grpc.access"]) == 4)
+    finally:
+        logged.close()
+    line = re.compile(r'^(\S+) - "(\S+)" ([A-Z_]+) (\d+\.\d{3})s request_id=(\S+)$')
+    got = [line.match(r.getMessage()).groups() for r in caplog.records if r.name == "v4serve.router.grpc.access"]
+    assert [(m, status, rid) for _, m, status, _, rid in got] == [
+        (f"/{SERVICE}/Generate", "OK", "acc-1"), (f"/{SERVICE}/Generate", "OK", ours),
+        (f"/{SERVICE}/Generate", "INVALID_ARGUMENT", "acc-bad"), ("/grpc.health.v1.Health/Check", "OK", "-")]
+    assert ours.startswith("cmpl-")
+    assert all(peer.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]") and float(secs) < 10 for peer, _, _, secs, _ in got)
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "v4serve.router.grpc.access")
