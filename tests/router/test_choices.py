@@ -185,3 +185,16 @@ def test_grpc_n_choices_with_their_index_and_abort_of_the_request(router):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(prompt="x", n=17), timeout=10))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_deadline_ends_every_choice():
+    rt = RouterThread(RouterConfig(http_port=0, grpc_port=None, request_timeout_s=0.3))
+    rt.set_stub(token_delay_s=0.05)
+    try:
+        r = httpx.post(rt.http_url + "/v1/completions", json={"prompt": "late", "n": 2, "max_tokens": 100}, timeout=10)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert wait_for(lambda: not rt.stub.active)
+        assert sorted(a[-2:] for a in rt.stub.aborted) == ["-0", "-1"]
+        assert rt.metric("v4serve_requests_total", {"outcome": "error", "reason": "deadline_exceeded"}) == 1
+    finally:
+        rt.close()
