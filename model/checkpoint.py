@@ -13,19 +13,19 @@ model before any data is read; every problem raises :class:`CheckpointError` nam
 from __future__ import annotations
 
 import json
+import math
 import os
-import sys
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from model import checkpoint_formats as fmts
 from model.config import ConfigError, ModelConfig
+from model.load_progress import CHECKPOINT, LoadProgress, LoadTracker
 from model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -303,11 +303,14 @@ def detect_format(ckpt_dir: str | os.PathLike) -> str:
         raise CheckpointError(f"{ckpt_dir}: {e}") from e
 
 
-def load_weights(model: Transformer, ckpt_dir: str | os.PathLike, progress: bool | None = None) -> str:
+def load_weights(model: Transformer, ckpt_dir: str | os.PathLike,
+                 progress: Callable[[LoadProgress], None] | None = None) -> str:
     """Copy the checkpoint's tensors into `model` (its MTP block too when it has one).
 
     MTP tensors in the checkpoint are ignored when the model has no MTP block. Returns the
-    detected format. `progress`: show a tqdm bar (default: only when stderr is a terminal).
+    detected format. `progress` is told the shards and bytes read so far: once before any
+    data, then after every tensor (`model.load_progress`). Shards are read one after another, so
+    a shard counts as done once every tensor read from it is.
     """
     root = Path(ckpt_dir)
     files = tensor_files(root)
@@ -338,23 +341,28 @@ def load_weights(model: Transformer, ckpt_dir: str | os.PathLike, progress: bool
         raise CheckpointError(f"missing tensor {name!r} (expected shape {_fmt_shape(params[name].shape)})"
                               f"{hint}; {len(missing)} missing in all")
     block = _weight_block(root)
-    bar = tqdm(total=len(expected), desc=f"Loading {root.name}", unit="tensor",
-               disable=not (sys.stderr.isatty() if progress is None else progress))
-    with ExitStack() as stack, torch.no_grad(), bar:
+    with ExitStack() as stack, torch.no_grad():
         reader = _Reader(files, stack)
-        for name in expected:  # validate every shape before reading any data
-            _check_stored(reader, name, sources[name], params[name].shape, block)
-        for name in expected:
+        # validate every shape before reading any data
+        nbytes = {name: _check_stored(reader, name, sources[name], params[name].shape, block) for name in expected}
+        order, reads = fmts.shard_order(expected, sources, files)
+        tracker = LoadTracker(progress, CHECKPOINT, "shards", len(reads), sum(nbytes.values()))
+        for name in order:
             src = sources[name]
             scale = reader.read(src.scale_key) if src.scale_key else None
             value = fmts.decode(reader.read(src.key, src.index), scale, block)
             params[name].copy_(value.to(params[name].dtype))
-            bar.update(1)
+            finished = 0
+            for key in (src.key, src.scale_key) if src.scale_key else (src.key,):
+                reads[files[key]] -= 1
+                finished += reads[files[key]] == 0
+            tracker.step(finished, nbytes[name])
     return fmt
 
 
 def _check_stored(reader: _Reader, name: str, src: fmts.Source, expected: torch.Size,
-                  block: tuple[int, int]) -> None:
+                  block: tuple[int, int]) -> int:
+    """Refuses a stored tensor (or its scale) of the wrong shape or kind; → the bytes to read for it."""
     shape, dtype = reader.shape_dtype(src.key)
     if src.index is not None:  # stacked experts [E, 2I or D, ...] → one expert's (half) slice
         shape = shape[1:]
@@ -374,17 +382,21 @@ def _check_stored(reader: _Reader, name: str, src: fmts.Source, expected: torch.
         note = "" if want == tuple(expected) else f", the packed form of {_fmt_shape(expected)}"
         raise CheckpointError(f"tensor {label}{where} has shape {_fmt_shape(shape)}, "
                               f"expected {_fmt_shape(want)}{note}")
+    nbytes = math.prod(shape) * dtype.itemsize
     if src.scale_key is not None:
-        got, _ = reader.shape_dtype(src.scale_key)
+        got, scale_dtype = reader.shape_dtype(src.scale_key)
         if tuple(got) != want_scale:
             raise CheckpointError(f"scale tensor {src.scale_key!r} of {name!r} has shape {_fmt_shape(got)}, "
                                   f"expected {_fmt_shape(want_scale)}")
+        nbytes += math.prod(got) * scale_dtype.itemsize
+    return nbytes
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, with_mtp: bool = False,
-                    device: str | torch.device = "cpu", progress: bool | None = None
+                    device: str | torch.device = "cpu", progress: Callable[[LoadProgress], None] | None = None
                     ) -> tuple[ModelConfig, Transformer]:
-    """Read `config.json`, build the model (with its MTP block if `with_mtp`) and load the weights."""
+    """Read `config.json`, build the model (with its MTP block if `with_mtp`) and load the weights
+    (telling `progress` how far, as `load_weights`)."""
     cfg = read_config(ckpt_dir)
     if with_mtp and cfg.num_nextn_predict_layers == 0:
         raise CheckpointError(f"{ckpt_dir}: with_mtp requested but config has num_nextn_predict_layers=0")

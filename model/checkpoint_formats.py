@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -224,3 +225,21 @@ def decode(tensor: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, i
     if block[0] != block[1]:
         raise ValueError(f"non-square FP8 weight blocks {block} are not supported")
     return low_precision.fp8_dequantize_weight(tensor, scale, block[0])
+
+
+def shard_order(expected: list[str], sources: dict[str, Source], files: dict[str, Path]
+                 ) -> tuple[list[str], dict[Path, int]]:
+    """The model's tensors in the order of their shards (one shard finished before the next is
+    begun; a tensor whose scale is in a later shard, with the later), and how many reads each
+    shard gets."""
+    rank = {path: i for i, path in enumerate(sorted(set(files.values())))}
+    reads: dict[Path, int] = {}
+    last = {}
+    for name in expected:
+        src = sources[name]
+        keys = (src.key, src.scale_key) if src.scale_key else (src.key,)
+        for key in keys:
+            reads[files[key]] = reads.get(files[key], 0) + 1
+        last[name] = max(rank[files[key]] for key in keys)
+    return sorted(expected, key=last.__getitem__), reads
+

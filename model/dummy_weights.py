@@ -18,6 +18,7 @@ GB, fits no single GPU).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from model.config import ModelConfig
 from model.kernels import arrival_counter, set_impl
 from model.kernels.mhc import mhc
 from model.kernels.moe.packed_experts import PackedExperts
+from model.load_progress import DUMMY, LoadProgress, LoadTracker
 from model.moe import MoE
 from model.quantized import FP8_LINEARS, Fp8Linear, _is_projection, _param_dtype
 from model.tiny import random_weights
@@ -36,19 +38,29 @@ _EXPERT_SEED = 1_000_003  # seeds of expert runs: layer · this + first expert (
 
 
 def dummy_model(cfg: ModelConfig, impl: str, device: torch.device | str, act_fp8: bool = False, seed: int = 0,
-                defer_experts: bool = False, with_mtp: bool = False) -> Transformer:
+                defer_experts: bool = False, with_mtp: bool = False,
+                progress: Callable[[LoadProgress], None] | None = None) -> Transformer:
     """The whole model (its MTP block too with `with_mtp`) with random device-format weights on
     `device`. `defer_experts`: routed experts as shapes only (meta), for `materialize_experts`
-    after sharding."""
+    after sharding. `progress` is told the layers (and the rest: embedding, head) made so far."""
     with torch.device("meta"):
         model = Transformer(_without_experts(cfg), impl=impl)
     model.cfg = cfg
-    model.layers = nn.ModuleList(dummy_block(cfg, i, impl, device, seed=seed + i, act_fp8=act_fp8, defer_experts=True)
-                                 for i in range(cfg.num_hidden_layers))
-    if with_mtp and cfg.num_nextn_predict_layers:
+    mtp = with_mtp and cfg.num_nextn_predict_layers > 0
+    tracker = LoadTracker(progress, DUMMY, "layers", cfg.num_hidden_layers + mtp + 1)
+
+    def made(block: Block) -> Block:
+        if not defer_experts:  # each layer's experts with it, seeded as `materialize_experts` seeds them
+            _materialize(block.ffn, 0, seed)
+        tracker.step(1, _nbytes(block))
+        return block
+
+    model.layers = nn.ModuleList(made(dummy_block(cfg, i, impl, device, seed=seed + i, act_fp8=act_fp8,
+                                                  defer_experts=True)) for i in range(cfg.num_hidden_layers))
+    if mtp:
         n = cfg.num_hidden_layers
-        model.mtp = nn.ModuleList([dummy_block(cfg, n, impl, device, seed=seed + n, act_fp8=act_fp8,
-                                               defer_experts=True, mtp=True)])
+        model.mtp = nn.ModuleList([made(dummy_block(cfg, n, impl, device, seed=seed + n, act_fp8=act_fp8,
+                                                    defer_experts=True, mtp=True))])
     g = torch.Generator(device=device).manual_seed(seed)
     D, V = cfg.hidden_size, cfg.vocab_size
     model.embed.weight = nn.Parameter(torch.randn(V, D, device=device, generator=g).bfloat16(), requires_grad=False)
@@ -57,9 +69,13 @@ def dummy_model(cfg: ModelConfig, impl: str, device: torch.device | str, act_fp8
     _fill_meta_parameters(model, cfg, device, seed)
     model.hc_arrivals = arrival_counter(device)  # a buffer, built on the meta device above
     set_impl(model, impl)
-    if not defer_experts:
-        materialize_experts(model, seed)
+    tracker.step(1, _nbytes(model) - tracker.bytes_done)
     return model.eval()
+
+
+def _nbytes(module: nn.Module) -> int:
+    """Bytes of the tensors `module` holds on a device (meta ones are shapes only)."""
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
 
 
 def dummy_block(cfg: ModelConfig, layer: int, impl: str, device: torch.device | str, seed: int = 0,

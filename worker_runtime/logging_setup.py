@@ -3,6 +3,7 @@
     LogOptions(level, format, stats_interval_s)   what `--log-level`, `--log-format` and
                                                   `--stats-interval` set, passed to the workers
     configure(options)                            the root logger: one stderr handler, text or JSON lines
+    load_progress(options)                        how loading weights shows its progress: a bar or lines
 
 Workers run in Ray's worker processes, whose stderr Ray forwards to the console of the process
 that created them (`log_to_driver`), each line prefixed with the actor's repr: the worker's id
@@ -20,10 +21,14 @@ import logging
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TextIO
+
+from model.load_progress import ProgressReporter
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOAD_PROGRESS_INTERVAL_S = 5.0  # between two weight-loading progress lines (not the bar)
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,13 @@ def worker_setup(options: LogOptions):
     def v4serve_logging() -> None:
         configure_worker(options)
     return v4serve_logging
+
+
+def load_progress(options: LogOptions, stream: TextIO | None = None) -> ProgressReporter:
+    """Weight-loading progress as this process shows it: a tqdm bar when `stream` (stderr) is a
+    terminal and logs are text; INFO lines every LOAD_PROGRESS_INTERVAL_S otherwise (a worker's
+    stderr goes to Ray line by line; a bar would also break JSON lines). At level warning or
+    error the lines are filtered out, and no bar is drawn either."""
+    stream = stream or sys.stderr
+    bar = options.format == "text" and options.level in ("debug", "info") and stream.isatty()
+    return ProgressReporter(bar, LOAD_PROGRESS_INTERVAL_S, stream)

@@ -28,6 +28,7 @@ from model.ep import set_capacity
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.transformer import Transformer
+from worker_runtime.logging_setup import load_progress
 from worker_runtime.options import WorkerOptions
 
 
@@ -37,17 +38,19 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
     plus one when decode graphs are captured (their padding rows decode a scratch request).
     `expert_parallel`: the worker is a rank of an expert-parallel group (dummy weights then defer
     the routed experts to the group's sharding). With `speculative_tokens` the model has its MTP
-    block and the pools its layer, on prefill and decode workers alike (pages match only so)."""
+    block and the pools its layer, on prefill and decode workers alike (pages match only so).
+    Loading reports its progress as `options.logs` says (`logging_setup.load_progress`)."""
     if options.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
                            "(--gpus-per-worker 1) on a node that has them")
     with_mtp = options.speculative_tokens > 0
+    progress = load_progress(options.logs)
     if options.load_format == "dummy":
         cfg = read_config(options.model_dir)
         model = dummy_model(cfg, options.kernels, options.device, fp8_activations(options.model_dir),
-                            defer_experts=expert_parallel, with_mtp=with_mtp)
+                            defer_experts=expert_parallel, with_mtp=with_mtp, progress=progress)
     else:
-        cfg, model = load_checkpoint(options.model_dir, device=options.device, with_mtp=with_mtp)
+        cfg, model = load_checkpoint(options.model_dir, device=options.device, with_mtp=with_mtp, progress=progress)
         if options.device == "cuda":
             quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,

@@ -24,7 +24,6 @@ from model.checkpoint import (
     expected_shapes,
     fp8_activations,
     load_checkpoint,
-    load_weights,
     read_config,
     write_checkpoint,
 )
@@ -32,7 +31,6 @@ from model.checkpoint_formats import official_storage
 from model.hf_names import to_hf_state_dict
 from model.kv_pool import KVPools, SeqKV
 from model.tiny import random_weights, tiny_config
-from model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,14 +198,6 @@ def test_mtp_handling(tiny_official_ckpt, tiny_hf_ckpt, tmp_path, tiny_ckpt_cfg,
     load_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match=r"missing tensor 'mtp\.0\.\S+' \(expected shape \(\d+(, \d+)*\)\)"):
         load_checkpoint(ckpt, with_mtp=True)
-
-
-def test_progress_bar_only_when_asked(tiny_hf_ckpt, tiny_ckpt_cfg, capsys):
-    model = Transformer(tiny_ckpt_cfg)
-    load_weights(model, tiny_hf_ckpt)  # stderr is captured, not a terminal: no bar
-    assert capsys.readouterr().err == ""
-    load_weights(model, tiny_hf_ckpt, progress=True)
-    assert "tensor" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------
