@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from router.choices import Child
 from router.errors import APIError, shutting_down
@@ -178,24 +178,11 @@ class Dispatcher:
             if relay.finish is None:
                 raise APIError(ErrorCode.INTERNAL, "the backend ended the stream without a finish reason")
             outcome_label = ("success", relay.finish.finish_reason)
-        except TimeoutError:
-            err = APIError(ErrorCode.DEADLINE_EXCEEDED, "the request did not finish before its deadline")
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise err from None
-        except APIError as err:
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise
-        except asyncio.CancelledError:
-            if run.ended_by is None:
+        except BaseException as exc:
+            err, outcome_label = _ending(exc, run)
+            if err is exc:
                 raise
-            asyncio.current_task().uncancel()  # ended by us (Abort, shutdown): the request ends, not the task
-            err, outcome_label = run.ended_by
-            err.counted = True
-            raise err from None
-        except Exception as exc:  # a broken backend or transport: reason-coded, never a bare 500 trace
-            err = APIError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise err from exc
+            raise err from (exc if isinstance(exc, Exception) and not isinstance(exc, TimeoutError) else None)
         finally:
             # The bookkeeping first, with no await before it: a second cancellation (a gRPC
             # deadline firing while the first one unwinds) must not skip it.
@@ -254,24 +241,11 @@ class Dispatcher:
             async with asyncio.timeout(timeout):
                 await _first_failure(tasks)
             outcome_label = ("success", relays[0].finish.finish_reason)
-        except TimeoutError:
-            err = APIError(ErrorCode.DEADLINE_EXCEEDED, "the request did not finish before its deadline")
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise err from None
-        except APIError as err:
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise
-        except asyncio.CancelledError:
-            if run.ended_by is None:
+        except BaseException as exc:
+            err, outcome_label = _ending(exc, run)
+            if err is exc:
                 raise
-            asyncio.current_task().uncancel()
-            err, outcome_label = run.ended_by
-            err.counted = True
-            raise err from None
-        except Exception as exc:  # reason-coded, never a bare 500 trace
-            err = APIError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
-            err.counted, outcome_label = True, ("error", err.reason)
-            raise err from exc
+            raise err from (exc if isinstance(exc, Exception) and not isinstance(exc, TimeoutError) else None)
         finally:
             run.running = False
             self.metrics.in_flight.dec()
@@ -371,6 +345,29 @@ class _Relay:
     def done(self, outcome: tuple[str, str]) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
         self.metrics.request_finished(*outcome)
+
+
+def _ending(exc: BaseException, run: _Running) -> tuple[APIError, tuple[str, str]]:
+    """What a request whose relay raised `exc` ends with: the APIError it answers with (counted)
+    and its outcome label. A cancellation from outside (a client gone, not an Abort or shutdown of
+    ours) and anything that is not an Exception are re-raised as they are."""
+    if isinstance(exc, asyncio.CancelledError):
+        if run.ended_by is None:
+            raise exc
+        asyncio.current_task().uncancel()  # ended by us (Abort, shutdown): the request ends, not the task
+        err, label = run.ended_by
+    elif isinstance(exc, TimeoutError):
+        err = APIError(ErrorCode.DEADLINE_EXCEEDED, "the request did not finish before its deadline")
+        label = ("error", err.reason)
+    elif isinstance(exc, APIError):
+        err, label = exc, ("error", exc.reason)
+    elif isinstance(exc, Exception):  # a broken backend or transport: reason-coded, never a bare 500 trace
+        err = APIError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        label = ("error", err.reason)
+    else:
+        raise exc
+    err.counted = True
+    return err, label
 
 
 async def _first_failure(tasks: list[asyncio.Task]) -> None:
