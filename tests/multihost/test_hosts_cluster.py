@@ -133,16 +133,20 @@ def test_repeats_go_to_the_prefill_host_holding_the_prefix(cluster, reference):
     time.sleep(1.0)  # the prefix index learns the holder's pages from its KV events
     repeats = [dict(first, prompt=shared + [66 + i], door=("http", "grpc")[i % 2]) for i in range(4)]
     # one after the other, each once the last is acknowledged and its pages are back in the
-    # prefix cache (a prefix a request is still resuming from is advertised again only then)
+    # prefix cache (a prefix a request is still resuming from is advertised again only then),
+    # and once the holder's load report no longer counts the last one's prompt as queued (a
+    # heartbeat a second): affinity weighs cached tokens against queued work, so a stale queue
+    # on the holder can send a repeat elsewhere
     last = after
     for w in repeats:
         assert cluster.generate([w]) == [reference(w)]
         last = settled(cluster, last, 1)
-        time.sleep(0.5)
+        time.sleep(2.5)
     end = last
-    index = {k: v for k, v in cluster.metrics().items() if "prefix" in k}
+    index = {k: v for k, v in cluster.metrics().items() if "prefix_index" in k or "queued" in k or "queue_depth" in k}
     assert end[holder]["transfers"]["transfers"] - after[holder]["transfers"]["transfers"] == len(repeats), (
-        holder, {w: (after[w]["transfers"], end[w]["transfers"], end[w].get("cached_pages")) for w in end}, index)
+        holder, {w: (end[w]["transfers"]["transfers"], end[w].get("cached_pages"), end[w].get("queued")) for w in end},
+        index)
     assert end[other]["transfers"]["transfers"] == after[other]["transfers"]["transfers"]
     # and it reused the prefix: far fewer tokens computed than the repeats' prompts
     assert end[holder]["computed_tokens"] - after[holder]["computed_tokens"] < len(repeats) * 256
