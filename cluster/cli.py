@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.cli_parser import build_parser
-from worker_runtime.logging_setup import LogOptions, configure
+from worker_runtime.logging_setup import LogOptions, configure, load_progress
 
 
 class CliError(Exception):
@@ -215,7 +215,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise CliError(str(e)) from None
     spec = args.speculative_tokens
-    cfg, model = load_checkpoint(args.model, with_mtp=spec > 0)
+    cfg, model = load_checkpoint(args.model, with_mtp=spec > 0,
+                                 progress=load_progress(LogOptions(args.log_level, args.log_format)))
     tokenizer = load_tokenizer(args.model, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     if not prompt:
