@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: HTTPS and gRPC over TLS")
     serving.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     serving.add_argument("--access-log", action="store_true", help="log one line per HTTP request (method, path, "
-                                                                   "status, client)")
+                                                                   "status, client) and per gRPC call (method, status, "
+                                                                   "duration, request id, peer)")
 
     up = sub.add_parser("up", parents=[serving],
                         help="start the pools (and Ray, Redis unless RAY_ADDRESS, REDIS_URL name them) and "

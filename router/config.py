@@ -74,7 +74,8 @@ class RouterConfig:
 
     # --- serving
     log_level: str = "warning"
-    access_log: bool = False  # one INFO line per HTTP request (logger uvicorn.access)
+    # one INFO line per HTTP request (logger uvicorn.access) and per gRPC call (v4serve.router.grpc.access)
+    access_log: bool = False
     shutdown_grace_s: float = 5.0
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
