@@ -34,6 +34,7 @@ from model.batch import ForwardBatch
 from model.detokenizer import Detokenizer
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
+from model.logprobs import TokenLogprobs, token_logprobs
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from worker_runtime.engine_metrics import EngineStats
@@ -115,14 +116,17 @@ class DecodeEngine:
         self.stats.queued(req.request_id)
 
     def admit_transferred(self, req: GenerateRequest, seq: SeqKV, first_token: int,
-                          cached_tokens: int = 0) -> list[TokenChunk]:
+                          cached_tokens: int = 0, first_logprobs: TokenLogprobs | None = None) -> list[TokenChunk]:
         """Start decoding a request whose prompt KV arrived from a prefill worker; `first_token`
-        was sampled there. Raises PoolExhausted if its decode pages cannot be reserved."""
+        (and its logprobs, when the request asked) was sampled there. Raises PoolExhausted if its
+        decode pages cannot be reserved."""
+        if req.logprobs is not None and first_logprobs is None:
+            raise ValueError(f"{req.request_id}: asks for logprobs, its first token came without them")
         r = Running(req, RequestState.DECODING, Detokenizer(self.tokenizer, req.stop_strings), seq=seq,
                     prefilled=len(req.prompt_ids), cached_tokens=cached_tokens)
         self.pools.reserve(seq, r.total_tokens)
         self.running[req.request_id] = r
-        return [self._emit(r, first_token)]
+        return [self._emit(r, first_token, first_logprobs)]
 
     def admit_migrated(self, req: GenerateRequest, seq: SeqKV, tokens: list[int], emitted_chars: int,
                        cached_tokens: int, extra: SeqKV) -> None:
@@ -320,15 +324,16 @@ class DecodeEngine:
             sampled.append(r)
         if not rows:
             return out
-        tokens = sample_rows(logits[rows] if len(rows) < len(owners) else logits,
-                             [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled])
-        for r, token in zip(sampled, tokens):
+        logits = logits[rows] if len(rows) < len(owners) else logits
+        tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled])
+        lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
+        for r, token, lp in zip(sampled, tokens, lps):
             r.state = RequestState.DECODING
-            out.append(self._emit(r, token))
+            out.append(self._emit(r, token, lp))
         return out
 
     # --- output ---------------------------------------------------------------------------
-    def _emit(self, r: Running, token: int) -> TokenChunk:
+    def _emit(self, r: Running, token: int, lp: TokenLogprobs | None = None) -> TokenChunk:
         r.tokens.append(token)
         self.stats.computed(generated=1)
         if len(r.tokens) == 1:
@@ -336,16 +341,17 @@ class DecodeEngine:
         text = r.detok.push(token)
         req = r.req
         finish = None
+        lps = (lp,) if lp is not None else None
         if token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped:
             finish = "stop"
         elif len(r.tokens) >= req.max_tokens:
             finish = "length"
         if finish is None:
-            return TokenChunk(req.request_id, (token,), text)
+            return TokenChunk(req.request_id, (token,), text, logprobs=lps)
         text += r.detok.flush()
         self._finish(r, RequestState.FINISHED)
         usage = Usage(len(req.prompt_ids), len(r.tokens), r.cached_tokens)
-        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage)
+        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage, logprobs=lps)
 
     def _fail(self, r: Running, code: ErrorCode, message: str) -> TokenChunk:
         self._finish(r, RequestState.FAILED)
@@ -357,3 +363,4 @@ class DecodeEngine:
         self.stats.ended(r.req.request_id, len(r.tokens), state is RequestState.FINISHED)
         if r.seq is not None:
             self.pools.release(r.seq)
+

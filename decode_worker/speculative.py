@@ -21,6 +21,7 @@ import time
 import torch
 
 from model import speculation
+from model.logprobs import token_logprobs
 from model.sampling import sample_rows
 from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
 
@@ -75,10 +76,13 @@ def verify(engine, planned) -> list[TokenChunk]:
     if not picked:
         return out
     index = [first + j for _, _, first, n in picked for j in range(n)]
-    tokens = sample_rows(logits[index] if len(index) < len(flat) else logits, params, positions)
+    logits = logits[index] if len(index) < len(flat) else logits
+    tokens = sample_rows(logits, params, positions)
+    # a row's logprobs belong to the target's token there: settle keeps a prefix of the rows' tokens
+    lps = token_logprobs(logits, tokens, [r.req.logprobs for _, r, _, n in picked for _ in range(n)])
     k = 0
     for i, r, _, n in picked:
-        targets, k = tokens[k:k + n], k + n
+        targets, row_lps, k = tokens[k:k + n], lps[k:k + n], k + n
         p = pending[i]
         if p is not None:
             targets = speculation.settle(engine.pools, p, targets, streams[batch.segments[i].rows])
@@ -87,8 +91,8 @@ def verify(engine, planned) -> list[TokenChunk]:
             engine.spec_accepted += len(targets) - 1
             engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
         r.state = RequestState.DECODING
-        for token in targets:
-            out.append(engine._emit(r, token))
+        for token, lp in zip(targets, row_lps):
+            out.append(engine._emit(r, token, lp))
             if r.req.request_id not in engine.running:
                 break
     return out

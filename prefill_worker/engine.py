@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
+from model.logprobs import TokenLogprobs, token_logprobs
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from prefill_worker.prefix_store import PrefixStore, Reuse
@@ -59,6 +60,7 @@ class Prefilled:
     first_token: int
     computed_tokens: int  # prompt tokens this worker actually ran through the model
     job: Job
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
 
 
 @dataclass(frozen=True)
@@ -174,13 +176,15 @@ class PrefillEngine:
         if not done:
             return []
         # every finished prompt's first token in one batch on the device; only the ids come back
-        firsts = sample_rows(logits[rows], [j.req.sampling for j in done], [j.seq.num_tokens for j in done])
+        logits = logits[rows]
+        firsts = sample_rows(logits, [j.req.sampling for j in done], [j.seq.num_tokens for j in done])
+        lps = token_logprobs(logits, firsts, [j.req.logprobs for j in done])
         for job in done:  # its first token: the prefill's part of the request is over
             self.stats.first_token(job.req.request_id)
             self.stats.ended(job.req.request_id)
         return [Prefilled(job.req.request_id, job.seq, first,
-                          len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job)
-                for job, first in zip(done, firsts)]
+                          len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job, lp)
+                for job, first, lp in zip(done, firsts, lps)]
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:

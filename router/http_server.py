@@ -214,10 +214,10 @@ class HTTPApp:
 def _emitter(builder: ResponseBuilder, send, stream: bool):
     """The `emit` of a request: SSE chunks as they come, or accumulated for one response."""
     async def add(chunk):
-        builder.add(chunk.token_ids, chunk.text, chunk.finish_reason)
+        builder.add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs)
 
     async def write(chunk):
-        data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
+        data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs))
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     return write if stream else add
@@ -229,10 +229,10 @@ def _group_emitter(builders: list[ResponseBuilder], send, stream: bool):
     lock = asyncio.Lock()
 
     async def add(k, chunk):
-        builders[k].add(chunk.token_ids, chunk.text, chunk.finish_reason)
+        builders[k].add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs)
 
     async def write(k, chunk):
-        data = sse(builders[k].chunk(chunk.token_ids, chunk.text, chunk.finish_reason))
+        data = sse(builders[k].chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs))
         async with lock:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from router.chat_encoding import ReasoningSplitter
 from router.choices import merge_usage
+from router.logprobs_format import chat_entries, completion_logprobs
 from router.openai_protocol import ResponseOptions
 from router.tool_calls import ToolCallParser
 from worker_runtime.wire import Usage
@@ -65,6 +66,8 @@ class ResponseBuilder:
     reasoning: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # the worker's text (include_stop_str_in_output only)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of every token so far (logprobs asked)
+    _lp_chars: int = 0  # characters of the token pieces so far (completions' text_offset)
     _sent_role: bool = False
 
     def __post_init__(self):
@@ -102,12 +105,24 @@ class ResponseBuilder:
                 c, calls = c + c2, calls + calls2
         return r, c, calls
 
+    def _logprobs(self, lps) -> dict | None:
+        """The `logprobs` object of these tokens' TokenLogprobs (None unless the request asked)."""
+        if self.options.logprobs is None:
+            return None
+        lps = list(lps or ())
+        if self.options.chat:
+            return {"content": chat_entries(self.tokenizer, lps)}
+        out = completion_logprobs(self.tokenizer, lps, self._lp_chars)
+        self._lp_chars += sum(len(t) for t in out["tokens"])
+        return out
+
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.calls else reason
 
     # --- non-streaming
-    def add(self, token_ids, text: str, finish_reason: str | None = None) -> None:
+    def add(self, token_ids, text: str, finish_reason: str | None = None, logprobs=None) -> None:
         r, c, _ = self._process(token_ids, text, finish_reason)
+        self.logprobs.extend(logprobs or ())
         self.reasoning.append(r)
         self.text.append(c)
 
@@ -127,16 +142,17 @@ class ResponseBuilder:
                 message["tool_calls"] = [{"id": c["id"], "type": "function",
                                           "function": {"name": c["name"], "arguments": c["arguments"]}}
                                          for c in self.tools.calls]
-            choice = {"index": self.index, "message": message, "logprobs": None,
+            choice = {"index": self.index, "message": message, "logprobs": self._logprobs(self.logprobs),
                       "finish_reason": self.finish_reason(finish_reason)}
         else:
-            choice = {"index": self.index, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": content, "logprobs": self._logprobs(self.logprobs),
+                      "finish_reason": finish_reason}
         if self.options.return_token_ids:
             choice["token_ids"] = list(self.token_ids)
         return choice
 
     # --- streaming
-    def chunk(self, token_ids, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, token_ids, text: str, finish_reason: str | None, logprobs=None) -> dict:
         r, c, calls = self._process(token_ids, text, finish_reason)
         if finish_reason is not None:
             finish_reason = self.finish_reason(finish_reason)
@@ -150,9 +166,10 @@ class ResponseBuilder:
                 delta["reasoning_content"] = r
             if calls:
                 delta["tool_calls"] = [d.openai() for d in calls]
-            choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": self.index, "text": c, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": c, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         if self.options.return_token_ids:
             choice["token_ids"] = list(token_ids)
         out = {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,

@@ -11,7 +11,7 @@ A request becomes one `GenerateRequest` per choice (`router/choices.py`): `n` pe
 `/v1/completions` batch holds several prompts.
 
 The bodies are validated by the typed models of `request_models.py` (unknown fields refused);
-fields that would change the output but are not implemented (penalties, logprobs, echo, …) are
+fields that would change the output but are not implemented (penalties, echo, …) are
 refused with a 400 naming them unless at their neutral value, never silently ignored;
 bookkeeping fields (`user`, `metadata`, …) are accepted and have no effect on the output.
 """
@@ -85,6 +85,7 @@ class ResponseOptions:
     tool_calls: bool = False  # chat with tools offered: parse DSML tool calls out of the content
     include_stop_str: bool = False  # append the stop string that ended the completion
     stop_strings: tuple[str, ...] = ()
+    logprobs: int | None = None  # top alternatives per token's logprobs; None: no logprobs
 
 
 Prompt = str | tuple[int, ...]  # text to tokenize, or token ids as given
@@ -102,6 +103,7 @@ class Draft:
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def _validate(model_cls, body):
 
 
 # Known fields this server does not implement: accepted only at their neutral value.
-_NEUTRAL = {"echo": (False,), "top_logprobs": (0,),
+_NEUTRAL = {"echo": (False,),
             "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
             "min_tokens": (0,), "min_p": (0,), "priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
 
@@ -143,9 +145,15 @@ def _refuse_unsupported(req) -> None:
         if ok is None or v is None or any(v == o for o in ok):
             continue
         raise invalid(f"'{name}' is not supported by this server (only {ok[0]!r} is accepted)", name)
-    logprobs = getattr(req, "logprobs", None)
-    if logprobs is not None and logprobs is not False:  # completions: 0 asks for the sampled token's
-        raise invalid("'logprobs' is not supported by this server", "logprobs")
+
+
+def _logprobs(req, chat: bool) -> int | None:
+    """How many top alternatives each token's logprobs carry; None: no logprobs."""
+    if not chat:
+        return req.logprobs  # 0: the sampled token's alone
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def check_token_ids(ids, limits: Limits, param: str) -> tuple[int, ...]:
@@ -218,6 +226,7 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
     if len(stop_ids) > limits.max_stop_token_ids:
         raise invalid(f"'stop_token_ids' may hold at most {limits.max_stop_token_ids} ids", "stop_token_ids")
     stop_strings = _stop_strings(req, limits)
+    logprobs = _logprobs(req, chat)
     return {
         "options": ResponseOptions(
             chat=chat, stream=stream, thinking=thinking, tool_calls=tool_calls,
@@ -225,13 +234,14 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
             continuous_usage=bool(req.stream_options and req.stream_options.include_usage  # as vLLM: needs both
                                   and req.stream_options.continuous_usage_stats),
             return_token_ids=bool(req.return_token_ids),
-            include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings),
+            include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings, logprobs=logprobs),
         "n": n,
         "max_tokens": max_tokens,
         "sampling": SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed),
         "stop_strings": stop_strings,
         "stop_token_ids": check_token_ids(stop_ids, limits, "stop_token_ids"),
-        "ignore_eos": bool(req.ignore_eos)}
+        "ignore_eos": bool(req.ignore_eos),
+        "logprobs": logprobs}
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -324,4 +334,5 @@ def _generate_request(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits,
                       f"length {limits.max_model_len}", "max_tokens", openai_code="context_length_exceeded")
     return GenerateRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
                            sampling=draft.sampling, stop_token_ids=draft.stop_token_ids,
-                           stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline)
+                           stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline,
+                           logprobs=draft.logprobs)

@@ -2,7 +2,7 @@
 and ranges; `GET /openapi.json` publishes them.
 
 Every model forbids unknown fields, so a field this server does not know is a 400 naming it,
-never silently dropped. Fields that are known but not implemented (penalties, logprobs, n > 1,
+never silently dropped. Fields that are known but not implemented (penalties, echo,
 …) are typed here so their values can be checked, and refused at any non-neutral value by
 `openai_protocol` with a message naming the field. Validation is strict: no string → number or
 bool → int coercion; numbers are compared exactly whatever their size.
@@ -22,6 +22,7 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=-1, lt=MAX_TOP_K)]
 Seed = Annotated[int, Field(gt=-MAX_SEED, lt=MAX_SEED)]
 TokenIds = list[int]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
 class _Strict(BaseModel):
@@ -151,7 +152,7 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = Field(None, description="each token's logprob and the k most likely (0..20)")
     suffix: str | None = None
     best_of: int | None = Field(None, description="1 or n only")
 
@@ -160,7 +161,7 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: the k most likely tokens (0..20)")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -198,6 +199,7 @@ _WHAT = {
     "model": "a string", "n": "an integer", "stop": "a non-empty string or an array of non-empty strings",
     "stop_token_ids": "an array of integers", "prompt": "a string or an array of token ids",
     "messages": "a non-empty array of messages", "stream_options": "an object",
+    "top_logprobs": "an integer in [0, 20]",
 }
 
 

@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass
 
 from model.detokenizer import Detokenizer
+from model.logprobs import TokenLogprobs
 from worker_runtime.wire import ErrorCode, ErrorInfo, GenerateRequest, TokenChunk, Usage, page_hashes
 
 
@@ -148,7 +149,8 @@ class StubBackend:
                     usage = Usage(len(req.prompt_ids), run.n, cached) if finish else None
                     if finish:
                         done = True
-                    yield TokenChunk(rid, tuple(ids), "".join(text), finish, usage)
+                    yield TokenChunk(rid, tuple(ids), "".join(text), finish, usage,
+                                     logprobs=self._logprobs(req, ids))
                     ids, text = [], []
                 if finish is None:
                     await asyncio.sleep(cfg.token_delay_s)
@@ -158,6 +160,13 @@ class StubBackend:
                 self.cancelled.append(rid)
             self.active.discard(rid)
             self._abort_flags.discard(rid)
+
+    def _logprobs(self, req: GenerateRequest, ids: list[int]):
+        """Fixed stand-in values when the request asks: the token first at -0.5, pool tokens after."""
+        if req.logprobs is None:
+            return None
+        return tuple(TokenLogprobs(t, -0.5, tuple((c, -0.5 - i) for i, c in enumerate(
+            ([t] + [p for p in self.token_pool if p != t])[:req.logprobs]))) for t in ids)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.sleep(self.config.abort_delay_s)

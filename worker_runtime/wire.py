@@ -13,6 +13,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass, field
 
+from model.logprobs import TokenLogprobs
 from model.sampling import SamplingParams
 
 
@@ -68,6 +69,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     deadline: float | None = None  # unix seconds; None = no deadline
     router: str = ""  # id of the router streaming it, whose registry lease keeps it alive; "" = none
+    logprobs: int | None = None  # None: none; k: each token's logprob and its top k (model/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class TokenChunk:
     error: ErrorInfo | None = None  # terminal failure; finish_reason stays None
     transfer: TransferStats | None = None  # on the first chunk of a request that used remote prefill
     moved: Moved | None = None  # last chunk of a worker's stream when the request migrated away
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
 
 
 @dataclass(frozen=True)
@@ -187,13 +190,18 @@ class TransferHeader:
     num_tokens: int  # tokens whose KV the pages hold (the prompt)
     first_token: int  # sampled by the sender at position num_tokens
     computed_tokens: int  # prompt tokens the sender ran through its model (the rest were cached)
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "TransferHeader":
-        return cls(**json.loads(data))
+        d = json.loads(data)
+        lp = d.pop("first_logprobs", None)
+        if lp is not None:
+            lp = TokenLogprobs(lp["token"], lp["logprob"], tuple((int(t), float(v)) for t, v in lp["top"]))
+        return cls(**d, first_logprobs=lp)
 
 
 @dataclass(frozen=True)
