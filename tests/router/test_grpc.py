@@ -262,14 +262,19 @@ def test_access_log_one_line_per_finished_call(router, stub, caplog):
             with pytest.raises(grpc.RpcError):
                 list(s.Generate(pb.GenerateRequest(prompt="hi", max_tokens=-1, request_id="acc-bad"), timeout=10))
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        wait_for(lambda: len([r for r in caplog.records if r.name == "v4serve.router.grpc.access"]) == 4)
+            logged.set_stub(token_delay_s=0.05)
+            slow = s.Generate(pb.GenerateRequest(prompt="hi", max_tokens=200, request_id="acc-cut"), timeout=20)
+            next(slow)
+            slow.cancel()
+            assert wait_for(lambda: len([r for r in caplog.records if r.name == "v4serve.router.grpc.access"]) == 5)
     finally:
         logged.close()
     line = re.compile(r'^(\S+) - "(\S+)" ([A-Z_]+) (\d+\.\d{3})s request_id=(\S+)$')
     got = [line.match(r.getMessage()).groups() for r in caplog.records if r.name == "v4serve.router.grpc.access"]
     assert [(m, status, rid) for _, m, status, _, rid in got] == [
         (f"/{SERVICE}/Generate", "OK", "acc-1"), (f"/{SERVICE}/Generate", "OK", ours),
-        (f"/{SERVICE}/Generate", "INVALID_ARGUMENT", "acc-bad"), ("/grpc.health.v1.Health/Check", "OK", "-")]
+        (f"/{SERVICE}/Generate", "INVALID_ARGUMENT", "acc-bad"), ("/grpc.health.v1.Health/Check", "OK", "-"),
+        (f"/{SERVICE}/Generate", "CANCELLED", "acc-cut")]
     assert ours.startswith("cmpl-")
     assert all(peer.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]") and float(secs) < 10 for peer, _, _, secs, _ in got)
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "v4serve.router.grpc.access")
