@@ -3,9 +3,10 @@
     LoadProgress                       one report: parts (shards or layers) and bytes done of total,
                                        seconds since the start; its fraction, rate and time left
     LoadTracker(report, ...)           what a loader calls as it goes (`step`), sending LoadProgress
-    ProgressReporter(bar, interval_s)  a `report` that shows them: a tqdm bar on a terminal, else an
-                                       INFO line (logger `model.load_progress`) at most every
-                                       `interval_s` seconds, plus the first and the last
+    ProgressReporter(bar, interval_s,  a `report` that shows them: a tqdm bar on a terminal, else an
+                     label=...)        INFO line (logger `model.load_progress`) at most every
+                                       `interval_s` seconds, plus the first and the last; `label`
+                                       (a worker id) leads each line
 
 A bar redraws its line with carriage returns, which garbles output read as lines (a worker's stderr
 reaches the console of `v4serve up` through Ray line by line) and JSON log lines: there the lines
@@ -104,12 +105,14 @@ def describe(p: LoadProgress) -> str:
 
 class ProgressReporter:
     """Shows LoadProgress reports: as a tqdm bar on `stream` with `bar`, else as log lines (the record
-    carries the report as `load_progress`), at most one per `interval_s` besides the first and the last."""
+    carries the report as `load_progress`), at most one per `interval_s` besides the first and the
+    last. `label` leads the lines (`decode-0: Loading ...`), as the workers' stats lines."""
 
-    def __init__(self, bar: bool, interval_s: float = 5.0, stream: TextIO | None = None):
+    def __init__(self, bar: bool, interval_s: float = 5.0, stream: TextIO | None = None, label: str = ""):
         if interval_s < 0:
             raise ValueError(f"progress interval must be >= 0 seconds, got {interval_s}")
         self.bar, self.interval_s, self.stream = bar, interval_s, stream
+        self.prefix = f"{label}: " if label else ""
         self._tqdm: tqdm | None = None
         self._logged_at: float | None = None
 
@@ -118,11 +121,11 @@ class ProgressReporter:
             self._draw(p)
         elif p.finished or self._logged_at is None or p.elapsed_s - self._logged_at >= self.interval_s:
             self._logged_at = p.elapsed_s
-            log.info("%s", describe(p), extra={"load_progress": p})
+            log.info("%s%s", self.prefix, describe(p), extra={"load_progress": p})
 
     def _draw(self, p: LoadProgress) -> None:
         if self._tqdm is None:
-            self._tqdm = tqdm(total=p.total, desc=p.what, unit=p.unit.removesuffix("s"),
+            self._tqdm = tqdm(total=p.total, desc=self.prefix + p.what, unit=p.unit.removesuffix("s"),
                               file=self.stream or sys.stderr, dynamic_ncols=True)
         self._tqdm.n = p.done
         of = f"/{size(p.bytes_total)}" if p.bytes_total else ""

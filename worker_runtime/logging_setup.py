@@ -91,11 +91,11 @@ def worker_setup(options: LogOptions):
     return v4serve_logging
 
 
-def load_progress(options: LogOptions, stream: TextIO | None = None) -> ProgressReporter:
+def load_progress(options: LogOptions, stream: TextIO | None = None, label: str = "") -> ProgressReporter:
     """Weight-loading progress as this process shows it: a tqdm bar when `stream` (stderr) is a
     terminal and logs are text; INFO lines every LOAD_PROGRESS_INTERVAL_S otherwise (a worker's
     stderr goes to Ray line by line; a bar would also break JSON lines). At level warning or
-    error the lines are filtered out, and no bar is drawn either."""
+    error the lines are filtered out, and no bar is drawn either. `label` leads each line."""
     stream = stream or sys.stderr
     bar = options.format == "text" and options.level in ("debug", "info") and stream.isatty()
-    return ProgressReporter(bar, LOAD_PROGRESS_INTERVAL_S, stream)
+    return ProgressReporter(bar, LOAD_PROGRESS_INTERVAL_S, stream, label)

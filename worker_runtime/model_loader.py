@@ -18,6 +18,8 @@ for (`--gpus-per-worker`).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from model.checkpoint import fp8_activations, load_checkpoint, read_config
@@ -44,7 +46,7 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
         raise RuntimeError("device 'cuda' but this worker sees no CUDA GPU: give each worker one "
                            "(--gpus-per-worker 1) on a node that has them")
     with_mtp = options.speculative_tokens > 0
-    progress = load_progress(options.logs)
+    progress = load_progress(options.logs, label=_actor_name())
     if options.load_format == "dummy":
         cfg = read_config(options.model_dir)
         model = dummy_model(cfg, options.kernels, options.device, fp8_activations(options.model_dir),
@@ -57,6 +59,16 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
                     with_mtp=with_mtp)
     return cfg, model, pools
+
+
+def _actor_name() -> str:
+    """The name of the Ray actor this runs in (the launcher names workers by id: `decode-0`), else
+    "". Ray prefixes an actor's lines with its repr, the worker id, only once it is constructed:
+    while it loads its weights, with its class name, which does not tell two workers apart."""
+    ray = sys.modules.get("ray")  # a process that never imported Ray runs in no actor
+    if ray is None or not ray.is_initialized():  # (get_runtime_context would start a Ray instance)
+        return ""
+    return ray.get_runtime_context().get_actor_name() or ""
 
 
 class DecodeGraphs:

@@ -57,9 +57,10 @@ def test_sharded_checkpoint_reports_rising_progress_to_its_totals(tmp_path, capl
 
 def test_lines_at_most_one_per_interval_plus_the_last(sharded, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        load_checkpoint(sharded, progress=ProgressReporter(bar=False, interval_s=3600))
+        load_checkpoint(sharded, progress=ProgressReporter(bar=False, interval_s=3600, label="decode-3"))
     got = _reports(caplog)
     assert [p.done for p in got] == [0, got[-1].total] and got[-1].finished
+    assert all(r.getMessage().startswith(f"decode-3: {CHECKPOINT}: ") for r in caplog.records if r.name == LOGGER)
 
 
 def test_bar_on_a_terminal_draws_and_logs_nothing(sharded, caplog):
