@@ -35,6 +35,7 @@ from model.detokenizer import Detokenizer
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, token_logprobs
+from model.penalties import History
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from worker_runtime.engine_metrics import EngineStats
@@ -325,12 +326,22 @@ class DecodeEngine:
         if not rows:
             return out
         logits = logits[rows] if len(rows) < len(owners) else logits
-        tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled])
+        tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled],
+                             histories=[self.history(r) for r in sampled])
         lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
         for r, token, lp in zip(sampled, tokens, lps):
             r.state = RequestState.DECODING
             out.append(self._emit(r, token, lp))
         return out
+
+    def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:
+        """What its logit adjustments read (None when its sampling has none): its prompt, its output
+        so far (and the drafts before a verify row), and the ids min_tokens masks."""
+        req = r.req
+        if not req.sampling.adjusts:
+            return None
+        stops = req.stop_token_ids + (() if req.ignore_eos else (self.eos_id,))
+        return History(req.prompt_ids, tuple(r.tokens) + drafts, stops)
 
     # --- output ---------------------------------------------------------------------------
     def _emit(self, r: Running, token: int, lp: TokenLogprobs | None = None) -> TokenChunk:

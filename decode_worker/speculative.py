@@ -58,7 +58,7 @@ def verify(engine, planned) -> list[TokenChunk]:
         logits, streams = engine.model(batch, engine.pools, return_streams=True,
                                        logit_rows=torch.tensor(flat, device=batch.input_ids.device))
     batch.commit()
-    out, picked, params, positions, at = [], [], [], [], 0
+    out, picked, params, positions, histories, at = [], [], [], [], [], 0
     for i, (r, yields) in enumerate(owners):
         first, n = at, len(rows[i])
         at += n
@@ -71,13 +71,16 @@ def verify(engine, planned) -> list[TokenChunk]:
             continue
         picked.append((i, r, first, n))
         params += [r.req.sampling] * n
+        # verify row j samples as if the drafts before it were accepted (it is used only then)
+        drafts = pending[i].drafts if pending[i] is not None else ()
+        histories += [engine.history(r, tuple(drafts[:j])) for j in range(n)]
         # row j of the segment feeds position num_tokens - n + j; its token sits one further
         positions += list(range(r.seq.num_tokens - n + 1, r.seq.num_tokens + 1))
     if not picked:
         return out
     index = [first + j for _, _, first, n in picked for j in range(n)]
     logits = logits[index] if len(index) < len(flat) else logits
-    tokens = sample_rows(logits, params, positions)
+    tokens = sample_rows(logits, params, positions, histories=histories)
     # a row's logprobs belong to the target's token there: settle keeps a prefix of the rows' tokens
     lps = token_logprobs(logits, tokens, [r.req.logprobs for _, r, _, n in picked for _ in range(n)])
     k = 0

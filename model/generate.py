@@ -15,6 +15,7 @@ import torch
 from model import speculation
 from model.batch import ForwardBatch
 from model.kv_pool import KVPools, SeqKV
+from model.penalties import History
 from model.sampling import SamplingParams, sample, sample_rows
 from model.transformer import Transformer
 
@@ -43,6 +44,11 @@ def generate(model: Transformer, pools: KVPools, prompt: list[int], max_new_toke
     kept: list[torch.Tensor] = []
     proposed = accepted = 0
 
+    stops = tuple(sorted(stop_ids))
+
+    def history(extra: tuple[int, ...] = ()) -> History:
+        return History(tuple(prompt), tuple(tokens) + extra, stops)
+
     def done(reason: str) -> Generation:
         return Generation(tokens, reason, torch.stack(kept) if keep_logits else None, proposed, accepted)
 
@@ -50,7 +56,7 @@ def generate(model: Transformer, pools: KVPools, prompt: list[int], max_new_toke
         step = chunk_size or len(prompt)
         for start in range(0, len(prompt), step):
             logits = _step(model, pools, seq, prompt[start:start + step])
-        new = [sample(logits[0], params, position=seq.num_tokens)]
+        new = [sample(logits[0], params, position=seq.num_tokens, history=history())]
         while True:
             for i, token in enumerate(new):
                 tokens.append(token)
@@ -63,9 +69,9 @@ def generate(model: Transformer, pools: KVPools, prompt: list[int], max_new_toke
             depth = min(speculative_tokens, max_new_tokens - len(tokens) - 1)
             if not speculative_tokens:
                 logits = _step(model, pools, seq, [tokens[-1]])
-                new = [sample(logits[0], params, position=seq.num_tokens)]
+                new = [sample(logits[0], params, position=seq.num_tokens, history=history())]
                 continue
-            logits, new = _speculate(model, pools, seq, tokens[-1], depth, params)
+            logits, new = _speculate(model, pools, seq, tokens[-1], depth, params, history)
             proposed += depth
             accepted += len(new) - 1
     finally:
@@ -80,13 +86,16 @@ def _step(model: Transformer, pools: KVPools, seq: SeqKV, tokens: list[int]) -> 
     return logits
 
 
-def _speculate(model: Transformer, pools: KVPools, seq: SeqKV, last: int, depth: int, params: SamplingParams):
-    """One draft → verify → accept step: (the verify's logits [depth+1, vocab], the tokens emitted)."""
+def _speculate(model: Transformer, pools: KVPools, seq: SeqKV, last: int, depth: int, params: SamplingParams,
+               history):
+    """One draft → verify → accept step: (the verify's logits [depth+1, vocab], the tokens emitted).
+    Verify row j samples as if drafts[:j] were accepted: `history(drafts[:j])` is its output so far."""
     pending = speculation.draft(model, pools, [(seq, last, depth, params)])[0]
     batch = ForwardBatch.build([(seq, pending.tokens)], device=pools.device)
     logits, streams = model(batch, pools, all_logits=True, return_streams=True)
     batch.commit()
-    targets = sample_rows(logits, [params] * (depth + 1), list(range(pending.start + 1, pending.start + depth + 2)))
+    targets = sample_rows(logits, [params] * (depth + 1), list(range(pending.start + 1, pending.start + depth + 2)),
+                          histories=[history(pending.drafts[:j]) for j in range(depth + 1)])
     new = speculation.settle(pools, pending, targets, streams)
     pools.trim_window(seq)
     return logits, new

@@ -14,11 +14,12 @@ so its token does not depend on the other rows of the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from model.kernels.common.gumbel import gumbel_argmax, kept
+from model.penalties import MAX_LOGIT_BIAS, History, adjust
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: decorrelates consecutive positions
 _MASK64 = (1 << 64) - 1
@@ -30,8 +31,26 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
     seed: int = 0
+    # logit adjustments (model/penalties.py); neutral by default
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    min_tokens: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, each in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not (self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
@@ -42,6 +61,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def unadjusted(self) -> SamplingParams:
+        """The same draw without the logit adjustments (what a speculative draft proposes with)."""
+        return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=(),
+                       min_tokens=0)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether its logits are adjusted before sampling (penalties, logit_bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
 
 def _row_key(seed: int, position: int) -> tuple[int, int, int]:
@@ -54,13 +85,16 @@ def _row_key(seed: int, position: int) -> tuple[int, int, int]:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                impl: str | None = None) -> list[int]:
+                impl: str | None = None, histories: list[History | None] | None = None) -> list[int]:
     """Next token of each row: logits [R, V] (any float dtype, any device) → R token ids; row i
-    uses (params[i], positions[i]). One copy to the host, of the R ids. `impl` picks the draw's
-    kernel ("torch" reference or "triton"); by default Triton on a GPU, torch elsewhere."""
+    uses (params[i], positions[i]) and, when its params adjust the logits, histories[i] (its
+    prompt and output so far: `model/penalties.py`). One copy to the host, of the R ids. `impl`
+    picks the draw's kernel ("torch" reference or "triton"); by default Triton on a GPU, torch
+    elsewhere."""
     impl = impl or ("triton" if logits.is_cuda else "torch")
     rows = len(params)
     assert logits.dim() == 2 and logits.shape[0] == rows == len(positions), (logits.shape, rows)
+    logits = adjust(logits, params, histories if histories is not None else [None] * rows)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if len(drawn) == rows:
         return _draw(logits, params, positions, impl).tolist()
@@ -70,9 +104,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return tokens.tolist()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int, impl: str | None = None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, position: int, impl: str | None = None,
+           history: History | None = None) -> int:
     """Next token for one request: logits [V] (any device) → token id."""
-    return sample_rows(logits[None], [params], [position], impl)[0]
+    return sample_rows(logits[None], [params], [position], impl, [history])[0]
 
 
 def _support(logits: torch.Tensor, params: list[SamplingParams]):

@@ -132,7 +132,8 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
                  for i in live]
         logits, streams = model.mtp_step(streams.to(model.embed.weight.dtype), ForwardBatch.build(items, pools.device),
                                          pools)
-        tokens = sample_rows(logits, [out[i].params for i in live], [out[i].start + 1 + k for i in live])
+        # drafts are proposals: the verify applies a request's penalties exactly, so they draw without
+        tokens = sample_rows(logits, [out[i].params.unadjusted for i in live], [out[i].start + 1 + k for i in live])
         for i, t in zip(live, tokens):
             drafts[i].append(t)
         keep = [j for j, i in enumerate(live) if depths[i] > k + 1]

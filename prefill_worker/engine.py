@@ -25,6 +25,7 @@ from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, token_logprobs
+from model.penalties import History
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from prefill_worker.prefix_store import PrefixStore, Reuse
@@ -177,7 +178,8 @@ class PrefillEngine:
             return []
         # every finished prompt's first token in one batch on the device; only the ids come back
         logits = logits[rows]
-        firsts = sample_rows(logits, [j.req.sampling for j in done], [j.seq.num_tokens for j in done])
+        firsts = sample_rows(logits, [j.req.sampling for j in done], [j.seq.num_tokens for j in done],
+                             histories=[self._history(j.req) for j in done])
         lps = token_logprobs(logits, firsts, [j.req.logprobs for j in done])
         for job in done:  # its first token: the prefill's part of the request is over
             self.stats.first_token(job.req.request_id)
@@ -185,6 +187,13 @@ class PrefillEngine:
         return [Prefilled(job.req.request_id, job.seq, first,
                           len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job, lp)
                 for job, first, lp in zip(done, firsts, lps)]
+
+    def _history(self, req: GenerateRequest) -> History | None:
+        """What the first token's logit adjustments read: the prompt, no output, min_tokens' ids."""
+        if not req.sampling.adjusts:
+            return None
+        eos = () if req.ignore_eos else (self.model.cfg.eos_token_id,)
+        return History(req.prompt_ids, (), req.stop_token_ids + eos)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
