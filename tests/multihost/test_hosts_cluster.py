@@ -10,8 +10,7 @@ only. Checked: the pools sit where they were pinned; requests over HTTP and gRPC
 `v4serve generate`'s tokens, their KV crossing from the prefill hosts to the decode hosts over
 UCX TCP (the protocol UCX reports, and the prefill hosts' interfaces sending the bytes); repeats
 of a prompt go to the prefill host holding its prefix; a running request migrates from one
-decode host to the other and ends with the same tokens; a `v4serve router` on a decode host
-serves the same pools.
+decode host to the other and ends with the same tokens.
 """
 
 from __future__ import annotations
@@ -171,17 +170,3 @@ def test_a_running_decode_migrates_between_hosts(cluster, reference):
     placed = cluster.agent.call("placement")
     assert {placed[source]["ip"], placed[target]["ip"]} == {cluster.hosts[i].ip for i in DECODE_HOSTS}
 
-
-def test_a_router_on_a_decode_host_serves_the_same_pools(cluster, tiny_official_ckpt, reference):
-    """`v4serve router` on host 3 (a driver joined to the head from a worker node's host) serves
-    the pools `up` on host 0 owns: the same tokens, through either door."""
-    router = UpOnHost(cluster.hosts, cluster.ray_hosts, DECODE_HOSTS[1], tiny_official_ckpt,
-                      ["--max-model-len", "1024", "--remote-prefill-threshold", "64"], command="router")
-    try:
-        work = workload(4, seed=9)
-        urls = {"http": router.http, "grpc": router.grpc}
-        got = cluster.agent.call("generate", requests=[dict(w, url=urls[w["door"]]) for w in work])
-        for i, (w, tokens) in enumerate(zip(work, got)):
-            assert tokens == reference(w), (i, w["door"], tokens)
-    finally:
-        assert router.stop() == 0
