@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ def unavailable() -> str | None:
     if shutil.which("ip") is None:
         return "`ip` (iproute2) is not installed"
     try:
-        with Hosts(1, limit_s=60) as hosts:
+        with tempfile.TemporaryDirectory() as tmp, Hosts(1, limit_s=60, log_dir=Path(tmp)) as hosts:
             hosts.run(0, ["true"])
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         return f"cannot build network namespaces here: {e}"
