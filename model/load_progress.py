@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "Loading safetensors checkpoint shards"
 DUMMY = "Making dummy weights"
+_REDRAW_S = 0.1  # the bar's bytes move with every tensor; it redraws at most this often between parts
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class ProgressReporter:
         self.prefix = f"{label}: " if label else ""
         self._tqdm: tqdm | None = None
         self._logged_at: float | None = None
+        self._drawn_at = 0.0
 
     def __call__(self, p: LoadProgress) -> None:
         if self.bar:
@@ -127,6 +129,9 @@ class ProgressReporter:
         if self._tqdm is None:
             self._tqdm = tqdm(total=p.total, desc=self.prefix + p.what, unit=p.unit.removesuffix("s"),
                               file=self.stream or sys.stderr, dynamic_ncols=True)
+        elif p.done == self._tqdm.n and not p.finished and p.elapsed_s - self._drawn_at < _REDRAW_S:
+            return  # a report per tensor: a checkpoint of 100k tensors would redraw 100k times
+        self._drawn_at = p.elapsed_s
         self._tqdm.n = p.done
         of = f"/{size(p.bytes_total)}" if p.bytes_total else ""
         self._tqdm.set_postfix_str(f"{size(p.bytes_done)}{of}, {size(p.bytes_per_s)}/s", refresh=False)
