@@ -11,7 +11,7 @@ A request becomes one `GenerateRequest` per choice (`router/choices.py`): `n` pe
 `/v1/completions` batch holds several prompts.
 
 The bodies are validated by the typed models of `request_models.py` (unknown fields refused);
-fields that would change the output but are not implemented (penalties, echo, …) are
+fields that would change the output but are not implemented (echo, min_p, …) are
 refused with a 400 naming them unless at their neutral value, never silently ignored;
 bookkeeping fields (`user`, `metadata`, …) are accepted and have no effect on the output.
 """
@@ -134,8 +134,7 @@ def _validate(model_cls, body):
 
 # Known fields this server does not implement: accepted only at their neutral value.
 _NEUTRAL = {"echo": (False,),
-            "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-            "min_tokens": (0,), "min_p": (0,), "priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
+            "min_p": (0,), "priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
 
 
 def _refuse_unsupported(req) -> None:
@@ -163,6 +162,18 @@ def check_token_ids(ids, limits: Limits, param: str) -> tuple[int, ...]:
     if bad is not None:
         raise invalid(f"token id {bad} in '{param}' is out of range [0, {limits.vocab_size})", param)
     return tuple(ids)
+
+
+def _logit_bias(req, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs; its keys are token ids written as strings (OpenAI)."""
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= limits.vocab_size:
+            raise invalid(f"'logit_bias' key {key!r} is not a token id in [0, {limits.vocab_size})", "logit_bias")
+        out.append((int(key), float(bias)))
+    if len({t for t, _ in out}) != len(out):
+        raise invalid("'logit_bias' names a token twice", "logit_bias")
+    return tuple(out)
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -237,7 +248,11 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
             include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings, logprobs=logprobs),
         "n": n,
         "max_tokens": max_tokens,
-        "sampling": SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed),
+        "sampling": SamplingParams(
+            temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+            presence_penalty=float(req.presence_penalty or 0), frequency_penalty=float(req.frequency_penalty or 0),
+            repetition_penalty=float(req.repetition_penalty or 1), logit_bias=_logit_bias(req, limits),
+            min_tokens=req.min_tokens or 0),
         "stop_strings": stop_strings,
         "stop_token_ids": check_token_ids(stop_ids, limits, "stop_token_ids"),
         "ignore_eos": bool(req.ignore_eos),
@@ -329,6 +344,9 @@ def _generate_request(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits,
                       "messages" if draft.options.chat else "prompt", openai_code="context_length_exceeded")
     room = limits.max_model_len - n
     max_tokens = draft.max_tokens if draft.max_tokens is not None else min(limits.default_max_tokens, room)
+    if draft.sampling.min_tokens > max_tokens:
+        raise invalid(f"'min_tokens' ({draft.sampling.min_tokens}) must be at most max_tokens ({max_tokens})",
+                      "min_tokens")
     if max_tokens > room or room <= 0:
         raise invalid(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
                       f"length {limits.max_model_len}", "max_tokens", openai_code="context_length_exceeded")

@@ -2,7 +2,7 @@
 and ranges; `GET /openapi.json` publishes them.
 
 Every model forbids unknown fields, so a field this server does not know is a 400 naming it,
-never silently dropped. Fields that are known but not implemented (penalties, echo,
+never silently dropped. Fields that are known but not implemented (echo, min_p,
 …) are typed here so their values can be checked, and refused at any non-neutral value by
 `openai_protocol` with a message naming the field. Validation is strict: no string → number or
 bool → int coercion; numbers are compared exactly whatever their size.
@@ -23,6 +23,8 @@ TopK = Annotated[int, Field(ge=-1, lt=MAX_TOP_K)]
 Seed = Annotated[int, Field(gt=-MAX_SEED, lt=MAX_SEED)]
 TokenIds = list[int]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Strict(BaseModel):
@@ -138,12 +140,12 @@ class _Common(_Strict):
     return_token_ids: bool | None = Field(None, description="extension: token_ids on every choice and chunk")
     user: str | None = None
     n: int | None = Field(None, description="choices per prompt, 1..16 (RouterConfig.max_n)")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = Field(None, description="extension (vLLM's)")
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=300)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = Field(None, description="extension (vLLM's)")
     # known, not implemented: refused at any value other than the neutral one
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
     min_p: float | None = None
     priority: int | None = None
     response_format: dict[str, Any] | None = None
@@ -199,7 +201,10 @@ _WHAT = {
     "model": "a string", "n": "an integer", "stop": "a non-empty string or an array of non-empty strings",
     "stop_token_ids": "an array of integers", "prompt": "a string or an array of token ids",
     "messages": "a non-empty array of messages", "stream_options": "an object",
-    "top_logprobs": "an integer in [0, 20]",
+    "top_logprobs": "an integer in [0, 20]", "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]", "repetition_penalty": "a number in (0, 2]",
+    "min_tokens": "a non-negative integer",
+    "logit_bias": "an object of at most 300 token ids (as strings) to numbers in [-100, 100]",
 }
 
 
@@ -215,7 +220,7 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     if best["type"] == "missing":
         return f"'{param}' is required", param
     top = param.split(".")[0].split("[")[0]
-    if top in _WHAT and (param == top or top in ("prompt", "stop", "stop_token_ids")):
+    if top in _WHAT and (param == top or top in ("prompt", "stop", "stop_token_ids", "logit_bias")):
         return f"'{top}' must be {_WHAT[top]}", top
     if best["type"] == "union_tag_invalid":
         return f"'{param}.role' must be one of {', '.join(ROLES)}", f"{param}.role"

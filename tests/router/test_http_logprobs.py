@@ -1,10 +1,14 @@
 """`logprobs` / `top_logprobs` in OpenAI's response shapes through the `openai` SDK, streamed and
 not, from the logprobs each token chunk carries (the stub's stand-in values; the engines' are
-checked against the model in tests/decode_worker/test_logprobs_engine.py)."""
+checked against the model in tests/decode_worker/test_logprobs_engine.py); the sampling controls
+(penalties, logit_bias, min_tokens) accepted and carried to the workers."""
 
 import httpx
 import openai
 import pytest
+
+from router.config import RouterConfig
+from router.openai_protocol import Limits, finalize, parse_chat
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,17 @@ def test_completion_logprobs_whole_and_streamed(router, client):
 def test_out_of_range_logprobs_are_refused_naming_the_field(router, path, body, param):
     r = httpx.post(router.http_url + path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_sampling_controls_reach_the_generate_request(router):
+    """Penalties, logit_bias and min_tokens travel in the request's SamplingParams (the engines
+    apply them: tests/decode_worker/test_penalties_engine.py)."""
+    limits = Limits.build(RouterConfig(), router.stub)
+    body = {"messages": MESSAGES, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+            "logit_bias": {"5": 3, "7": -100}, "min_tokens": 2, "max_tokens": 4}
+    s = finalize(parse_chat(body, limits), [(1, 2, 3)], limits, 0.0).generate.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert (s.logit_bias, s.min_tokens) == (((5, 3.0), (7, -100.0)), 2)
+    r = httpx.post(router.http_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, **{
+        k: v for k, v in body.items() if k != "messages"}})
+    assert r.status_code == 200, r.text
