@@ -43,9 +43,12 @@ def request_body(req: pb.GenerateRequest) -> dict:
     if has_text == has_ids:
         raise invalid("exactly one of 'prompt' and 'prompt_token_ids' must be set", "prompt")
     body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids)}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens", "logprobs"):
         if req.HasField(name):
             body[name] = getattr(req, name)
+    if req.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
     if req.stop:
         body["stop"] = list(req.stop)
     if req.stop_token_ids:
@@ -57,6 +60,12 @@ def request_body(req: pb.GenerateRequest) -> dict:
     if req.model:
         body["model"] = req.model
     return body
+
+
+def _logprobs(chunk) -> list:
+    return [pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in chunk.logprobs or ()]
 
 
 def _check_request_id(rid: str) -> str:
@@ -126,7 +135,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 return
             async with lock:
                 await context.write(pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
-                                                        index=k))
+                                                        index=k, logprobs=_logprobs(chunk)))
 
         try:
             if len(parsed.children) == 1:
@@ -145,7 +154,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                             c.req.stop_strings)
             await context.write(pb.GenerateResponse(
                 request_id=rid, token_ids=last[c.index].token_ids, text=text, finish_reason=outcome.finish_reason,
-                index=c.index, usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                index=c.index, logprobs=_logprobs(last[c.index]), usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                               cached_tokens=u.cached_tokens)))
 
     async def Abort(self, request, context):
