@@ -46,8 +46,8 @@ def generate(model: Transformer, pools: KVPools, prompt: list[int], max_new_toke
 
     stops = tuple(sorted(stop_ids))
 
-    def history(extra: tuple[int, ...] = ()) -> History:
-        return History(tuple(prompt), tuple(tokens) + extra, stops)
+    def history(extra: tuple[int, ...] = ()) -> History | None:
+        return History(tuple(prompt), tuple(tokens) + extra, stops) if params.adjusts else None
 
     def done(reason: str) -> Generation:
         return Generation(tokens, reason, torch.stack(kept) if keep_logits else None, proposed, accepted)
