@@ -46,7 +46,7 @@ def _run(model, pools, prompts, decode_steps, chunk):
 
 @pytest.mark.parametrize("lengths, chunk", [
     # C4 entries and compress-state carry-over across chunks; no C128 entry yet. Under the
-    # interpreter, against the batch-invariant reference, ~2-3 min of a 2-core CI machine: every
+    # interpreter, against the batch-invariant reference, ~2 min of a 2-core machine: every
     # kernel's own parity test runs in CI, and the composed model runs compiled in
     # tests/gpu/test_model_gpu.py, so this case is exhaustive
     pytest.param((30, 13), 20, marks=pytest.mark.exhaustive),
