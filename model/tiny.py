@@ -100,3 +100,12 @@ def random_weights(shapes: dict[str, torch.Size], cfg: ModelConfig, seed: int) -
         else:  # projections: unit-variance outputs for unit-variance inputs
             out[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
     return out
+
+
+def random_model(cfg: ModelConfig, with_mtp: bool = False, seed: int = 0):
+    """A `Transformer` of `cfg` (with its MTP block if asked) holding `random_weights(seed)`."""
+    from model.transformer import Transformer  # the model imports the kernels; the config helpers need none
+
+    m = Transformer(cfg, with_mtp=with_mtp)
+    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, seed))
+    return m

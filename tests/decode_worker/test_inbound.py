@@ -20,9 +20,8 @@ from decode_worker.outbound import Outbound
 from kvtransfer import AgentDirectory, LocalAgent, Receiver, Sender
 from model.kv_pool import KVPools
 from model.sampling import SamplingParams
-from model.tiny import random_weights, tiny_config
+from model.tiny import random_model, tiny_config
 from model.tokenizer import ByteTokenizer
-from model.transformer import Transformer
 from prefill_worker.engine import PrefillEngine, Prefilled
 from worker_runtime.kv_link import layout_of, pool_buffers
 from worker_runtime.wire import GenerateRequest, TransferHeader
@@ -33,10 +32,7 @@ LEASE_S = 120.0  # prefill runs Triton kernels in the interpreter here: slow
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tiny_config(index_topk=128)  # top-k covers every compressed entry: no tie-order effects
-    m = Transformer(cfg)
-    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, 0))
-    return m
+    return random_model(tiny_config(index_topk=128))  # top-k covers every compressed entry: no tie-order effects
 
 
 # --------------------------------------------------------------------------- the two sides

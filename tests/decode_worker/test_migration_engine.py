@@ -12,19 +12,15 @@ from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams
-from model.tiny import random_weights, tiny_config
+from model.tiny import random_model, tiny_config
 from model.tokenizer import ByteTokenizer
-from model.transformer import Transformer
 from tests.model.invariance_cases import LogitRecorder, assert_same_as_alone, long_prompts, tie_model
 from worker_runtime.wire import GenerateRequest, RequestState
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tiny_config(index_topk=128)
-    m = Transformer(cfg)
-    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, 0))
-    return m
+    return random_model(tiny_config(index_topk=128))
 
 
 def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> None:

@@ -13,7 +13,7 @@ from decode_worker.engine import DecodeConfig, DecodeEngine
 from model.generate import generate
 from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams
-from model.tiny import random_weights, tiny_config
+from model.tiny import random_model, tiny_config
 from model.tokenizer import ByteTokenizer
 from model.transformer import Transformer
 from prefill_worker.engine import PrefillEngine
@@ -26,10 +26,7 @@ from worker_runtime.wire import GenerateRequest
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tiny_config()
-    m = Transformer(cfg, with_mtp=True)
-    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, 0))
-    return m
+    return random_model(tiny_config(), with_mtp=True)
 
 
 def reference(model, req: GenerateRequest) -> list[int]:

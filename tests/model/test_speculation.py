@@ -17,16 +17,13 @@ from model.batch import ForwardBatch
 from model.generate import generate
 from model.kv_pool import STATE_KINDS, KVPools, SeqKV
 from model.sampling import SamplingParams, sample_rows
-from model.tiny import random_weights, tiny_config
+from model.tiny import random_model, random_weights, tiny_config
 from model.transformer import Transformer
 
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    cfg = tiny_config()
-    m = Transformer(cfg, with_mtp=True)
-    m.load_state_dict(random_weights({k: v.shape for k, v in m.state_dict().items()}, cfg, 0))
-    return m
+    return random_model(tiny_config(), with_mtp=True)
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
