@@ -15,10 +15,12 @@
 #                          IPC and UCX, and the streaming shapes (2 GPUs)
 #   ep                     expert parallelism over 2 GPUs (tests/gpu/test_moe_ep.py)
 #   pd-slice               pd_gpu_slice.py: prefill on GPU0, decode on GPU1 (2 GPUs)
-#   serve-start MODE [LAYERS]            `v4serve up` with V4-Flash's shape and dummy weights, in its
-#                          own session (it outlives this shell); MODE pd: prefill on GPUs 0-1, decode
-#                          on 2-3, each an expert-parallel group of 2; agg: two aggregated groups of 2
-#                          on the same 4 GPUs; smoke: one prefill and one decode worker sharing GPU 0
+#   serve-start MODE [LAYERS [UP-OPTIONS...]]   `v4serve up` with V4-Flash's shape and dummy weights,
+#                          in its own session (it outlives this shell); MODE pd: prefill on GPUs 0-1,
+#                          decode on 2-3, each an expert-parallel group of 2; agg: two aggregated groups
+#                          of 2 on the same 4 GPUs; pd2: one prefill and one decode GPU; agg2: two
+#                          aggregated GPUs; smoke: one prefill and one decode worker sharing GPU 0.
+#                          LAYERS 0 or absent: all 43; UP-OPTIONS go to `up` as they are
 #   serve-bench LABEL GPUS OSL WARMUP C...  serve_bench.py against it (ISL 8192): $OUT/serve_LABEL.json;
 #                          closed-loop levels at concurrencies C; or, in place of C..., serve_bench.py's
 #                          own options (the first starting with --), e.g. --goodput interactive batch
@@ -88,15 +90,19 @@ serve-start)
     case $mode in
     pd)    pools="--gpus-per-worker 1 --prefill 2 --prefill-ep 2 --decode 2 --decode-ep 2 --max-seqs 128" ;;
     agg)   pools="--gpus-per-worker 1 --prefill 0 --decode 4 --decode-ep 2 --max-seqs 128" ;;
+    pd2)   pools="--gpus-per-worker 1 --prefill 1 --decode 1 --max-seqs 128" ;;
+    agg2)  pools="--gpus-per-worker 1 --prefill 0 --decode 2 --max-seqs 128" ;;
     smoke) pools="--gpus-per-worker 0.5 --prefill 1 --decode 1 --max-seqs 16" ;;
-    *) echo "serve-start MODE: pd, agg or smoke" >&2; exit 2 ;;
+    *) echo "serve-start MODE: pd, agg, pd2, agg2 or smoke" >&2; exit 2 ;;
     esac
-    v4serve make-config --out $RUN/model ${2:+--layers $2} || exit 1
+    layers=${2:-0}; shift $(( $# < 2 ? $# : 2 ))
+    [ "$layers" = 0 ] && layers=
+    v4serve make-config --out $RUN/model ${layers:+--layers $layers} || exit 1
     common="--model $RUN/model --load-format dummy --device cuda --kv-dtype fp8_pack --max-model-len 9472
             --prefill-token-budget 8192 --start-timeout 900 --prefill-ep-timeout 300 --decode-ep-timeout 300"
     start=$(date +%s)
     # shellcheck disable=SC2086  # one word per option
-    setsid nohup $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main())" up $common $pools \
+    setsid nohup $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main())" up $common $pools "$@" \
         > "$RUN/up_$mode.log" 2>&1 < /dev/null &
     echo $! > $RUN/up.pid
     until grep -q "v4serve ready" "$RUN/up_$mode.log"; do
