@@ -70,6 +70,9 @@ class GenerateRequest:
     deadline: float | None = None  # unix seconds; None = no deadline
     router: str = ""  # id of the router streaming it, whose registry lease keeps it alive; "" = none
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k (model/logprobs.py)
+    # None: none; k: each prompt token's logprob (from the second on) and its top k, computed where the
+    # prompt is prefilled (bypassing the prefix cache: cached positions have no logits)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class TokenChunk:
     transfer: TransferStats | None = None  # on the first chunk of a request that used remote prefill
     moved: Moved | None = None  # last chunk of a worker's stream when the request migrated away
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked
+    # on the first chunk, when the request asked: prompt tokens 1.. (the first has no context)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,7 @@ class TransferHeader:
     first_token: int  # sampled by the sender at position num_tokens
     computed_tokens: int  # prompt tokens the sender ran through its model (the rest were cached)
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1.., when the request asked
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -198,10 +204,12 @@ class TransferHeader:
     @classmethod
     def from_bytes(cls, data: bytes) -> "TransferHeader":
         d = json.loads(data)
-        lp = d.pop("first_logprobs", None)
-        if lp is not None:
-            lp = TokenLogprobs(lp["token"], lp["logprob"], tuple((int(t), float(v)) for t, v in lp["top"]))
-        return cls(**d, first_logprobs=lp)
+
+        def lp(x):
+            return TokenLogprobs(x["token"], x["logprob"], tuple((int(t), float(v)) for t, v in x["top"]))
+        first, prompt = d.pop("first_logprobs", None), d.pop("prompt_logprobs", None)
+        return cls(**d, first_logprobs=None if first is None else lp(first),
+                   prompt_logprobs=None if prompt is None else tuple(lp(x) for x in prompt))
 
 
 @dataclass(frozen=True)
