@@ -28,13 +28,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from decode_worker import speculative
 from model import speculation
 from model.batch import ForwardBatch
 from model.detokenizer import Detokenizer
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.logprobs import TokenLogprobs, token_logprobs
+from model.logprobs import TokenLogprobs, logit_rows, prompt_logprobs, token_logprobs
 from model.penalties import History
 from model.sampling import sample_rows
 from model.transformer import Transformer
@@ -71,11 +73,18 @@ class Running:
     prefilled: int = 0  # prompt tokens in the pools (local prefill progress)
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (prompt logprobs asked)
 
     @property
     def total_tokens(self) -> int:
-        """Tokens the request may ever hold in the pools (the last sampled one is never fed)."""
-        return len(self.req.prompt_ids) + self.req.max_tokens - 1
+        """Tokens the request may ever hold in the pools (the last sampled one is never fed; a
+        request of max_tokens 0 still holds its whole prompt)."""
+        return len(self.req.prompt_ids) + max(self.req.max_tokens, 1) - 1
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether its prompt chunk in this step needs the logits at every row (prompt logprobs)."""
+        return self.state is RequestState.PREFILLING and self.req.prompt_logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -117,14 +126,17 @@ class DecodeEngine:
         self.stats.queued(req.request_id)
 
     def admit_transferred(self, req: GenerateRequest, seq: SeqKV, first_token: int,
-                          cached_tokens: int = 0, first_logprobs: TokenLogprobs | None = None) -> list[TokenChunk]:
+                          cached_tokens: int = 0, first_logprobs: TokenLogprobs | None = None,
+                          prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> list[TokenChunk]:
         """Start decoding a request whose prompt KV arrived from a prefill worker; `first_token`
-        (and its logprobs, when the request asked) was sampled there. Raises PoolExhausted if its
-        decode pages cannot be reserved."""
+        (and its logprobs, and the prompt's, when the request asked) was sampled there. Raises
+        PoolExhausted if its decode pages cannot be reserved."""
         if req.logprobs is not None and first_logprobs is None:
             raise ValueError(f"{req.request_id}: asks for logprobs, its first token came without them")
+        if req.prompt_logprobs is not None and prompt_logprobs is None:
+            raise ValueError(f"{req.request_id}: asks for prompt logprobs, its KV came without them")
         r = Running(req, RequestState.DECODING, Detokenizer(self.tokenizer, req.stop_strings), seq=seq,
-                    prefilled=len(req.prompt_ids), cached_tokens=cached_tokens)
+                    prefilled=len(req.prompt_ids), cached_tokens=cached_tokens, prompt_lps=list(prompt_logprobs or ()))
         self.pools.reserve(seq, r.total_tokens)
         self.running[req.request_id] = r
         return [self._emit(r, first_token, first_logprobs)]
@@ -248,7 +260,7 @@ class DecodeEngine:
             out = self.take_failed() + speculative.verify(self, planned)
             self.stats.step_ended()
             return out
-        logits = self._run(planned.batch, agreed)
+        logits = self._run(planned.batch, agreed, planned.owners)
         planned.batch.commit()
         out = self.take_failed() + self._postprocess(planned.owners, logits)
         self.stats.step_ended()
@@ -295,8 +307,17 @@ class DecodeEngine:
         pending = speculative.draft(self, owners, items) if self.config.speculative_tokens else ()
         return ForwardBatch.build(items, device=self.pools.device), owners, pending
 
-    def _run(self, batch: ForwardBatch, agreed: StepShape | None = None):
-        """Logits [rows, vocab] on the model's device (sampling runs there too)."""
+    def _run(self, batch: ForwardBatch, agreed: StepShape | None = None, owners=()):
+        """Logits [rows, vocab] of each segment's last token on the model's device (sampling runs
+        there too). A prompt chunk asking for prompt logprobs (never in a graph: it is a prefill)
+        has the head run on all its rows; their logprobs go to its request."""
+        wide, last = logit_rows(batch.segments, [r.wants_prompt_rows for r, _ in owners])
+        if wide is not None:
+            logits = self.model(batch, self.pools, logit_rows=torch.tensor(wide, device=batch.input_ids.device))
+            for i, ((r, _), seg) in enumerate(zip(owners, batch.segments)):
+                if r.wants_prompt_rows:
+                    self.add_prompt_logprobs(r, logits[last[i] - seg.length + 1:last[i] + 1], seg.start)
+            return logits[last]
         if agreed is None:
             graph = self.graphs.for_batch(batch) if self.graphs else None
         elif not agreed.eager:  # every rank of the group replays the same bucket
@@ -334,6 +355,11 @@ class DecodeEngine:
             out.append(self._emit(r, token, lp))
         return out
 
+    def add_prompt_logprobs(self, r: Running, logits, start: int) -> None:
+        """The logprobs of the prompt tokens that a prompt chunk's logits [n, V] at positions
+        start.. predict."""
+        r.prompt_lps += prompt_logprobs(logits, r.req.prompt_ids, start, r.req.prompt_logprobs)
+
     def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:
         """What its logit adjustments read (None when its sampling has none): its prompt, its output
         so far (and the drafts before a verify row), and the ids min_tokens masks."""
@@ -345,12 +371,19 @@ class DecodeEngine:
 
     # --- output ---------------------------------------------------------------------------
     def _emit(self, r: Running, token: int, lp: TokenLogprobs | None = None) -> TokenChunk:
+        req = r.req
+        prompt_lps = tuple(r.prompt_lps) if req.prompt_logprobs is not None and not r.tokens else None
+        if req.max_tokens == 0:  # the prompt scored (echo), nothing generated: the token sampled is dropped
+            self.stats.first_token(req.request_id)
+            self._finish(r, RequestState.FINISHED)
+            return TokenChunk(req.request_id, (), "", finish_reason="length", prompt_logprobs=prompt_lps,
+                              usage=Usage(len(req.prompt_ids), 0, r.cached_tokens),
+                              logprobs=None if req.logprobs is None else ())
         r.tokens.append(token)
         self.stats.computed(generated=1)
         if len(r.tokens) == 1:
             self.stats.first_token(r.req.request_id)
         text = r.detok.push(token)
-        req = r.req
         finish = None
         lps = (lp,) if lp is not None else None
         if token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped:
@@ -358,11 +391,12 @@ class DecodeEngine:
         elif len(r.tokens) >= req.max_tokens:
             finish = "length"
         if finish is None:
-            return TokenChunk(req.request_id, (token,), text, logprobs=lps)
+            return TokenChunk(req.request_id, (token,), text, logprobs=lps, prompt_logprobs=prompt_lps)
         text += r.detok.flush()
         self._finish(r, RequestState.FINISHED)
         usage = Usage(len(req.prompt_ids), len(r.tokens), r.cached_tokens)
-        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage, logprobs=lps)
+        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage, logprobs=lps,
+                          prompt_logprobs=prompt_lps)
 
     def _fail(self, r: Running, code: ErrorCode, message: str) -> TokenChunk:
         self._finish(r, RequestState.FAILED)

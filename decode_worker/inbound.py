@@ -182,7 +182,7 @@ class Inbound:
         self.counts["repulls"] += a.source == "repull"
         try:
             return self.engine.admit_transferred(a.req, seq, h.first_token, cached_tokens=h.num_tokens - h.computed_tokens,
-                                                 first_logprobs=h.first_logprobs)
+                                                 first_logprobs=h.first_logprobs, prompt_logprobs=h.prompt_logprobs)
         except PoolExhausted:  # no decode pages now: drop the KV, recompute when there is room
             self.pools.release(seq)
             self._fallback(a, "no_room")

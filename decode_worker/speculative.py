@@ -44,8 +44,9 @@ def draft(engine, owners: list, items: list) -> tuple:
 def verify(engine, planned) -> list[TokenChunk]:
     """Run → postprocess a step with verify segments (see the module docstring)."""
     batch, owners, pending = planned.batch, planned.owners, planned.pending
-    rows = [list(range(s.offset, s.offset + s.length)) if p is not None else [s.offset + s.length - 1]
-            for s, p in zip(batch.segments, pending)]
+    # every row of a verify segment, and of a prompt chunk asking for prompt logprobs; else the last
+    rows = [list(range(s.offset, s.offset + s.length)) if p is not None or r.wants_prompt_rows
+            else [s.offset + s.length - 1] for s, p, (r, _) in zip(batch.segments, pending, owners)]
     flat = [i for seg_rows in rows for i in seg_rows]
     graphs = engine.graphs
     graph = graphs.for_batch(batch) if graphs is not None and all(p is not None for p in pending) else None
@@ -64,6 +65,9 @@ def verify(engine, planned) -> list[TokenChunk]:
         at += n
         if pending[i] is None:
             engine.pools.trim_window(r.seq)
+            if r.wants_prompt_rows:
+                engine.add_prompt_logprobs(r, logits[first:first + n], batch.segments[i].start)
+            first, n = first + n - 1, 1  # a prompt chunk samples at its last row only
         if not yields or r.req.request_id not in engine.running:
             continue
         if r.req.deadline is not None and time.time() > r.req.deadline:

@@ -52,3 +52,32 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int | Non
         n = tops[i]
         out[i] = TokenLogprobs(tokens[i], c, tuple(zip(t[:n], v[:n])))
     return out
+
+
+# --- prompt logprobs (echo) ---------------------------------------------------------------
+# A request asking for its prompt's logprobs needs the logits at every prompt position, not only
+# at each segment's last token: `logit_rows` widens the head to those rows for the segments that
+# ask (and only when one does), `prompt_logprobs` turns one segment's rows into the logprobs of
+# the prompt tokens they predict.
+
+def logit_rows(segments, wants: list[bool]) -> tuple[list[int] | None, list[int]]:
+    """The token rows to run the LM head on (for `Transformer.forward(logit_rows=...)`) and, per
+    segment, the index of its last row among them. None when no segment wants every row: then the
+    head runs on the last rows alone, as without prompt logprobs."""
+    if not any(wants):
+        return None, list(range(len(segments)))
+    rows, last = [], []
+    for s, w in zip(segments, wants):
+        rows += range(s.offset, s.offset + s.length) if w else [s.offset + s.length - 1]
+        last.append(len(rows) - 1)
+    return rows, last
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: tuple[int, ...], start: int, top: int) -> list[TokenLogprobs]:
+    """Logits [n, V] at prompt positions start..start+n-1 → the TokenLogprobs of the prompt tokens
+    they predict (start+1.., those inside the prompt: the last position predicts the first new
+    token, not a prompt token)."""
+    targets = list(prompt[start + 1:start + 1 + logits.shape[0]])
+    if not targets:
+        return []
+    return token_logprobs(logits[:len(targets)], targets, [top] * len(targets))

@@ -420,7 +420,8 @@ class PrefillWorker:
                 rest = {k: v[sent.get(k, 0):] for k, v in pages.items() if v[sent.get(k, 0):]}
                 if rest:
                     self.sender.send(dest.target, rest, first_page={k: sent.get(k, 0) for k in rest})
-            header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens, done.first_logprobs)
+            header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens, done.first_logprobs,
+                                    done.prompt_logprobs)
             self.sender.finish(dest.target, header.to_bytes(), src_pages=pages, checksums=sums)
         except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
             log.warning("shipping %s failed: %s", d.request_id, e)

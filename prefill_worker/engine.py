@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from model.batch import ForwardBatch
 from model.ep import idle_step
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.logprobs import TokenLogprobs, token_logprobs
+from model.logprobs import TokenLogprobs, logit_rows, prompt_logprobs, token_logprobs
 from model.penalties import History
 from model.sampling import sample_rows
 from model.transformer import Transformer
@@ -46,6 +48,7 @@ class Job:
     seq: SeqKV | None = None
     done: int = 0  # prompt tokens in the pools
     reuse: Reuse | None = None  # what the prefix cache gave (None without a cache)
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. so far (when asked)
 
     def chunk_limit(self) -> int:
         """Tokens until the prompt's end or the next snapshot point, whichever comes first."""
@@ -62,6 +65,7 @@ class Prefilled:
     computed_tokens: int  # prompt tokens this worker actually ran through the model
     job: Job
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1.., when the request asked
 
 
 @dataclass(frozen=True)
@@ -154,12 +158,21 @@ class PrefillEngine:
         batch, owners = planned.batch, planned.owners
         hooks = [] if layer_done is None else [
             layer.register_forward_hook(lambda *_, i=i: layer_done(i)) for i, layer in enumerate(self.model.layers)]
+        # the head runs on every prompt row only for the requests asking for prompt logprobs
+        wide, last = logit_rows(batch.segments, [j.req.prompt_logprobs is not None for j in owners])
         try:
-            logits = self.model(batch, self.pools)
+            logits = self.model(batch, self.pools, logit_rows=None if wide is None else
+                                torch.tensor(wide, device=batch.input_ids.device))
         finally:
             for h in hooks:
                 h.remove()
         batch.commit()
+        if wide is not None:
+            for i, (job, seg) in enumerate(zip(owners, batch.segments)):
+                if job.req.prompt_logprobs is not None:
+                    job.prompt_lps += prompt_logprobs(logits[last[i] - seg.length + 1:last[i] + 1],
+                                                      job.req.prompt_ids, seg.start, job.req.prompt_logprobs)
+            logits = logits[last]
         rows, done = [], []
         for i, job in enumerate(owners):
             if job.reuse is not None:
@@ -185,7 +198,8 @@ class PrefillEngine:
             self.stats.first_token(job.req.request_id)
             self.stats.ended(job.req.request_id)
         return [Prefilled(job.req.request_id, job.seq, first,
-                          len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job, lp)
+                          len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job, lp,
+                          None if job.req.prompt_logprobs is None else tuple(job.prompt_lps))
                 for job, first, lp in zip(done, firsts, lps)]
 
     def _history(self, req: GenerateRequest) -> History | None:
@@ -200,7 +214,8 @@ class PrefillEngine:
             job = self.waiting[0]
             try:
                 if self.store is not None:
-                    seq, job.reuse = self.store.admit(job.req.prompt_ids)
+                    # prompt logprobs need every position's logits, which the cache does not keep
+                    seq, job.reuse = self.store.admit(job.req.prompt_ids, match=job.req.prompt_logprobs is None)
                     job.done = job.reuse.cached_tokens
                 else:
                     seq = SeqKV()

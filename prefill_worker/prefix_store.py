@@ -57,10 +57,12 @@ class PrefixStore:
             self.pools.free(kind, [page])
 
     # --- request lifecycle ----------------------------------------------------------------
-    def admit(self, prompt: tuple[int, ...]) -> tuple[SeqKV, Reuse]:
-        """A SeqKV holding the longest reusable prefix (and pages for the rest of the prompt)."""
+    def admit(self, prompt: tuple[int, ...], match: bool = True) -> tuple[SeqKV, Reuse]:
+        """A SeqKV holding the longest reusable prefix (and pages for the rest of the prompt);
+        `match=False`: nothing reused, the whole prompt is computed (its pages still enter the
+        cache when it finishes)."""
         P = self.pools.page_size
-        m = self.cache.match_prefix(prompt[:-1])
+        m = self.cache.match_prefix(prompt[:-1] if match else ())
         seq = SeqKV(num_tokens=m.num_tokens)
         for i, record in enumerate(m.pages):
             for kind, page in zip(self.full_kinds, record.full):
