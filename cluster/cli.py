@@ -126,7 +126,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                            prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
                                                             args.prefill_ep_timeout),
                            decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
-                           speculative_tokens=args.speculative_tokens,
+                           speculative_tokens=args.speculative_tokens, deterministic=args.deterministic,
                            logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
                            metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve",
                                                   stall_s=float(args.engine_stall_timeout)),
@@ -202,6 +202,7 @@ def cmd_make_tiny(args: argparse.Namespace, quiet: bool = False) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from model.checkpoint import load_checkpoint
     from model.generate import generate
+    from model.kernels import set_deterministic
     from model.kv_pool import KVPools
     from model.sampling import SamplingParams
     from model.tokenizer import load_tokenizer
@@ -217,6 +218,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     spec = args.speculative_tokens
     cfg, model = load_checkpoint(args.model, with_mtp=spec > 0,
                                  progress=load_progress(LogOptions(args.log_level, args.log_format)))
+    set_deterministic(model, args.deterministic)  # the CPU's reference ops: batch-invariant either way
     tokenizer = load_tokenizer(args.model, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     prompt = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     if not prompt:

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-tokens", type=int, choices=range(4), default=0, metavar="{0..3}",
                      help="draft N tokens per step with the checkpoint's MTP block and verify them in one step "
                           "(the tokens are those of N = 0, the default)")
+    gen.add_argument("--deterministic", action="store_true",
+                     help="batch-invariant kernels: a request's logits the same bits whatever the batch, chunking or "
+                          "speculation depth (the CPU's reference ops are so already: accepted, changes nothing)")
     gen.add_argument("--logits-out", type=Path, default=None, help="save float32 [new_tokens, vocab] .npy")
 
     serving = argparse.ArgumentParser(add_help=False, parents=[logs])  # what `up` and `router` share
@@ -161,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode workers draft N tokens per request and step with the MTP block and verify them "
                          "in the step (the tokens are those of N = 0, the default; --decode-graphs then capture "
                          "verify steps of N+1 tokens a request)")
+    up.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant GPU kernels: a request's logits are the same bits whatever shares its "
+                         "batch, its chunking or speculation depth (slower; docs/gpu.md; the CPU is so already)")
     up.add_argument("--decode-graphs", type=_batch_sizes, default=None,
                     help="decode batch sizes captured as CUDA graphs, e.g. 1,8,32,64 "
                          "(default on cuda with triton: 1,2,4,8,16,32,64 up to --max-seqs; 'none': eager)")

@@ -74,12 +74,14 @@ class Compressor(nn.Module):
         self.wgate = linear(cfg.hidden_size, coff * head_dim)
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps, impl)
         self.rope = Rope.for_layer(cfg, compressed=True)
+        self.deterministic = False  # `kernels.set_deterministic`: `project`'s products at one tile for every T
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] → (wkv | wgate)(x) [T, 2·coff·h] float32. Compression runs in fp32 (the reference
         keeps wkv/wgate in fp32; the checkpoint's bf16 values are exact there, so bf16 weights with
         fp32 accumulation and output lose nothing)."""
-        return torch.cat([linear_fp32_out(x, self.wkv.weight), linear_fp32_out(x, self.wgate.weight)], dim=-1)
+        d = self.deterministic
+        return torch.cat([linear_fp32_out(x, self.wkv.weight, d), linear_fp32_out(x, self.wgate.weight, d)], dim=-1)
 
     def forward(self, proj: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
         """proj: `project(x)` [T, 2·coff·h] float32 (rows may be strided: a slice of a fused product)."""
@@ -108,6 +110,7 @@ class Indexer(nn.Module):
         # FP8 queries against FP8 keys (`indexer.scoring_query`): set with the W8A8 projections
         # (`quantize_model(..., act_fp8=True)`, `dummy_block`), as the checkpoint's recipe runs them
         self.fp8_query = False
+        self.deterministic = False  # `kernels.set_deterministic`: the logits at one tile for every step
 
     def forward(self, q: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """The products of the attention's inputs (`Attention.forward` runs them, fused where it can,
@@ -116,7 +119,8 @@ class Indexer(nn.Module):
         → picks [T, K] int32, K = min(index_topk, entries of the batch's longest request)."""
         q = q.view(q.shape[0], self.n_heads, self.head_dim)  # roped by the top-k's logits launch
         return indexer.indexer_topk(q, weights, batch, pools, self.layer, self.topk, self.impl, rope=self.rope,
-                                    w_scale=self.n_heads ** -0.5, fp8_query=self.fp8_query)
+                                    w_scale=self.n_heads ** -0.5, fp8_query=self.fp8_query,
+                                    deterministic=self.deterministic)
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,6 +161,9 @@ class Attention(nn.Module):
         self.fused_firsts: dict[str, list[int]] = {}  # fused name → each part's first output column
         self.register_buffer("x_products", None, persistent=False)  # the bf16 products of x, stacked
         self.x_widths: list[int] = []  # x_products' output columns per `_bf16_products` entry
+        # `kernels.set_deterministic`: every choice the kernels make by the step's size made once
+        # for all sizes (the attention's KV splits, the bf16 products' tiles)
+        self.deterministic = False
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools, side: SideStream | None = None
                 ) -> torch.Tensor:
@@ -180,9 +187,10 @@ class Attention(nn.Module):
                 side.keep(index_weights)
             picks = self.indexer(index_q, index_weights, batch, pools)
         out = sparse_attention.attend(q, batch, pools, self.layer, self.ratio, picks, self.attn_sink,
-                                      self.cfg.sliding_window, self.rope, self.impl, out_dtype=x.dtype)
+                                      self.cfg.sliding_window, self.rope, self.impl, out_dtype=x.dtype,
+                                      deterministic=self.deterministic)
         groups = out.view(T, self.cfg.o_groups, -1)
-        return self.wo_b(grouped_linear(groups, self.wo_a).flatten(1))
+        return self.wo_b(grouped_linear(groups, self.wo_a, self.deterministic).flatten(1))
 
     def _compress(self, x: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor | None:
         """The compressors' step from x [T, D]: their products, then the compressed entries and ring
@@ -245,16 +253,20 @@ class Attention(nn.Module):
             if self.indexer is None:
                 return proj, None, None
             return proj, self.indexer.compressor.project(x), self.indexer.weights_proj(x).float()
-        out = list(linear_fp32_out(x, self.x_products).split(self.x_widths, dim=-1))
+        out = list(linear_fp32_out(x, self.x_products, self.deterministic).split(self.x_widths, dim=-1))
         return tuple(out + [None] * (3 - len(out)))
 
 
-def grouped_linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-    """The grouped low-rank projection: x [T, g, in] by group g's rows of `proj` → [T, g, out]."""
+def grouped_linear(x: torch.Tensor, proj: nn.Module, deterministic: bool = False) -> torch.Tensor:
+    """The grouped low-rank projection: x [T, g, in] by group g's rows of `proj` → [T, g, out];
+    `deterministic`: a float `proj` off the CPU by the fixed-tile product, a group at a time (an
+    `Fp8Linear` follows its own flag)."""
     g = x.shape[1]
     if isinstance(proj, Fp8Linear):
         return proj.grouped(x)
     w = proj.weight.view(g, -1, x.shape[2])
+    if x.device.type != "cpu" and deterministic:
+        return torch.stack([invariant.linear(x[:, i], w[i], deterministic=True) for i in range(g)], dim=1)
     if x.device.type != "cpu":
         return torch.einsum("tgi,gri->tgr", x, w)
     return invariant.matmul(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).to(x.dtype)

@@ -37,6 +37,7 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool, impl: str = "torch"):
         super().__init__()
         self.cfg, self.hashed, self.impl = cfg, hashed, impl
+        self.deterministic = False  # `kernels.set_deterministic`: the logits by the fixed-tile product at every T
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
             self.tid2eid = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int32),
@@ -51,9 +52,9 @@ class Gate(nn.Module):
         c = self.cfg
         args = (None if self.hashed else self.bias, self.tid2eid if self.hashed else None, input_ids,
                 c.num_experts_per_tok, c.scoring_func, c.norm_topk_prob, c.routed_scaling_factor)
-        if check_impl(self.impl) == "triton" and x.shape[0] <= moe_gate.TOKENS_PER_PROGRAM:
+        if check_impl(self.impl) == "triton" and x.shape[0] <= moe_gate.TOKENS_PER_PROGRAM and not self.deterministic:
             return moe_gate.gate_route(x, self.weight, *args, self.arrivals)
-        return moe_gate.route(linear_fp32_out(x, self.weight), *args, self.impl)
+        return moe_gate.route(linear_fp32_out(x, self.weight, self.deterministic), *args, self.impl)
 
 
 class Expert(nn.Module):
@@ -72,19 +73,23 @@ class Expert(nn.Module):
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: nn.ModuleList | PackedExperts, shared: Expert | PackedExperts | None,
-                    limit: float, impl: str, fused: bool = False, side: "torch.cuda.Stream | None" = None
-                    ) -> torch.Tensor:
+                    limit: float, impl: str, fused: bool = False, side: "torch.cuda.Stream | None" = None,
+                    deterministic: bool = False) -> torch.Tensor:
     """Σ_k weights · expert_k(x) + shared(x) for x [T, D], weights/ids [T, k] → [T, D] (x.dtype).
 
     Float experts run the torch path whatever `impl` (the kernels need packed weights); packed ones
     run the reference (impl "torch"), the fused decode path (`fused`), the FP4 prefill path (from
     `moe_prefill.MIN_TOKENS` tokens) or the grouped path, on the decode tiles up to
     `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers and the MTP block decode there). `side`: a
-    stream for the dense shared expert at decode sizes (`moe_shared.split_shared`)."""
+    stream for the dense shared expert at decode sizes (`moe_shared.split_shared`). `deterministic`:
+    packed experts on the kernels take the fused path's one configuration at every size
+    (`moe_fused.deterministic_moe`)."""
     if not isinstance(experts, PackedExperts):
         y = moe_grouped.expert_outputs(x, ids, lambda e, rows: experts[e](rows))
         return moe_grouped.combine(y, weights, shared(x) if shared is not None else None)
-    if check_impl(impl) == "triton" and fused:
+    if check_impl(impl) == "triton" and deterministic:
+        return moe_fused.deterministic_moe(x, weights, ids, experts, shared, limit)
+    if impl == "triton" and fused:
         return moe_fused.fused_moe(x, weights, ids, experts, shared, limit, side=side)
     if impl == "triton" and experts.fmt == "fp4" and x.shape[0] >= moe_prefill.MIN_TOKENS:
         return moe_prefill.prefill_moe(x, weights, ids, experts, shared, limit)
@@ -109,6 +114,7 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit) if cfg.n_shared_experts else None)
         self.fused_max_tokens = self.FUSED_MAX_TOKENS
         self.shared_on_side_stream = True  # see `forward` (off: benchmarks/research/shared_stream_bench.py's baseline)
+        self.deterministic = False  # `kernels.set_deterministic` (`experts_forward`)
 
     @property
     def packed(self) -> bool:
@@ -168,4 +174,4 @@ class MoE(nn.Module):
         # captured on it
         side = torch.cuda.Stream(x.device, priority=-1) if x.is_cuda and self.shared_on_side_stream else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
-                               self.impl, self.uses_fused(x.shape[0]), side)
+                               self.impl, self.uses_fused(x.shape[0]), side, self.deterministic)

@@ -45,6 +45,7 @@ class Fp8Linear(nn.Module):
                              f"{tuple(weight.shape)} (expected {(rows, cols)})")
         self.impl = check_impl(impl)
         self.act_fp8 = act_fp8
+        self.deterministic = False  # `kernels.set_deterministic`: one kernel configuration for every M
         # not persistent: a fused module (`fuse_fp8_linears`), whose rows are other modules' state
         self.register_buffer("weight", weight, persistent=persistent)
         self.register_buffer("scale", scale.float(), persistent=persistent)
@@ -70,11 +71,13 @@ class Fp8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, arrivals=self.arrivals, act_fp8=self.act_fp8)
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, arrivals=self.arrivals, act_fp8=self.act_fp8,
+                                   deterministic=self.deterministic)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, g, in] → [T, g, out/g]: group i multiplies rows [i·out/g, (i+1)·out/g)."""
-        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals, self.act_fp8)
+        return fp8_gemm.fp8_linear(x, self.weight, self.scale, self.impl, x.shape[1], self.arrivals, self.act_fp8,
+                                   self.deterministic)
 
 
 def quantize_model(model: nn.Module, impl: str, expert_format: str = "fp4",

@@ -18,7 +18,7 @@ from torch import nn
 from model.attention import Attention, RMSNorm
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.kernels import arrival_counter, set_impl
+from model.kernels import arrival_counter, set_deterministic, set_impl
 from model.kernels.common.invariant import Linear
 from model.kernels.mhc import mhc
 from model.kv_pool import KVPools, SeqKV
@@ -46,6 +46,7 @@ class Block(nn.Module):
         self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
         self.register_buffer("hc_mixes", mhc.mixes_buffer(), persistent=False)
         self.side_stream = True  # see `forward` (off: all in order, tests' and benchmarks' baseline)
+        self.deterministic = False  # `kernels.set_deterministic`: the mHC entries on one path for every T
 
     def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
         """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
@@ -67,12 +68,13 @@ class Block(nn.Module):
     def _enter(self, res, fn, base, scale, norm: RMSNorm, scratch: "mhc.EntryScratch"):
         c = self.cfg
         return mhc.sublayer_input(res, fn, base, scale, norm.weight, norm.eps, c.hc_mult, c.hc_sinkhorn_iters,
-                                  c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals, scratch=scratch)
+                                  c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals, scratch=scratch,
+                                  deterministic=self.deterministic)
 
     def head(self, res: mhc.Residual, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         """The LM head's input norm(hc_head(streams)) [T, D]."""
         return mhc.head_input(res, fn, base, scale, norm.weight, norm.eps, self.cfg.hc_eps, self.cfg.rms_norm_eps,
-                              self.impl, self.hc_arrivals)
+                              self.impl, self.hc_arrivals, self.deterministic)
 
 
 class MTPBlock(Block):
@@ -103,11 +105,15 @@ class Transformer(nn.Module):
     """The whole model. `forward` runs one mixed prefill/decode batch over the pools.
 
     `impl` picks the kernels of `model.kernels` ("torch" reference or "triton"); the GPU path
-    also wants the device weight format (`model.quantized.quantize_model`)."""
+    also wants the device weight format (`model.quantized.quantize_model`). `deterministic`
+    (`kernels.set_deterministic`, again after `quantize_model`): the kernels' batch-invariant
+    configurations, so a row's logits do not depend on the step it runs in; the torch reference
+    is batch-invariant either way."""
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, impl: str = "torch"):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, impl: str = "torch", deterministic: bool = False):
         super().__init__()
         self.cfg, self.impl = cfg, impl
+        self.deterministic = deterministic
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i, r, impl) for i, r in enumerate(cfg.compress_ratios))
@@ -119,6 +125,7 @@ class Transformer(nn.Module):
         self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
+        set_deterministic(self, deterministic)
 
     def max_step_tokens(self) -> int | None:
         """The most tokens one `forward` may carry (`kernel_step_limit`), None for no limit: the torch
@@ -158,7 +165,8 @@ class Transformer(nn.Module):
             logit_rows = slice(None) if all_logits else batch.last_rows
         c = self.cfg
         h = mhc.head_input(res.rows(logit_rows), self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                           self.norm.weight, self.norm.eps, c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals)
+                           self.norm.weight, self.norm.eps, c.hc_eps, c.rms_norm_eps, self.impl, self.hc_arrivals,
+                           self.deterministic)
         logits = self.head(h).float()
         return (logits, streams) if return_streams else logits
 

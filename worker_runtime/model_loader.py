@@ -27,6 +27,7 @@ from model.config import ModelConfig
 from model.cuda_graph import DecodeGraph
 from model.dummy_weights import dummy_model
 from model.ep import set_capacity
+from model.kernels import set_deterministic
 from model.kv_pool import KVPools, SeqKV
 from model.quantized import quantize_model
 from model.transformer import Transformer
@@ -55,6 +56,7 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
         cfg, model = load_checkpoint(options.model_dir, device=options.device, with_mtp=with_mtp, progress=progress)
         if options.device == "cuda":
             quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
+    set_deterministic(model, options.deterministic)  # after quantize_model, which makes new modules
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
                     with_mtp=with_mtp)

@@ -71,6 +71,10 @@ class WorkerOptions:
     # drafts per request and decode step through the checkpoint's MTP block, verified in the same
     # step (model/speculation.py; 0: off): every worker then loads the block and pools its layer
     speculative_tokens: int = 0
+    # batch-invariant kernels (model/kernels/, `set_deterministic`): a request's logits are the
+    # same bits whatever shares its step, and speculation is exact on the GPU too; the CPU's torch
+    # reference is batch-invariant already (accepted there, changes nothing)
+    deterministic: bool = False
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
@@ -100,6 +104,9 @@ class WorkerOptions:
             raise ValueError(f"speculative_tokens must be in 0..3 (0: off), got {self.speculative_tokens}")
         if self.speculative_tokens and self.decode_ep.size > 1:
             raise ValueError("speculative_tokens is not supported with an expert-parallel decode pool (decode_ep)")
+        if self.deterministic and max(self.prefill_ep.size, self.decode_ep.size) > 1:
+            raise ValueError("deterministic is not supported with an expert-parallel pool (prefill_ep / decode_ep): "
+                             "its expert exchange adds a token's expert outputs outside the batch-invariant kernels")
         for name in ("prefill_ep", "decode_ep"):
             size = getattr(self, name).size
             if size > 1:

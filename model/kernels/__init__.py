@@ -44,3 +44,15 @@ def set_impl(model, impl: str) -> None:
     for module in model.modules():
         if hasattr(module, "impl"):
             module.impl = impl
+
+
+def set_deterministic(model, deterministic: bool) -> None:
+    """Point every module of `model` that dispatches to kernels by batch size (has a
+    `deterministic` attribute) at one launch configuration for every batch (`deterministic`) or at
+    the fastest for each (the default). Under it a row's logits are the same bits whatever else
+    shares its step, whatever the step's size or chunking (docs/gpu.md, "--deterministic"). Set it
+    after `quantize_model` and `Attention.fuse_products`, which make new modules; the torch
+    reference path is batch-invariant either way."""
+    for module in model.modules():
+        if hasattr(module, "deterministic"):
+            module.deterministic = bool(deterministic)

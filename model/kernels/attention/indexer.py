@@ -89,7 +89,7 @@ def _in_entry_order(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: slice, n_max: int,
            block_n: int | None = None, blocks: int | None = None, num_warps: int = 4, rope: Rope | None = None,
-           w_scale: float = 1.0, fp8_query: bool = False) -> torch.Tensor:
+           w_scale: float = 1.0, fp8_query: bool = False, deterministic: bool = False) -> torch.Tensor:
     """Kernel: scores [rows, n_max] float32 of the queries in `rows`, -inf past each causal end;
     `rope`: q is not roped yet, each program rotates its query's heads as `rope_ops.rotate` would
     (fp32, rounded back to q's dtype: the same bits); the head weights are w · `w_scale` (fp32,
@@ -98,17 +98,14 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     still leaves two waves of programs (programs of more keys load the query fewer times; fewer
     than two waves leave SMs idle), and from 256 keys a program those keys in blocks of 128: half
     the loop bodies, each MMA twice as tall (batch 1 keeps 2 blocks of 64). The choices are the
-    fastest in benchmarks/research/decode_attention_sweep.py --skip-attention (docs/journal/)."""
+    fastest in benchmarks/research/decode_attention_sweep.py --skip-attention (docs/journal/).
+    `deterministic`: `logit_blocks(..., deterministic=True)`."""
     meta = batch.meta
     spec = pools.specs["c4_indexer"]
     T = rows.stop - rows.start
     n_heads, c = q.shape[1], q.shape[2]
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    bn, nb = block_n or 64, blocks or 2
-    while blocks is None and nb < 16 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * num_sms(q.device):
-        nb *= 2
-    if block_n is None and blocks is None and nb >= 4:
-        bn, nb = 128, nb // 2
+    bn, nb = logit_blocks(T, n_max, num_sms(q.device), block_n, blocks, deterministic)
     qs, ws = q[rows], w[rows]
     _logits_kernel[(T, triton.cdiv(n_max, bn * nb))](
         qs, qs.stride(0), qs.stride(1), ws, ws.stride(0), out, out.stride(0),
@@ -123,12 +120,30 @@ def logits(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, rows: sli
     return out
 
 
+def logit_blocks(T: int, n_max: int, sms: int, block_n: int | None = None, blocks: int | None = None,
+                 deterministic: bool = False) -> tuple[int, int]:
+    """(keys per block, blocks per program) of the logits launch (`logits` says how they are
+    chosen). `deterministic`: 2 blocks of 64 at every step: the head sum of a key's score runs
+    over a tile of the same shape whatever T or the batch's longest request."""
+    bn, nb = block_n or 64, blocks or 2
+    if deterministic:
+        return bn, nb
+    while blocks is None and nb < 16 and T * triton.cdiv(n_max, bn * nb * 2) >= 2 * sms:
+        nb *= 2
+    if block_n is None and blocks is None and nb >= 4:
+        bn, nb = 128, nb // 2
+    return bn, nb
+
+
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, topk: int, impl: str,
                  max_logit_bytes: int = 1 << 28, rope: Rope | None = None, w_scale: float = 1.0,
-                 fp8_query: bool = False) -> torch.Tensor:
+                 fp8_query: bool = False, deterministic: bool = False) -> torch.Tensor:
     """q [T, n_I, c], w [T, n_I] → picks [T, K] int32 (see module docstring); `rope`: q is not
     roped yet (the kernels rotate it in the logits launch); the head weights are w · `w_scale`
-    (float32; the kernels scale them in the logits launch); `fp8_query`: `scoring_query`'s."""
+    (float32; the kernels scale them in the logits launch); `fp8_query`: `scoring_query`'s;
+    `deterministic`: one logits tile for every step (`logit_blocks`). The top-k is exact either
+    way (the same ids for any row length; a batch's wider K only adds -1s, which the attention
+    skips)."""
     if check_impl(impl) == "torch":
         if rope is not None:
             q = rope.apply(q, batch.positions)
@@ -141,7 +156,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, batch, pools, layer: int, top
 
     def pick(rows: slice) -> torch.Tensor:
         return top_k(logits(q, w, batch, pools, layer, rows, n_max, rope=rope, w_scale=w_scale,
-                            fp8_query=fp8_query), K)
+                            fp8_query=fp8_query, deterministic=deterministic), K)
 
     chunk = max(1, max_logit_bytes // (4 * n_max))
     if chunk >= T:  # one chunk (every decode step): the picks as top_k makes them, without a copy

@@ -96,14 +96,16 @@ def reference(q, batch, pools, layer: int, ratio: int, picks, sink, window: int,
 def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.Tensor | None, sink: torch.Tensor,
            window: int, rope: Rope, impl: str, block_h: int | None = None, splits: int | None = None,
            block_n: int | None = None, out_dtype: torch.dtype = torch.float32, num_warps: int | None = None,
-           num_stages: int | None = None, wgmma: bool | None = None) -> torch.Tensor:
+           num_stages: int | None = None, wgmma: bool | None = None, deterministic: bool = False) -> torch.Tensor:
     """q [T, H, d] (roped) → [T, H, d] de-rotated attention output in `out_dtype` (fp32 inside;
     the kernel stores the rounded result itself, which saves a pass over [T, H, d] in prefill).
 
     picks [T, K] int32 (-1 padded) on CSA layers, None otherwise. `block_h` / `splits` override
     the launch heuristics (tests and tuning), as do `block_n` (entries per step) and the launch options.
     `wgmma`: run `sparse_attention_wgmma`'s kernel (None: wherever it applies and no launch option
-    of this kernel is given; it has its own)."""
+    of this kernel is given; it has its own). `deterministic`: `DETERMINISTIC_SPLITS` splits for
+    every step, merged by the combine launch, in launches of at most `DETERMINISTIC_ROWS` tokens
+    (`split_count`)."""
     if check_impl(impl) == "torch":
         return reference(q, batch, pools, layer, ratio, picks, sink, window, rope).to(out_dtype)
     T, H, d = q.shape
@@ -121,12 +123,15 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     bn = block_n or 64
     blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     if splits is None:
-        # split the entries while the split programs still fit one wave, down to a block each:
-        # the power of two from `blocks` on, some splits then empty; small batches gain most
-        # (benchmarks/research/decode_attention_sweep.py). Powers of two keep the compiled variants few.
-        splits = 1
-        while programs * splits * 2 <= num_sms(q.device) and blocks > splits:
-            splits *= 2
+        splits = split_count(programs, blocks, num_sms(q.device), deterministic)
+    if deterministic and T > DETERMINISTIC_ROWS:
+        # the split partials of a prefill-size step in slices: each query's program is its own
+        for lo in range(0, T, DETERMINISTIC_ROWS):
+            rows = slice(lo, min(T, lo + DETERMINISTIC_ROWS))
+            out[rows] = attend(q[rows], _RowSlice(batch, rows), pools, layer, ratio,
+                               None if picks is None else picks[rows], sink, window, rope, impl, block_h, splits,
+                               block_n, out_dtype, num_warps, num_stages, wgmma, deterministic)
+        return out
     if splits == 1:
         partial, ml = out, out  # unused
     else:
@@ -153,6 +158,42 @@ def attend(q: torch.Tensor, batch, pools, layer: int, ratio: int, picks: torch.T
     if splits > 1:
         combine(partial, ml, meta.positions, rope, out)
     return out
+
+
+# `--deterministic`: this many KV splits at every step size. Entry block i goes to split i mod S
+# whatever the step, a split past a query's entries or over blocks of no entry (-1 picks, a batch's
+# wider top-k) leaves its sums as they were (α = 1, p = 0), and the combine weighs an empty split
+# 0: a query's sums run in one order, set by its own entries. Always more than one, so every
+# step goes through the same combine launch.
+DETERMINISTIC_SPLITS = 8
+# ... and the step's split partials (S × T × H × d fp32, 1 MB a token at V4-Flash widths) in
+# launches of at most this many queries
+DETERMINISTIC_ROWS = 256
+
+
+def split_count(programs: int, blocks: int, sms: int, deterministic: bool = False) -> int:
+    """KV splits of a step of `programs` (token, head block) programs over `blocks` entry blocks
+    on `sms` SMs: split the entries while the split programs still fit one wave, down to a block
+    each: the power of two from `blocks` on, some splits then empty; small batches gain most
+    (benchmarks/research/decode_attention_sweep.py). Powers of two keep the compiled variants few.
+    `deterministic`: `DETERMINISTIC_SPLITS`, whatever the step."""
+    if deterministic:
+        return DETERMINISTIC_SPLITS
+    splits = 1
+    while programs * splits * 2 <= sms and blocks > splits:
+        splits *= 2
+    return splits
+
+
+class _RowSlice:
+    """A batch's kernel metadata for its token rows `rows`: what `attend` reads of `batch.meta`
+    (each row's request and position, the page tables, the longest request's end)."""
+
+    def __init__(self, batch, rows: slice):
+        m = batch.meta
+        self.token_seq, self.positions, self.tables, self.max_end = m.token_seq[rows], m.positions[rows], m.tables, \
+            m.max_end
+        self.meta = self
 
 
 def _launch_args(q, out, partial, ml, meta, pools, layer: int, kind: str, picks, sink, rope: Rope, n_comp: int) -> tuple:

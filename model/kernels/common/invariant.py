@@ -152,9 +152,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return dot(a, Rows.of(b.transpose(-1, -2)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] · weight [N, K]ᵀ → [..., N] in x's dtype (`dot`; F.linear off the CPU)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+    """x [..., K] · weight [N, K]ᵀ → [..., N] in x's dtype (`dot`; F.linear off the CPU, or with
+    `deterministic` the fixed-tile kernel, whose rows do not depend on the batch either)."""
     if x.device.type != "cpu":
+        if deterministic:
+            from model.kernels.gemm import fixed_matmul  # Triton: only off the CPU
+
+            return fixed_matmul.linear(x, weight.to(x.dtype))
         return F.linear(x, weight)
     return dot(x, weight_rows(weight)).to(x.dtype)
 
@@ -165,9 +170,10 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.deterministic = False  # `kernels.set_deterministic`: the fixed-tile product off the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.deterministic)
 
 
 # ---------------------------------------------------------------------------------------

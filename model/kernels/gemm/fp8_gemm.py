@@ -84,15 +84,21 @@ def arrival_counters(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl: str, groups: int = 1,
-               arrivals: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
+               arrivals: torch.Tensor | None = None, act_fp8: bool = False, deterministic: bool = False
+               ) -> torch.Tensor:
     """See module docstring; `impl` "torch" or "triton". `arrivals`: an `arrival_counters` buffer,
     used by one product at a time (products on it run in stream order); without it the counters
-    are zero-filled per call. `act_fp8`: W8A8, x quantised per 128 along K first (`act_quant`)."""
+    are zero-filled per call. `act_fp8`: W8A8, x quantised per 128 along K first (`act_quant`).
+    `deterministic`: every M through one kernel and configuration (`deterministic_product`)."""
     rows = x.numel() // x.shape[-1] // (groups if groups > 1 else 1)
     if check_impl(impl) == "torch":
         return reference(act_quant.fake_quantize(x, impl) if act_fp8 else x, weight, scale, groups)
     K = weight.shape[1]
     N = weight.shape[0] // groups
+    if deterministic:
+        x3 = x.reshape(-1, 1, K) if groups == 1 else x
+        out = deterministic_product(x3 if x3.stride(-1) == 1 else x3.contiguous(), weight, scale, arrivals, act_fp8)
+        return out.view(*x.shape[:-1], N) if groups == 1 else out
     if act_fp8 and fp8_cublas.applies(rows, N, K, x.device, groups, prefill=rows > KERNEL_MAX_M):
         out = fp8_cublas.product(x.reshape(rows, groups * K), weight, scale, groups)
         return out.view(*x.shape[:-1], N) if groups == 1 else out
@@ -114,6 +120,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
     else:
         out = decode_product(x3, weight, scale, arrivals)
     return out.view(*lead, N) if lead is not None else out
+
+
+def deterministic_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          arrivals: torch.Tensor | None, act_fp8: bool) -> torch.Tensor:
+    """`fp8_linear` under `--deterministic`: x3 [M, G, K] (unit stride along K) through one decode
+    kernel and one configuration for every M (`decode_config(..., deterministic=True)`: its K split
+    follows the weight's shape alone), in slices of `KERNEL_MAX_M` rows (the arrival counters' and
+    split partials' size; a row's products do not depend on its slice). No cuBLAS and no in-kernel
+    quantisation: W8A8 inputs are quantised by `act_quant` for every M (the same codes)."""
+    M, groups, K = x3.shape
+    N = weight.shape[0] // groups
+    cfg = decode_config(M, N, K, groups, a8=act_fp8, deterministic=True)
+    codes, x_scale = act_quant.quantize(x3, "triton") if act_fp8 and M else (x3, None)
+    if M <= KERNEL_MAX_M:
+        return decode_product(codes, weight, scale, arrivals, cfg, out_dtype=x3.dtype, x_scale=x_scale)
+    out = torch.empty(M, groups, N, device=x3.device, dtype=x3.dtype)
+    for lo in range(0, M, KERNEL_MAX_M):
+        hi = min(M, lo + KERNEL_MAX_M)
+        out[lo:hi] = decode_product(codes[lo:hi], weight, scale, arrivals, cfg, out_dtype=x3.dtype,
+                                    x_scale=None if x_scale is None else x_scale[lo:hi])
+    return out
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -213,11 +240,29 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, stride_w, stride_s, stride_o
              mask=mask)
 
 
-def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, **tiles) -> dict:
+# `--deterministic`: one configuration for every M (`decode_config`): the weights-as-M kernels'
+# 64-token tiles (one tile for a decode batch) against 64 weight rows, K split by the weight's
+# shape alone, as the decode heuristic splits it at one token tile
+DETERMINISTIC_TILES = {"BLOCK_T": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def decode_config(M: int, N: int, K: int, groups: int, a8: bool = False, deterministic: bool = False,
+                  **tiles) -> dict:
     """Kernel and tiles of a decode-size product by shape (no autotuning: deterministic and
     capturable in graphs); `tiles` overrides the choice (benchmarks), the K split follows it.
     `_fp8_gemm_kernel`'s configurations hold BLOCK_M (token rows), `_fp8_swap_kernel`'s and
-    `_fp8_a8_kernel`'s (`a8`: weights as M at every row count) BLOCK_T."""
+    `_fp8_a8_kernel`'s (`a8`: weights as M at every row count) BLOCK_T. `deterministic`: the
+    same configuration for every M (`DETERMINISTIC_TILES`, the K split a function of N, K and
+    groups only, no TMA switch, the W8A8 promotion by the outer product of scales): a row's sums
+    then run in one order whatever M."""
+    if deterministic:
+        cfg = {**DETERMINISTIC_TILES, **({"TMA": False, "UNIFORM_SW": False} if a8 else {}), **tiles}
+        n_tiles = triton.cdiv(N, cfg["BLOCK_N"]) * groups
+        k_blocks = triton.cdiv(K, BLOCK)
+        split = 1
+        while n_tiles * split * 2 <= 264 and k_blocks // (split * 2) >= 2:
+            split *= 2
+        return {"SPLIT_K": split, **cfg}
     if not a8 and ("BLOCK_M" in tiles or (M <= TOKENS_M_MAX and "BLOCK_T" not in tiles)):
         cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, **tiles}
         rows = cfg["BLOCK_M"]

@@ -159,9 +159,25 @@ BATCH_TOKENS = 256
 BATCH_TILES = BatchTiles()
 
 
+# `--deterministic`: every entry, of any token count, is the two-launch batch entry on these tiles
+# (its partial mixes are one fixed-shape sum per token; a token's bits then depend on nothing else)
+DETERMINISTIC_TILES = BatchTiles(bt=16)
+
+
 def batch_tiles(tokens: int) -> BatchTiles:
     """The default `BatchTiles` of an entry of `tokens` tokens."""
     return BatchTiles(bt=16) if tokens <= 16 else BATCH_TILES
+
+
+def entry_tiles(tokens: int, deterministic: bool = False) -> "SmallTiles | BatchTiles | MixTiles":
+    """The entry path and launch shape `_enter` takes for `tokens` tokens: the one-launch entry up
+    to `SMALL_TOKENS`, the batch entry up to `BATCH_TOKENS`, the prefill launches above;
+    `deterministic`: `DETERMINISTIC_TILES` for every count."""
+    if deterministic:
+        return DETERMINISTIC_TILES
+    if tokens <= SMALL_TOKENS:
+        return SMALL_TILES
+    return batch_tiles(tokens) if tokens <= BATCH_TOKENS else MIX_TILES
 
 
 class EntryScratch:
@@ -197,27 +213,31 @@ def settle(res: Residual, impl: str) -> torch.Tensor:
 
 def sublayer_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc: int, iters: int,
                    hc_eps: float, rms_eps: float, impl: str, arrivals: torch.Tensor | None = None,
-                   tiles: "MixTiles | SmallTiles | BatchTiles | None" = None, scratch: "EntryScratch | None" = None):
+                   tiles: "MixTiles | SmallTiles | BatchTiles | None" = None, scratch: "EntryScratch | None" = None,
+                   deterministic: bool = False):
     """Enter a sub-block: → (streams x [T, hc, D] settled, its input rms_norm(collapsed) [T, D],
     post [T, hc] fp32, comb [T, hc, hc] fp32). `arrivals`: a `kernels.arrival_counter` buffer (else
-    one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning).
+    one is zero-filled per call); `tiles` overrides the launch shape and the kernel (tuning);
+    `deterministic`: one path for every T (`entry_tiles`).
     `scratch`: up to `SMALL_TOKENS` tokens, post and comb are computed on its side stream, beside
     the sub-block: the caller joins it (`EntryScratch.join`) before anything reads them."""
     if check_impl(impl) == "torch":
         x = settle(res, impl)
         collapsed, post, comb = reference_pre(x, fn, base, scale, hc, iters, hc_eps, rms_eps)
         return x, rmsnorm.reference(collapsed, norm_weight, norm_eps), post, comb
-    return _enter(res, fn, base, scale, hc, iters, hc_eps, rms_eps, False, norm_weight, norm_eps, arrivals, tiles,
-                  scratch)
+    return _enter(res, fn, base, scale, hc, iters, hc_eps, rms_eps, False, norm_weight, norm_eps, arrivals,
+                  tiles or entry_tiles(res.x.shape[0], deterministic), scratch)
 
 
 def head_input(res: Residual, fn, base, scale, norm_weight, norm_eps: float, hc_eps: float, rms_eps: float,
-               impl: str, arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head's input rms_norm(hc_head(streams)) [T, D] (fn [hc, hc·D], scale [1])."""
+               impl: str, arrivals: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
+    """The LM head's input rms_norm(hc_head(streams)) [T, D] (fn [hc, hc·D], scale [1]);
+    `deterministic`: one path for every T (`entry_tiles`)."""
     if check_impl(impl) == "torch":
         x = settle(res, impl)
         return rmsnorm.reference(reference_head(x, fn, base, scale, hc_eps, rms_eps), norm_weight, norm_eps)
-    return _enter(res, fn, base, scale, res.x.shape[1], 0, hc_eps, rms_eps, True, norm_weight, norm_eps, arrivals)[1]
+    return _enter(res, fn, base, scale, res.x.shape[1], 0, hc_eps, rms_eps, True, norm_weight, norm_eps, arrivals,
+                  entry_tiles(res.x.shape[0], deterministic))[1]
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,

@@ -75,9 +75,15 @@ FEW_DOWN = replace(SMALL_DOWN, split_k=1)
 DECODE_MAX_TOKENS = 256
 
 
-def decode_tiles(tokens: int) -> tuple[Tiles, Tiles]:
+# `--deterministic`: every step, of any size, on the decode tiles, unsplit (`deterministic_moe`)
+DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN = DECODE_GATEUP, DECODE_DOWN
+
+
+def decode_tiles(tokens: int, deterministic: bool = False) -> tuple[Tiles, Tiles]:
     """(gate/up, down) tiles for a step of `tokens` tokens (a graph captures one size, so the
-    choice is fixed per captured step)."""
+    choice is fixed per captured step); `deterministic`: the same tiles for every size."""
+    if deterministic:
+        return DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN
     if tokens <= 1:
         return SMALL_GATEUP, SMALL_DOWN
     return (FEW_GATEUP, FEW_DOWN) if tokens <= SMALL_T else (DECODE_GATEUP, DECODE_DOWN)
@@ -106,3 +112,22 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     for launch in launches[-1:]:
         launch()
     return result()
+
+
+def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
+                      shared: "PackedExperts | None", limit: float) -> torch.Tensor:
+    """`fused_moe` under `--deterministic`, for every step size and layer kind: the same tiles for
+    every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
+    independently, so a token's products do not depend on which others share its expert), the
+    shared expert always among the assignments (never the dense products, which round
+    differently), the combine in slot order. Steps above `DECODE_MAX_TOKENS` run in slices of that
+    many tokens (the counting sort's one program holds a step's assignments)."""
+    gateup, down = decode_tiles(x.shape[0], deterministic=True)
+    if x.shape[0] <= DECODE_MAX_TOKENS:
+        return fused_moe(x, weights, ids, experts, shared, limit, gateup, down, shared_dense=False)
+    out = torch.empty_like(x)
+    for lo in range(0, x.shape[0], DECODE_MAX_TOKENS):
+        rows = slice(lo, lo + DECODE_MAX_TOKENS)
+        out[rows] = fused_moe(x[rows], weights[rows], ids[rows], experts, shared, limit, gateup, down,
+                              shared_dense=False)
+    return out
