@@ -1,5 +1,7 @@
 """Token sampling as a pure function of (logits, seed, position) — invariant 1.
 
+(With a grammar, also of the request's output so far: its token mask, `model/grammar.py`.)
+
 No hidden RNG state: the noise for token t of a request at position p is a hash of
 (seed, p, t) alone, so the same request samples the same tokens whatever batch, worker,
 migration or retry produced its logits. Sampling uses the Gumbel-max trick over the
@@ -85,16 +87,20 @@ def _row_key(seed: int, position: int) -> tuple[int, int, int]:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                impl: str | None = None, histories: list[History | None] | None = None) -> list[int]:
+                impl: str | None = None, histories: list[History | None] | None = None,
+                masks: torch.Tensor | None = None) -> list[int]:
     """Next token of each row: logits [R, V] (any float dtype, any device) → R token ids; row i
     uses (params[i], positions[i]) and, when its params adjust the logits, histories[i] (its
-    prompt and output so far: `model/penalties.py`). One copy to the host, of the R ids. `impl`
-    picks the draw's kernel ("torch" reference or "triton"); by default Triton on a GPU, torch
-    elsewhere."""
+    prompt and output so far: `model/penalties.py`). `masks`: the tokens each row may take, as
+    bits [R, ceil(V/32)] int32 (a grammar's, `model/grammar.py`); applied after the adjustments.
+    One copy to the host, of the R ids. `impl` picks the draw's kernel ("torch" reference or
+    "triton"); by default Triton on a GPU, torch elsewhere."""
     impl = impl or ("triton" if logits.is_cuda else "torch")
     rows = len(params)
     assert logits.dim() == 2 and logits.shape[0] == rows == len(positions), (logits.shape, rows)
     logits = adjust(logits, params, histories if histories is not None else [None] * rows)
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if len(drawn) == rows:
         return _draw(logits, params, positions, impl).tolist()
@@ -102,6 +108,18 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     if drawn:
         tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [positions[i] for i in drawn], impl)
     return tokens.tolist()
+
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with every token whose bit is 0 in masks [R, ceil(V/32)] int32 set to -inf
+    (a new tensor, on the logits' device; a fixed number of ops, whatever the rows)."""
+    rows, vocab = logits.shape
+    if masks.shape != (rows, (vocab + 31) // 32) or masks.dtype != torch.int32:
+        raise ValueError(f"a token mask for logits {tuple(logits.shape)} is int32 [{rows}, {(vocab + 31) // 32}], "
+                         f"got {masks.dtype} {tuple(masks.shape)}")
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((masks.to(logits.device)[:, :, None] >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int, impl: str | None = None,

@@ -45,6 +45,12 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def to_json(self) -> str:
+        """The same tokenizer as a Hugging Face `tokenizer.json` (for libraries that index a vocabulary)."""
+        from model.tokenizer_tiny import tiny_tokenizer_json  # it builds on this module's specials
+
+        return tiny_tokenizer_json(self.vocab_size)
+
 
 class HFTokenizer:
     """`tokenizer.json` of a real checkpoint through the `tokenizers` library."""
@@ -61,6 +67,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
 
 
 def load_tokenizer(model_dir: str | Path, vocab_size: int, bos_id: int | None, eos_id: int | None):

@@ -70,6 +70,8 @@ class GenerateRequest:
     deadline: float | None = None  # unix seconds; None = no deadline
     router: str = ""  # id of the router streaming it, whose registry lease keeps it alive; "" = none
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k (model/logprobs.py)
+    # the grammar the output must match (llguidance's input: model/grammar.py); None: unconstrained
+    grammar: str | None = None
     # None: none; k: each prompt token's logprob (from the second on) and its top k, computed where the
     # prompt is prefilled (bypassing the prefix cache: cached positions have no logits)
     prompt_logprobs: int | None = None
