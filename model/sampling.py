@@ -16,6 +16,7 @@ so its token does not depend on the other rows of the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
     min_tokens: int = 0
+    min_p: float = 0.0  # keep tokens of probability >= min_p x the top token's (after temperature); 0 = off
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
@@ -59,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -129,20 +133,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, impl: st
 
 
 def _support(logits: torch.Tensor, params: list[SamplingParams]):
-    """Each row's logits [R, V] temperature-scaled (fp32), and its top-k / top-p support as a
-    threshold in the ranking by (value descending, id ascending): (scaled, thr_value [R] fp32,
-    thr_id [R] int64); see `gumbel.kept`. Rows without top-k or top-p keep everything: when no
-    row has either, nothing is sorted."""
+    """Each row's logits [R, V] temperature-scaled (fp32), and its min-p / top-k / top-p support
+    as a threshold in the ranking by (value descending, id ascending): (scaled, thr_value [R] fp32,
+    thr_id [R] int64); see `gumbel.kept`. As vLLM: min_p first (a token stays if its scaled
+    logit is at least the row's largest + log(min_p), i.e. its probability at least min_p × the
+    top one's), then top-k, then top-p over what is left. Rows without any keep everything: when
+    no row has top-k or top-p, nothing is sorted."""
     dev, (rows, vocab) = logits.device, logits.shape
     temperature = torch.tensor([p.temperature for p in params], device=dev)
     scaled = logits.float() / temperature[:, None]
+    # min_p's threshold on the scaled logits (-inf: off); log(min_p) is rounded once, on the host
+    floor = scaled.amax(-1) + torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params],
+                                           device=dev)
     if all(p.top_p == 1 and not 0 < p.top_k < vocab for p in params):
-        return scaled, torch.full((rows,), float("-inf"), device=dev), torch.full((rows,), vocab, device=dev)
+        return scaled, floor, torch.full((rows,), vocab, device=dev)
     # A stable descending sort ranks ties by token id, so "the k best" names the same k tokens
     # in every batch, and the support is a prefix of the ranking in every row.
     ranked, order = scaled.sort(dim=-1, descending=True, stable=True)
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    keep = torch.arange(vocab, device=dev) < k[:, None]
+    keep = (torch.arange(vocab, device=dev) < k[:, None]) & (ranked >= floor[:, None])
     if any(p.top_p < 1 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         # The smallest prefix whose mass reaches top_p, the token crossing it included. In fp64:
