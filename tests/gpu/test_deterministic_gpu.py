@@ -1,0 +1,121 @@
+"""`--deterministic` on the GPU: with the batch-invariant kernel configurations
+(`kernels.set_deterministic`), a request's logits are the same bits alone, in batches of 7 and 64,
+prefilled whole or in chunks of 512 or 2048, and decoded one token a step or in verify-shaped
+steps of 4, on full-width V4-Flash layers (dummy device-format weights: FP8 projections, FP4
+experts, fp8_pack pools; sliding-window, CSA and HCA layers, hash- and score-routed MoE); and
+speculative `generate` gives plain decoding's tokens and logits, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.batch import ForwardBatch
+from model.dummy_weights import dummy_model
+from model.generate import generate
+from model.kernels import set_deterministic
+from model.kv_pool import KVPools, SeqKV
+from model.sampling import SamplingParams
+from model.tiny import flash_config
+from worker_runtime.model_loader import load_replica
+from worker_runtime.options import WorkerOptions
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT_LEN = 2500
+# positions of the target request whose logits are compared: both sides of every chunk boundary
+# of 512 and 2048, and the last
+WATCHED = sorted({0, 1, 255, 256, 511, 512, 513, 1023, 1024, 1500, 2047, 2048, 2049, PROMPT_LEN - 1})
+FED = [17, 4242, 99, 123, 7, 65000, 31, 8]  # the target's decode inputs, the same in every run
+MAX_TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def flash():
+    cfg = flash_config(4)  # window-only, window-only, ratio 4, ratio 128
+    model = dummy_model(cfg, "triton", "cuda", act_fp8=True)
+    set_deterministic(model, True)
+    return model
+
+
+def _target_logits(model, companions: int, chunk: int, verify: int = 1, seed: int = 0) -> torch.Tensor:
+    """The target request's logits at `WATCHED` prompt positions, then at each decode step of
+    `FED`, run among `companions` other requests of random lengths (the target in the middle of
+    the batch), the prompts prefilled in steps of `chunk` tokens a request, the decode inputs fed
+    `verify` tokens a step (a verify-shaped segment) while each companion decodes one."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(123)).tolist()
+    others = [torch.randint(0, cfg.vocab_size, (int(torch.randint(1, 1500, (1,), generator=g)),),
+                            generator=g).tolist() for _ in range(companions)]
+    prompts = others[:companions // 2] + [target] + others[companions // 2:]
+    me = companions // 2
+    pools = KVPools(cfg, "fp8_pack", max_tokens=MAX_TOKENS, max_seqs=companions + 1, device="cuda")
+    seqs = [SeqKV() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        pools.reserve(s, len(p) + len(FED))
+    rows = []
+    for start in range(0, PROMPT_LEN, chunk):
+        items = [(s, p[start:start + chunk]) for s, p in zip(seqs, prompts) if p[start:start + chunk]]
+        batch = ForwardBatch.build(items, device="cuda")
+        seg = next(sg for sg in batch.segments if sg.seq is seqs[me])
+        wanted = [seg.offset + p - start for p in WATCHED if start <= p < start + seg.length]
+        logits = model(batch, pools, logit_rows=torch.tensor(wanted, dtype=torch.long, device="cuda"))
+        rows.append(logits.float().cpu())
+        batch.commit()
+    for lo in range(0, len(FED), verify):
+        fed = FED[lo:lo + verify]
+        items = [(s, fed if i == me else [int(torch.randint(0, cfg.vocab_size, (1,), generator=g))])
+                 for i, s in enumerate(seqs)]
+        batch = ForwardBatch.build(items, device="cuda")
+        seg = next(sg for sg in batch.segments if sg.seq is seqs[me])
+        logits = model(batch, pools, logit_rows=torch.arange(seg.offset, seg.offset + seg.length, device="cuda"))
+        rows.append(logits.float().cpu())
+        batch.commit()
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("companions, chunk, verify", [(0, 512, 1), (0, 2048, 1), (6, 512, 1), (6, 2048, 4),
+                                                       (63, 2048, 1), (63, 512, 4)])
+def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(flash, companions, chunk, verify):
+    alone = _target_logits(flash, 0, PROMPT_LEN)  # the whole prompt in one step, then one token a step
+    got = _target_logits(flash, companions, chunk, verify)
+    assert alone.shape == (len(WATCHED) + len(FED), flash.cfg.vocab_size)
+    assert alone.isfinite().all() and alone.std() > 0.1
+    diff = (got - alone).abs().amax(dim=-1)
+    assert torch.equal(got, alone), f"rows differing (max |Δ| per row): {diff.tolist()}"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculative_generate_is_plain_decoding_bit_for_bit(tiny_official_ckpt, n, temperature):
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=1,
+                            device="cuda", kernels="triton", speculative_tokens=n, deterministic=True)
+    cfg, model, pools = load_replica(options)
+    assert model.mtp and pools.with_mtp and model.deterministic
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=temperature, seed=5)
+    plain_pools = KVPools(cfg, "fp8_pack", max_tokens=512, max_seqs=1, device="cuda", with_mtp=True)
+    plain = generate(model, plain_pools, prompt, 32, params, keep_logits=True)
+    got = generate(model, pools, prompt, 32, params, keep_logits=True, speculative_tokens=n)
+    assert got.token_ids == plain.token_ids
+    assert torch.equal(got.logits, plain.logits)
+    assert got.proposed > 0
+
+
+def test_speculation_on_full_width_layers_is_plain_decoding_bit_for_bit():
+    cfg = flash_config(4)
+    model = dummy_model(cfg, "triton", "cuda", act_fp8=True, with_mtp=True)
+    set_deterministic(model, True)
+    prompt = torch.randint(0, cfg.vocab_size, (700,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0.8, seed=3)
+
+    def run(n: int):
+        pools = KVPools(cfg, "fp8_pack", max_tokens=1024, max_seqs=1, device="cuda", with_mtp=True)
+        return generate(model, pools, prompt, 16, params, chunk_size=512, keep_logits=True, speculative_tokens=n)
+
+    plain = run(0)
+    for n in (1, 2, 3):
+        got = run(n)
+        assert got.token_ids == plain.token_ids, n
+        assert torch.equal(got.logits, plain.logits), n
