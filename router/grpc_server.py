@@ -44,7 +44,7 @@ def request_body(req: pb.GenerateRequest) -> dict:
         raise invalid("exactly one of 'prompt' and 'prompt_token_ids' must be set", "prompt")
     body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids)}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "logprobs"):
+                 "repetition_penalty", "min_tokens", "logprobs", "min_p"):
         if req.HasField(name):
             body[name] = getattr(req, name)
     if req.logit_bias:
@@ -55,6 +55,8 @@ def request_body(req: pb.GenerateRequest) -> dict:
         body["stop_token_ids"] = list(req.stop_token_ids)
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.echo:
+        body["echo"] = True
     if req.include_stop_str_in_output:
         body["include_stop_str_in_output"] = True
     if req.model:
@@ -62,10 +64,10 @@ def request_body(req: pb.GenerateRequest) -> dict:
     return body
 
 
-def _logprobs(chunk) -> list:
+def _logprobs(chunk, prompt: bool = False) -> list:
     return [pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-            for lp in chunk.logprobs or ()]
+            for lp in (chunk.prompt_logprobs if prompt else chunk.logprobs) or ()]
 
 
 def _check_request_id(rid: str) -> str:
@@ -135,7 +137,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 return
             async with lock:
                 await context.write(pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
-                                                        index=k, logprobs=_logprobs(chunk)))
+                                                        index=k, logprobs=_logprobs(chunk),
+                                                        prompt_logprobs=_logprobs(chunk, prompt=True)))
 
         try:
             if len(parsed.children) == 1:
@@ -154,7 +157,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                             c.req.stop_strings)
             await context.write(pb.GenerateResponse(
                 request_id=rid, token_ids=last[c.index].token_ids, text=text, finish_reason=outcome.finish_reason,
-                index=c.index, logprobs=_logprobs(last[c.index]), usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                index=c.index, logprobs=_logprobs(last[c.index]),
+                prompt_logprobs=_logprobs(last[c.index], prompt=True), usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                               cached_tokens=u.cached_tokens)))
 
     async def Abort(self, request, context):

@@ -160,7 +160,8 @@ class HTTPApp:
         slot = self.dispatcher.admit(len(children))
         try:
             builders = [ResponseBuilder(parsed.request_id, self.limits.model_name, int(time.time()), opts,
-                                        self.backend.tokenizer, index=c.index, prompt_tokens=len(c.req.prompt_ids))
+                                        self.backend.tokenizer, index=c.index, prompt_tokens=len(c.req.prompt_ids),
+                                        prompt_ids=c.req.prompt_ids if opts.echo else ())
                         for c in children]
             if len(children) == 1:
                 run = self.dispatcher.execute(slot, parsed.generate, _emitter(builders[0], send, opts.stream),
@@ -214,10 +215,10 @@ class HTTPApp:
 def _emitter(builder: ResponseBuilder, send, stream: bool):
     """The `emit` of a request: SSE chunks as they come, or accumulated for one response."""
     async def add(chunk):
-        builder.add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs)
+        builder.add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs, chunk.prompt_logprobs)
 
     async def write(chunk):
-        data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs))
+        data = sse(builder.chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs, chunk.prompt_logprobs))
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     return write if stream else add
@@ -229,10 +230,11 @@ def _group_emitter(builders: list[ResponseBuilder], send, stream: bool):
     lock = asyncio.Lock()
 
     async def add(k, chunk):
-        builders[k].add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs)
+        builders[k].add(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs, chunk.prompt_logprobs)
 
     async def write(k, chunk):
-        data = sse(builders[k].chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs))
+        data = sse(builders[k].chunk(chunk.token_ids, chunk.text, chunk.finish_reason, chunk.logprobs,
+                                     chunk.prompt_logprobs))
         async with lock:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 

@@ -38,3 +38,20 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprobs], offset: int) -> dic
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer, prompt_ids, lps: list[TokenLogprobs] | None, offset: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt: every prompt token, the first with
+    logprob and top_logprobs null (it has no context), as vLLM and OpenAI's legacy endpoint do.
+    `lps`: the TokenLogprobs of prompt tokens 1.. from the worker."""
+    if lps is None or len(lps) != len(prompt_ids) - 1:
+        raise ValueError(f"{0 if lps is None else len(lps)} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
+    rest = completion_logprobs(tokenizer, lps, offset + len(_piece(tokenizer, prompt_ids[0])))
+    return {"tokens": [_piece(tokenizer, prompt_ids[0])] + rest["tokens"],
+            "token_logprobs": [None] + rest["token_logprobs"], "top_logprobs": [None] + rest["top_logprobs"],
+            "text_offset": [offset] + rest["text_offset"]}
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two completions `logprobs` objects of consecutive tokens as one."""
+    return {k: a[k] + b[k] for k in a}

@@ -2,6 +2,8 @@
 
 Pure functions over plain dicts; the HTTP server only serializes them. The `token_ids` extension
 (`"return_token_ids": true`) adds the new token ids to every choice and every streamed chunk.
+`echo` (completions) puts the prompt's text before the completion's (in the first streamed chunk)
+and, with `logprobs`, the prompt tokens' logprobs before the generated ones'.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 
 from router.chat_encoding import ReasoningSplitter
 from router.choices import merge_usage
-from router.logprobs_format import chat_entries, completion_logprobs
+from router.logprobs_format import chat_entries, completion_logprobs, joined, prompt_logprobs
 from router.openai_protocol import ResponseOptions
 from router.tool_calls import ToolCallParser
 from worker_runtime.wire import Usage
@@ -60,6 +62,7 @@ class ResponseBuilder:
     tokenizer: object = None  # for include_stop_str_in_output
     index: int = 0  # the choice's index (n > 1, batches)
     prompt_tokens: int = 0  # for the usage on every chunk (stream_options.continuous_usage_stats)
+    prompt_ids: tuple[int, ...] = ()  # the choice's prompt (echo)
     splitter: ReasoningSplitter | None = None
     tools: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
@@ -67,8 +70,10 @@ class ResponseBuilder:
     released: list[str] = field(default_factory=list)  # the worker's text (include_stop_str_in_output only)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprobs of every token so far (logprobs asked)
+    prompt_lps: tuple | None = None  # TokenLogprobs of prompt tokens 1.. (echo with logprobs)
     _lp_chars: int = 0  # characters of the token pieces so far (completions' text_offset)
     _sent_role: bool = False
+    _echoed: bool = False  # the prompt went out (streaming echo)
 
     def __post_init__(self):
         if self.options.thinking:
@@ -116,11 +121,27 @@ class ResponseBuilder:
         self._lp_chars += sum(len(t) for t in out["tokens"])
         return out
 
+    def _echo(self, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
+        """The text and logprobs object of a completion's output with its prompt before it (echo)."""
+        if not self.options.echo:
+            return text, logprobs
+        if self.options.logprobs is None:
+            logprobs = None
+        else:
+            self._lp_chars = 0  # the offsets count from the prompt's start
+            head = prompt_logprobs(self.tokenizer, self.prompt_ids, self.prompt_lps, 0)
+            self._lp_chars = sum(len(t) for t in head["tokens"])
+            tail = self._logprobs(self.logprobs if logprobs is None else logprobs)
+            logprobs = joined(head, tail)
+        return self.tokenizer.decode(list(self.prompt_ids)) + text, logprobs
+
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.calls else reason
 
     # --- non-streaming
-    def add(self, token_ids, text: str, finish_reason: str | None = None, logprobs=None) -> None:
+    def add(self, token_ids, text: str, finish_reason: str | None = None, logprobs=None, prompt_logprobs=None) -> None:
+        if prompt_logprobs is not None:
+            self.prompt_lps = prompt_logprobs
         r, c, _ = self._process(token_ids, text, finish_reason)
         self.logprobs.extend(logprobs or ())
         self.reasoning.append(r)
@@ -144,6 +165,9 @@ class ResponseBuilder:
                                          for c in self.tools.calls]
             choice = {"index": self.index, "message": message, "logprobs": self._logprobs(self.logprobs),
                       "finish_reason": self.finish_reason(finish_reason)}
+        elif self.options.echo:
+            text, logprobs = self._echo(content, None)
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": self.index, "text": content, "logprobs": self._logprobs(self.logprobs),
                       "finish_reason": finish_reason}
@@ -152,7 +176,9 @@ class ResponseBuilder:
         return choice
 
     # --- streaming
-    def chunk(self, token_ids, text: str, finish_reason: str | None, logprobs=None) -> dict:
+    def chunk(self, token_ids, text: str, finish_reason: str | None, logprobs=None, prompt_logprobs=None) -> dict:
+        if prompt_logprobs is not None:
+            self.prompt_lps = prompt_logprobs
         r, c, calls = self._process(token_ids, text, finish_reason)
         if finish_reason is not None:
             finish_reason = self.finish_reason(finish_reason)
@@ -168,6 +194,10 @@ class ResponseBuilder:
                 delta["tool_calls"] = [d.openai() for d in calls]
             choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs),
                       "finish_reason": finish_reason}
+        elif self.options.echo and not self._echoed:  # the prompt goes out before the first new text
+            self._echoed = True
+            text, lps = self._echo(c, list(logprobs or ()))
+            choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         else:
             choice = {"index": self.index, "text": c, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         if self.options.return_token_ids:

@@ -11,7 +11,7 @@ A request becomes one `GenerateRequest` per choice (`router/choices.py`): `n` pe
 `/v1/completions` batch holds several prompts.
 
 The bodies are validated by the typed models of `request_models.py` (unknown fields refused);
-fields that would change the output but are not implemented (echo, min_p, …) are
+fields that would change the output but are not implemented (priority, suffix, …) are
 refused with a 400 naming them unless at their neutral value, never silently ignored;
 bookkeeping fields (`user`, `metadata`, …) are accepted and have no effect on the output.
 """
@@ -86,6 +86,7 @@ class ResponseOptions:
     include_stop_str: bool = False  # append the stop string that ended the completion
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None  # top alternatives per token's logprobs; None: no logprobs
+    echo: bool = False  # completions: the prompt (and its tokens' logprobs) before the output
 
 
 Prompt = str | tuple[int, ...]  # text to tokenize, or token ids as given
@@ -133,8 +134,7 @@ def _validate(model_cls, body):
 
 
 # Known fields this server does not implement: accepted only at their neutral value.
-_NEUTRAL = {"echo": (False,),
-            "min_p": (0,), "priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
+_NEUTRAL = {"priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
 
 
 def _refuse_unsupported(req) -> None:
@@ -221,8 +221,9 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
         v = getattr(req, name)
         if v is None:
             continue
-        if v < 1:
-            raise invalid(f"'{name}' must be at least 1", name)
+        if v < 1 and not (v == 0 and getattr(req, "echo", None)):  # 0 with echo: score the prompt only
+            raise invalid(f"'{name}' must be at least 1 (0 only with 'echo')" if name == "max_tokens" and not chat
+                          else f"'{name}' must be at least 1", name)
         if v > limits.max_tokens_limit:
             raise invalid(f"'{name}' must be at most {limits.max_tokens_limit}", name)
         max_tokens = v
@@ -245,14 +246,15 @@ def _common(req, limits: Limits, chat: bool, thinking: bool = False, tool_calls:
             continuous_usage=bool(req.stream_options and req.stream_options.include_usage  # as vLLM: needs both
                                   and req.stream_options.continuous_usage_stats),
             return_token_ids=bool(req.return_token_ids),
-            include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings, logprobs=logprobs),
+            include_stop_str=bool(req.include_stop_str_in_output), stop_strings=stop_strings, logprobs=logprobs,
+            echo=bool(getattr(req, "echo", None))),
         "n": n,
         "max_tokens": max_tokens,
         "sampling": SamplingParams(
             temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
             presence_penalty=float(req.presence_penalty or 0), frequency_penalty=float(req.frequency_penalty or 0),
             repetition_penalty=float(req.repetition_penalty or 1), logit_bias=_logit_bias(req, limits),
-            min_tokens=req.min_tokens or 0),
+            min_tokens=req.min_tokens or 0, min_p=float(req.min_p or 0)),
         "stop_strings": stop_strings,
         "stop_token_ids": check_token_ids(stop_ids, limits, "stop_token_ids"),
         "ignore_eos": bool(req.ignore_eos),
@@ -353,4 +355,4 @@ def _generate_request(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits,
     return GenerateRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
                            sampling=draft.sampling, stop_token_ids=draft.stop_token_ids,
                            stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline,
-                           logprobs=draft.logprobs)
+                           logprobs=draft.logprobs, prompt_logprobs=draft.logprobs if draft.options.echo else None)

@@ -2,7 +2,7 @@
 and ranges; `GET /openapi.json` publishes them.
 
 Every model forbids unknown fields, so a field this server does not know is a 400 naming it,
-never silently dropped. Fields that are known but not implemented (echo, min_p,
+never silently dropped. Fields that are known but not implemented (priority, suffix,
 …) are typed here so their values can be checked, and refused at any non-neutral value by
 `openai_protocol` with a message naming the field. Validation is strict: no string → number or
 bool → int coercion; numbers are compared exactly whatever their size.
@@ -145,15 +145,16 @@ class _Common(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = Field(None, description="extension (vLLM's)")
     logit_bias: Annotated[dict[str, Bias], Field(max_length=300)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(None, description="extension (vLLM's)")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="extension (vLLM's): keep tokens of probability >= min_p x the top token's")
     # known, not implemented: refused at any value other than the neutral one
-    min_p: float | None = None
     priority: int | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    echo: bool | None = None
+    echo: bool | None = Field(None, description="the prompt (and with logprobs its tokens' logprobs) before the output")
     logprobs: TopLogprobs | None = Field(None, description="each token's logprob and the k most likely (0..20)")
     suffix: str | None = None
     best_of: int | None = Field(None, description="1 or n only")
@@ -203,7 +204,7 @@ _WHAT = {
     "messages": "a non-empty array of messages", "stream_options": "an object",
     "top_logprobs": "an integer in [0, 20]", "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]", "repetition_penalty": "a number in (0, 2]",
-    "min_tokens": "a non-negative integer",
+    "min_tokens": "a non-negative integer", "min_p": "a number in [0, 1]",
     "logit_bias": "an object of at most 300 token ids (as strings) to numbers in [-100, 100]",
 }
 
