@@ -42,7 +42,10 @@ class LayerStack(nn.Module):
         self.table = torch.randn(1024, cfg.hc_mult, cfg.hidden_size, device=device, generator=g).bfloat16()
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = True) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = True,
+                return_streams: bool = False) -> torch.Tensor:
+        if return_streams:  # a verify graph's (logits, streams): the stack has no head
+            raise ValueError("LayerStack has no LM head: it stands in for one-token decode graphs only")
         res = mhc.Residual(self.table[batch.input_ids % self.table.shape[0]])
         for block in self.blocks:
             res = block(res, batch, pools)
