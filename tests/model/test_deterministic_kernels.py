@@ -116,8 +116,8 @@ def test_sparse_attention_rows_do_not_depend_on_the_batch(layer, ratio, monkeypa
         q = torch.randn(T, H, d, generator=torch.Generator().manual_seed(T)).to(DEVICE, torch.bfloat16)
         q[rows] = q_target
         picks = None
-        if ratio == 4:  # the batch's picks are wider (its longest request's K): -1 beyond the target's
-            picks = torch.full((T, 5 if len(batch_items) == 1 else 9), -1, dtype=torch.int32)
+        if ratio == 4:  # the batch's picks are wider (three blocks of 64, the target's one): -1 beyond the target's
+            picks = torch.full((T, 5 if len(batch_items) == 1 else 140), -1, dtype=torch.int32)
             picks[rows, :5] = picks_target
             picks = picks.to(DEVICE)
         out = sparse_attention.attend(q, batch, pools, layer, ratio, picks, sink, cfg.sliding_window, rope,
