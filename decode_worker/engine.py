@@ -35,6 +35,7 @@ from model import speculation
 from model.batch import ForwardBatch
 from model.detokenizer import Detokenizer
 from model.ep import idle_step
+from model.grammar import GrammarError, Grammars, GrammarState
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, logit_rows, prompt_logprobs, token_logprobs
 from model.penalties import History
@@ -73,6 +74,7 @@ class Running:
     prefilled: int = 0  # prompt tokens in the pools (local prefill progress)
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    grammar: GrammarState | None = None  # its grammar's state after `tokens` (req.grammar set)
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (prompt logprobs asked)
 
     @property
@@ -114,6 +116,7 @@ class DecodeEngine:
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
+        self.grammars = Grammars.for_tokenizer(tokenizer, model.cfg.vocab_size, self.eos_id)
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
         self.failed: list[TokenChunk] = []  # admission failures not returned yet
@@ -122,7 +125,8 @@ class DecodeEngine:
     # --- admission ------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> None:
         """Queue a request this worker prefills itself."""
-        self.waiting.append(Running(req, RequestState.WAITING, Detokenizer(self.tokenizer, req.stop_strings)))
+        self.waiting.append(Running(req, RequestState.WAITING, Detokenizer(self.tokenizer, req.stop_strings),
+                                    grammar=self._grammar(req)))
         self.stats.queued(req.request_id)
 
     def admit_transferred(self, req: GenerateRequest, seq: SeqKV, first_token: int,
@@ -137,6 +141,7 @@ class DecodeEngine:
             raise ValueError(f"{req.request_id}: asks for prompt logprobs, its KV came without them")
         r = Running(req, RequestState.DECODING, Detokenizer(self.tokenizer, req.stop_strings), seq=seq,
                     prefilled=len(req.prompt_ids), cached_tokens=cached_tokens, prompt_lps=list(prompt_logprobs or ()))
+        r.grammar = self._grammar(req)
         self.pools.reserve(seq, r.total_tokens)
         self.running[req.request_id] = r
         return [self._emit(r, first_token, first_logprobs)]
@@ -154,8 +159,14 @@ class DecodeEngine:
             seq.pages[kind].extend(pages)
         r = Running(req, RequestState.DECODING, Detokenizer.resume(self.tokenizer, req.stop_strings, tokens,
                                                                    emitted_chars),
-                    seq=seq, prefilled=len(req.prompt_ids), tokens=list(tokens), cached_tokens=cached_tokens)
+                    seq=seq, prefilled=len(req.prompt_ids), tokens=list(tokens), cached_tokens=cached_tokens,
+                    grammar=self._grammar(req, tokens))
         self.running[req.request_id] = r
+
+    def _grammar(self, req: GenerateRequest, output: list[int] = ()) -> GrammarState | None:
+        """The request's grammar state after `output` (the grammar compiled here unless the actor
+        prepared it off the loop: `Grammars.prepare`). Raises GrammarError."""
+        return None if req.grammar is None else self.grammars.state(req.grammar, output)
 
     def pause(self, request_id: str) -> Running | None:
         """Take a decoding request out of the batch (between steps); None unless it is decoding."""
@@ -348,7 +359,8 @@ class DecodeEngine:
             return out
         logits = logits[rows] if len(rows) < len(owners) else logits
         tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled],
-                             histories=[self.history(r) for r in sampled])
+                             histories=[self.history(r) for r in sampled],
+                             masks=self.grammars.bitmask([r.grammar for r in sampled], logits.device))
         lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
         for r, token, lp in zip(sampled, tokens, lps):
             r.state = RequestState.DECODING
@@ -379,6 +391,11 @@ class DecodeEngine:
             return TokenChunk(req.request_id, (), "", finish_reason="length", prompt_logprobs=prompt_lps,
                               usage=Usage(len(req.prompt_ids), 0, r.cached_tokens),
                               logprobs=None if req.logprobs is None else ())
+        if r.grammar is not None:
+            try:
+                r.grammar.advance(token)
+            except GrammarError as e:  # a token its mask did not allow: never sampled so, but refused
+                return self._fail(r, ErrorCode.INTERNAL, str(e))
         r.tokens.append(token)
         self.stats.computed(generated=1)
         if len(r.tokens) == 1:
@@ -386,7 +403,8 @@ class DecodeEngine:
         text = r.detok.push(token)
         finish = None
         lps = (lp,) if lp is not None else None
-        if token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped:
+        if (token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped
+                or (r.grammar is not None and r.grammar.done)):  # a complete grammar allows nothing more
             finish = "stop"
         elif len(r.tokens) >= req.max_tokens:
             finish = "length"

@@ -12,6 +12,11 @@
   each verify segment keeps its agreeing prefix plus the target's next token and rolls the pools
   back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
   max_tokens inside an accepted run ends the request there, as it would without speculation.
+
+A request with a grammar (`model/grammar.py`) drafts nothing: its segment is a plain one-token
+step inside the speculative batch, its row masked by its grammar. Its mask depends on the tokens
+before it, so a draft row would need the grammar advanced over unverified drafts and rolled back;
+one-token steps keep it exact at no cost to the other rows.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def draft(engine, owners: list, items: list) -> tuple:
     decoding = [i for i, (r, _) in enumerate(owners) if r.state is RequestState.DECODING]
     runs = [owners[i][0] for i in decoding]
     drafted = speculation.draft(engine.model, engine.pools, [
-        (r.seq, r.tokens[-1], min(spec, r.req.max_tokens - len(r.tokens) - 1), r.req.sampling) for r in runs])
+        (r.seq, r.tokens[-1], 0 if r.grammar is not None else min(spec, r.req.max_tokens - len(r.tokens) - 1),
+         r.req.sampling) for r in runs])
     pending: list = [None] * len(owners)
     for i, p in zip(decoding, drafted):
         pending[i] = p
@@ -59,7 +65,7 @@ def verify(engine, planned) -> list[TokenChunk]:
         logits, streams = engine.model(batch, engine.pools, return_streams=True,
                                        logit_rows=torch.tensor(flat, device=batch.input_ids.device))
     batch.commit()
-    out, picked, params, positions, histories, at = [], [], [], [], [], 0
+    out, picked, params, positions, histories, grammars, at = [], [], [], [], [], [], 0
     for i, (r, yields) in enumerate(owners):
         first, n = at, len(rows[i])
         at += n
@@ -75,6 +81,7 @@ def verify(engine, planned) -> list[TokenChunk]:
             continue
         picked.append((i, r, first, n))
         params += [r.req.sampling] * n
+        grammars += [r.grammar] * n  # a grammar's row verifies no drafts: n is 1
         # verify row j samples as if the drafts before it were accepted (it is used only then)
         drafts = pending[i].drafts if pending[i] is not None else ()
         histories += [engine.history(r, tuple(drafts[:j])) for j in range(n)]
@@ -84,7 +91,8 @@ def verify(engine, planned) -> list[TokenChunk]:
         return out
     index = [first + j for _, _, first, n in picked for j in range(n)]
     logits = logits[index] if len(index) < len(flat) else logits
-    tokens = sample_rows(logits, params, positions, histories=histories)
+    tokens = sample_rows(logits, params, positions, histories=histories,
+                         masks=engine.grammars.bitmask(grammars, logits.device))
     # a row's logprobs belong to the target's token there: settle keeps a prefix of the rows' tokens
     lps = token_logprobs(logits, tokens, [r.req.logprobs for _, r, _, n in picked for _ in range(n)])
     k = 0

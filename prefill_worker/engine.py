@@ -25,6 +25,7 @@ import torch
 
 from model.batch import ForwardBatch
 from model.ep import idle_step
+from model.grammar import Grammars
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, logit_rows, prompt_logprobs, token_logprobs
 from model.penalties import History
@@ -78,8 +79,12 @@ class Planned:
 
 class PrefillEngine:
     def __init__(self, model: Transformer, pools: KVPools, worker_id: str, config: PrefillConfig = PrefillConfig(),
-                 store: PrefixStore | None = None):
+                 store: PrefixStore | None = None, tokenizer=None):
+        """`tokenizer`: the model's (model/tokenizer.py), for requests with a grammar (their first
+        token is sampled under it); without one, such requests are refused."""
         self.model, self.pools, self.worker_id, self.config, self.store = model, pools, worker_id, config, store
+        self.grammars = (Grammars.for_tokenizer(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_id)
+                         if tokenizer is not None else None)
         model.check_step_tokens(config.token_budget, "the prefill token budget")
         self.waiting: deque[Job] = deque()
         self.running: dict[str, Job] = {}
@@ -87,6 +92,8 @@ class PrefillEngine:
         self.stats = EngineStats()  # the worker's engine metrics (worker_runtime/engine_metrics.py)
 
     def submit(self, req: GenerateRequest) -> None:
+        if req.grammar is not None and self.grammars is None:
+            raise ValueError(f"{req.request_id}: a request with a grammar needs a prefill engine with a tokenizer")
         self.waiting.append(Job(req))
         self.stats.queued(req.request_id)
 
@@ -192,7 +199,8 @@ class PrefillEngine:
         # every finished prompt's first token in one batch on the device; only the ids come back
         logits = logits[rows]
         firsts = sample_rows(logits, [j.req.sampling for j in done], [j.seq.num_tokens for j in done],
-                             histories=[self._history(j.req) for j in done])
+                             histories=[self._history(j.req) for j in done],
+                             masks=self._grammar_masks(done, logits.device))
         lps = token_logprobs(logits, firsts, [j.req.logprobs for j in done])
         for job in done:  # its first token: the prefill's part of the request is over
             self.stats.first_token(job.req.request_id)
@@ -201,6 +209,13 @@ class PrefillEngine:
                           len(job.req.prompt_ids) - (job.reuse.cached_tokens if job.reuse else 0), job, lp,
                           None if job.req.prompt_logprobs is None else tuple(job.prompt_lps))
                 for job, first, lp in zip(done, firsts, lps)]
+
+    def _grammar_masks(self, done: list[Job], device):
+        """The first token's mask of each job with a grammar (model/grammar.py); None when none has one."""
+        if self.grammars is None:
+            return None
+        return self.grammars.bitmask([self.grammars.state(j.req.grammar) if j.req.grammar else None for j in done],
+                                     device)
 
     def _history(self, req: GenerateRequest) -> History | None:
         """What the first token's logit adjustments read: the prompt, no output, min_tokens' ids."""

@@ -1,0 +1,122 @@
+"""Grammar-constrained decoding in the decode engine, on the tiny random model and its byte
+tokenizer: the output parses and validates against the JSON schema and ends with "stop"; the
+tokens are the same whatever the batch, when bounced between engines mid-decode (the grammar
+state rebuilt from the output so far), and with speculative decoding on (a grammar's rows verify
+no drafts); the first token sampled on the prefill side is masked too. The HTTP / gRPC paths are
+tests/router/test_structured_output.py."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model.grammar import from_json_schema
+from model.kv_pool import KVPools
+from model.sampling import SamplingParams
+from model.tiny import random_model, tiny_config
+from model.tokenizer import ByteTokenizer
+from prefill_worker.engine import PrefillEngine
+from tests.decode_worker.test_decode_engine import run_all
+from tests.decode_worker.test_migration_engine import move
+from worker_runtime.wire import GenerateRequest, RequestState
+
+SCHEMA = {"type": "object",
+          "properties": {"s": {"type": "string", "maxLength": 2}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "t": {"enum": [True, "bb"]}},
+          "required": ["s", "n", "t"], "additionalProperties": False}
+GRAMMAR = from_json_schema(SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(), with_mtp=True)
+
+
+def engine(model, name="d0", spec=0) -> DecodeEngine:
+    pools = KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=4, with_mtp=bool(spec))
+    return DecodeEngine(model, pools, ByteTokenizer(model.cfg.vocab_size), name, DecodeConfig(speculative_tokens=spec))
+
+
+def requests() -> list[GenerateRequest]:
+    """Three with the grammar (greedy and drawn) and one without."""
+    rng = random.Random(3)
+    return [GenerateRequest(f"g{i}", tuple(rng.randrange(256) for _ in range(5 + 7 * i)), max_tokens=30,
+                            sampling=SamplingParams(temperature=0.9 * (i % 2), seed=i), grammar=GRAMMAR)
+            for i in range(3)] + [GenerateRequest("free", (1, 2, 3), max_tokens=12, ignore_eos=True)]
+
+
+ARRIVALS = [0, 1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def batched(model) -> dict[str, list[int]]:
+    return run_all(engine(model), requests(), ARRIVALS)
+
+
+def text_of(model, tokens: list[int]) -> str:
+    """The JSON text: the request ended where its grammar did (at its last '}', which allows nothing more)."""
+    assert model.cfg.eos_token_id not in tokens
+    return ByteTokenizer(model.cfg.vocab_size).decode(tokens)
+
+
+def test_output_validates_and_is_the_same_alone_batched_and_bounced(model, batched):
+    reqs = requests()
+    for r in reqs[:3]:
+        jsonschema.validate(json.loads(text_of(model, batched[r.request_id])), SCHEMA)
+    r = reqs[1]
+    assert run_all(engine(model), [r], arrivals=[0]) == {r.request_id: batched[r.request_id]}
+    # bounced between two engines every other step: the receiving one replays the output so far
+    engines = [engine(model, "a"), engine(model, "b")]
+    where, out, done = {r.request_id: 0 for r in reqs}, {r.request_id: [] for r in reqs}, set()
+    for r in reqs:
+        engines[0].submit(r)
+    moves = 0
+    for _ in range(200):
+        for e in engines:
+            for chunk in e.step():
+                assert chunk.error is None, chunk.error
+                out[chunk.request_id].extend(chunk.token_ids)
+                done |= {chunk.request_id} if chunk.finish_reason else set()
+        for rid, at in list(where.items()):
+            e = engines[at]
+            if rid not in done and rid in e.running and e.running[rid].state is RequestState.DECODING:
+                move(e, engines[1 - at], rid)
+                where[rid], moves = 1 - at, moves + 1
+        if len(done) == len(reqs):
+            break
+    assert out == batched and moves > 10
+
+
+def test_speculation_with_a_grammar_is_exact(model, batched):
+    """Grammar rows beside an unconstrained one in speculative steps: every row's tokens are those
+    without speculation, and the unconstrained row still drafts."""
+    spec = engine(model, spec=2)
+    assert run_all(spec, requests(), ARRIVALS) == batched
+    assert spec.spec_proposed > 0
+
+
+def test_first_token_on_the_prefill_side_is_masked(model, batched):
+    """A prefill engine samples a request's first token under its grammar (a JSON object opens
+    with '{'), and the decode engine that admits it replays it and goes on to the same tokens
+    as a local prefill."""
+    req = requests()[1]
+    pools = KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=2)
+    pe = PrefillEngine(model, pools, "p0", tokenizer=ByteTokenizer(model.cfg.vocab_size))
+    pe.submit(req)
+    (done,) = pe.step()
+    assert done.first_token == ord("{")
+    local = batched[req.request_id]
+    assert local[0] == done.first_token
+    d = engine(model)
+    pages = {k: v for k, v in pools.resume_pages(done.seq).items() if v}
+    got = {k: d.pools.alloc(k, len(v)) for k, v in pages.items()}
+    for kind, ids in pages.items():
+        d.pools.buffers[kind][got[kind]] = pools.buffers[kind][ids]
+    seq = d.pools.adopt(done.seq.num_tokens, got)
+    pe.release(done)
+    out = [c.token_ids for c in d.admit_transferred(req, seq, done.first_token)]
+    while req.request_id in d.running:
+        out += [c.token_ids for c in d.step()]
+    assert [t for ids in out for t in ids] == local
