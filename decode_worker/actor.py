@@ -47,6 +47,7 @@ from decode_worker.streams import Phase, Streams
 from kvtransfer.faults import FaultPlan
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
+from model.grammar import GrammarError
 from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
@@ -155,6 +156,10 @@ class DecodeWorker:
             yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST,
                                                                  "request id already in progress"))
             return
+        error = await self._prepare_grammar(req)
+        if error is not None:
+            yield TokenChunk(req.request_id, (), error=ErrorInfo(ErrorCode.INVALID_REQUEST, error))
+            return
         s = self.streams.open(req.request_id)
         self.leases.add(req.request_id, req.router)
         try:
@@ -167,6 +172,17 @@ class DecodeWorker:
                                               unreachable=prefill is not None and peer is None))
         async for chunk in self.streams.read(s, abandoned=self._abort_soon):
             yield chunk
+
+    async def _prepare_grammar(self, req: GenerateRequest) -> str | None:
+        """Compile the request's grammar into the engine's cache in a thread, off the loop that runs
+        the steps; → why it does not compile (None: it does, or there is none)."""
+        if req.grammar is None:
+            return None
+        try:
+            await asyncio.to_thread(self.engine.grammars.prepare, req.grammar)
+        except GrammarError as e:
+            return f"the request's grammar does not compile: {e}"
+        return None
 
     async def attach(self, request_id: str):
         """The rest of a request migrated here: its chunks since the migration, then live."""
@@ -275,6 +291,9 @@ class DecodeWorker:
         rid = req.request_id
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} already in progress")
+        error = await self._prepare_grammar(req)
+        if error is not None:
+            raise ValueError(error)
         sender = self.peers.load(source_name, source_epoch, source_metadata)
         # nobody attaches after this (the source resumed it, or the router lost it): then it is aborted
         s = self.streams.migrated_in(rid, until=time.time() + 2 * self.options.lease_s + 5.0)

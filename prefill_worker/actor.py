@@ -40,6 +40,7 @@ from kvtransfer.sender import Sender
 from kvtransfer.transport import metadata_epoch
 from kvtransfer.write_plan import SendPart
 from model.kv_pool import RATIO_OF_KIND
+from model.tokenizer import load_tokenizer
 from prefill_worker.delivery import (
     HOLDING,
     Asker,
@@ -76,11 +77,13 @@ class PrefillWorker:
         Ray actor with a NIXL agent."""
         torch.set_num_threads(options.threads)
         self.worker_id, self.options = worker_id, options
-        _, model, self.pools = load_replica(options, options.prefill_ep.size > 1)
+        cfg, model, self.pools = load_replica(options, options.prefill_ep.size > 1)
         self.store = PrefixStore(self.pools, worker_id) if options.prefix_cache else None
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
-                                                  max_running=options.max_seqs), store=self.store)
+                                                  max_running=options.max_seqs), store=self.store,
+                                    tokenizer=load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id,
+                                                             cfg.eos_token_id))
         self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self._load, options.prefill_ep,
                                  local)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
@@ -151,6 +154,8 @@ class PrefillWorker:
         if group is not None and group.state is GroupState.FAILED:
             raise TransferFailed(f"ep_group_failed: {group.failure}")
         self._check_epoch(epoch)
+        if req.grammar is not None:  # compiled into the engine's cache off the loop (GrammarError: refused)
+            await asyncio.to_thread(self.engine.grammars.prepare, req.grammar)
         if target is None:
             if decode_id is None:
                 raise ValueError("prefill() needs a target or the decode worker to ask for one (decode_id)")
