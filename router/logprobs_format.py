@@ -3,7 +3,8 @@
 Chat (`logprobs: true`, `top_logprobs: k`): {"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}. Completions (`logprobs: k`):
 {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}, ...], "text_offset"}, the top
-list holding the sampled token too, as OpenAI's legacy endpoint does. A token's text is its own
+list holding the sampled token too, as OpenAI's legacy endpoint does (tokens of the same text, such
+as byte pieces of one character, share a key: it keeps the best one's value). A token's text is its own
 decoding (a byte-level piece of a character shows as U+FFFD; `bytes` carries the exact UTF-8).
 The values are the model's raw log-softmax (model/logprobs.py).
 """
@@ -33,7 +34,9 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprobs], offset: int) -> dic
         offset += len(tokens[-1])
     tops = []
     for lp in lps:
-        top = {_piece(tokenizer, t): v for t, v in lp.top}
+        top: dict[str, float] = {}
+        for t, v in lp.top:  # best first: a text several tokens decode to keeps the best one's value
+            top.setdefault(_piece(tokenizer, t), v)
         top.setdefault(_piece(tokenizer, lp.token), lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": tops,
