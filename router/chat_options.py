@@ -5,10 +5,12 @@ effort and the tools offered, each checked, with conflicting or unsupported valu
   them for DeepSeek-V4), or the `thinking_mode` extension; they must agree when several are set.
   `reasoning_effort` is one of V4's thinking efforts, "high" (the default) or "max"; naming one
   turns thinking on, and asking for it with thinking turned off is refused.
-- Tools: offered when `tools` is set and `tool_choice` is "auto" (its default then). With
-  `tool_choice` "none" the model is not shown the tools. "required" and a named function need
-  grammar-constrained decoding and are refused until it exists, as are `strict` function
-  schemas and `parallel_tool_calls: false`.
+- Tools: offered when `tools` is set and `tool_choice` is "auto" (its default then), "required"
+  or a named function (which must be among `tools`). With `tool_choice` "none" the model is not
+  shown the tools. "required", a named function, `strict` functions and `parallel_tool_calls:
+  false` are enforced by grammar-constrained decoding (`router/response_format.py` builds the
+  grammar: the output is a DSML tool-call block whose arguments validate against each function's
+  schema; a named function is called exactly once).
 """
 
 from __future__ import annotations
@@ -50,15 +52,13 @@ def tools_offered(req: ChatCompletionRequest) -> list | None:
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:
         raise invalid("'tool_choice' needs 'tools'", "tool_choice")
-    if choice == "required" or (choice is not None and not isinstance(choice, str)):
-        raise invalid("'tool_choice' 'required' or a named function needs grammar-constrained decoding, which "
-                      "this server does not have yet; use 'auto' or 'none'", "tool_choice")
-    if getattr(req, "parallel_tool_calls", None) is False:
-        raise invalid("'parallel_tool_calls' false is not supported by this server", "parallel_tool_calls")
-    for i, t in enumerate(req.tools or ()):
-        if t.function.strict:
-            raise invalid("strict function schemas need grammar-constrained decoding, which this server does "
-                          "not have yet", f"tools[{i}].function.strict")
+    if choice is not None and not isinstance(choice, str) and all(
+            t.function.name != choice.function.name for t in req.tools):
+        raise invalid(f"'tool_choice' names function '{choice.function.name}', which is not among 'tools'",
+                      "tool_choice.function.name")
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise invalid("'tools' names a function twice", "tools")
     if not req.tools or choice == "none":
         return None
     return req.tools

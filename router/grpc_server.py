@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import math
 import time
@@ -61,7 +62,22 @@ def request_body(req: pb.GenerateRequest) -> dict:
         body["include_stop_str_in_output"] = True
     if req.model:
         body["model"] = req.model
+    if req.HasField("response_format"):
+        body["response_format"] = _response_format(req.response_format)
     return body
+
+
+def _response_format(fmt: pb.ResponseFormat) -> dict:
+    """The OpenAI `response_format` of the message's (the schema's JSON text parsed)."""
+    if fmt.type != "json_schema":
+        if fmt.json_schema or fmt.name:
+            raise invalid("'response_format.json_schema' and '.name' go with type 'json_schema'", "response_format")
+        return {"type": fmt.type}
+    try:
+        schema = json.loads(fmt.json_schema) if fmt.json_schema else {}
+    except ValueError as e:
+        raise invalid(f"'response_format.json_schema' is not JSON: {e}", "response_format.json_schema") from None
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": schema}}
 
 
 def _logprobs(chunk, prompt: bool = False) -> list:

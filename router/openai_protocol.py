@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from model.sampling import SamplingParams
-from router.chat_encoding import ChatFormatError, encode_messages, from_request
+from router.chat_encoding import THINK_END, ChatFormatError, encode_messages, from_request
 from router.chat_options import chat_mode, tools_offered
 from router.choices import Child, plan_children
 from router.errors import APIError, invalid
 from router.generation_defaults import GenerationDefaults
 from router.request_models import ChatCompletionRequest, CompletionRequest, first_error
+from router.response_format import chat_grammar, response_grammar
 from worker_runtime.wire import ErrorCode, GenerateRequest
 
 THREAD_TOKENIZE_CHARS = 4096  # longer prompts are tokenized off the event loop
@@ -55,6 +56,7 @@ class Limits:
     max_n: int = 16
     max_batch_prompts: int = 32
     max_children: int = 4096  # the router's max_concurrent_requests: a request's choices all run at once
+    think_end_id: int | None = None  # the token id of '</think>' (a grammar in thinking mode starts after it)
 
     @classmethod
     def build(cls, config, backend) -> Limits:
@@ -67,7 +69,8 @@ class Limits:
                    max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars,
                    max_stop_token_ids=config.max_stop_token_ids, defaults=config.generation_defaults,
                    default_seed=config.default_seed, timeout_s=config.request_timeout_s, max_n=config.max_n,
-                   max_batch_prompts=config.max_batch_prompts, max_children=config.max_concurrent_requests)
+                   max_batch_prompts=config.max_batch_prompts, max_children=config.max_concurrent_requests,
+                   think_end_id=_single_token(backend.tokenizer, THINK_END))
 
     @property
     def model_name(self) -> str:
@@ -105,6 +108,7 @@ class Draft:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int | None = None
+    grammar: str | None = None  # what the output must match (router/response_format.py)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,12 @@ def _validate(model_cls, body):
 
 
 # Known fields this server does not implement: accepted only at their neutral value.
-_NEUTRAL = {"priority": (0,), "suffix": ("",), "response_format": ({"type": "text"},)}
+_NEUTRAL = {"priority": (0,), "suffix": ("",)}
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    ids = tokenizer.encode(text)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _refuse_unsupported(req) -> None:
@@ -268,6 +277,7 @@ def parse_completion(body, limits: Limits) -> Draft:
     strings or of id arrays: each prompt its own `n` choices, indexed prompt-major)."""
     req = _validate(CompletionRequest, body)
     common = _common(req, limits, chat=False)
+    common["grammar"] = response_grammar(req.response_format)
     prompt = req.prompt
     if not prompt:
         raise invalid("'prompt' must not be empty", "prompt")
@@ -299,6 +309,7 @@ def parse_chat(body, limits: Limits) -> Draft:
     thinking, effort, drop = chat_mode(req)
     tools = tools_offered(req)
     common = _common(req, limits, chat=True, thinking=thinking, tool_calls=tools is not None)
+    common["grammar"] = chat_grammar(req, tools, thinking, limits.think_end_id)
     raw_tools = [t["function"] for t in body["tools"]] if tools is not None else None
     try:
         text = encode_messages(from_request(req.messages, raw_tools), "thinking" if thinking else "chat",
@@ -355,4 +366,5 @@ def _generate_request(draft: Draft, prompt_ids: tuple[int, ...], limits: Limits,
     return GenerateRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
                            sampling=draft.sampling, stop_token_ids=draft.stop_token_ids,
                            stop_strings=draft.stop_strings, ignore_eos=draft.ignore_eos, deadline=deadline,
-                           logprobs=draft.logprobs, prompt_logprobs=draft.logprobs if draft.options.echo else None)
+                           logprobs=draft.logprobs, prompt_logprobs=draft.logprobs if draft.options.echo else None,
+                           grammar=draft.grammar)

@@ -79,6 +79,30 @@ class NamedFunction(_Strict):
     name: str
 
 
+class JsonSchemaSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="the schema is enforced either way")
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
@@ -149,7 +173,8 @@ class _Common(_Strict):
         None, description="extension (vLLM's): keep tokens of probability >= min_p x the top token's")
     # known, not implemented: refused at any value other than the neutral one
     priority: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: enforced by grammar-constrained decoding")
 
 
 class CompletionRequest(_Common):
@@ -183,6 +208,8 @@ def _param(loc: tuple) -> str:
     (union member labels and the role tag of a message dropped)."""
     out = ""
     for i, part in enumerate(loc):
+        if i >= 1 and loc[i - 1] == "response_format" and part in FORMAT_TYPES:  # the format union's tag
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or part.startswith(
@@ -223,6 +250,8 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     top = param.split(".")[0].split("[")[0]
     if top in _WHAT and (param == top or top in ("prompt", "stop", "stop_token_ids", "logit_bias")):
         return f"'{top}' must be {_WHAT[top]}", top
+    if best["type"] == "union_tag_invalid" and param.startswith("response_format"):
+        return f"'response_format.type' must be one of {', '.join(FORMAT_TYPES)}", "response_format.type"
     if best["type"] == "union_tag_invalid":
         return f"'{param}.role' must be one of {', '.join(ROLES)}", f"{param}.role"
     return f"'{param}': {best['msg']}", param

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arouter/proto/v4serve.proto\x12\nv4serve.v1\"\x88\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\r\n\x05model\x18\x0c \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.v4serve.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x14 \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x15 \x01(\x08\x12\x12\n\x05min_p\x18\x16 \x01(\x01H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x08\n\x06_min_p\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.v4serve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.v4serve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.v4serve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.v4serve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.v4serve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.v4serve.v1.Model2\xa0\x02\n\tInference\x12G\n\x08Generate\x12\x1b.v4serve.v1.GenerateRequest\x1a\x1c.v4serve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.v4serve.v1.AbortRequest\x1a\x19.v4serve.v1.AbortResponse\x12?\n\x06Health\x12\x19.v4serve.v1.HealthRequest\x1a\x1a.v4serve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.v4serve.v1.ListModelsRequest\x1a\x1e.v4serve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arouter/proto/v4serve.proto\x12\nv4serve.v1\"\xbd\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\r\n\x05model\x18\x0c \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.v4serve.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x14 \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x15 \x01(\x08\x12\x12\n\x05min_p\x18\x16 \x01(\x01H\x0b\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x17 \x01(\x0b\x32\x1a.v4serve.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x08\n\x06_min_p\"A\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.v4serve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.v4serve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.v4serve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.v4serve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.v4serve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.v4serve.v1.Model2\xa0\x02\n\tInference\x12G\n\x08Generate\x12\x1b.v4serve.v1.GenerateRequest\x1a\x1c.v4serve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.v4serve.v1.AbortRequest\x1a\x19.v4serve.v1.AbortResponse\x12?\n\x06Health\x12\x19.v4serve.v1.HealthRequest\x1a\x1a.v4serve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.v4serve.v1.ListModelsRequest\x1a\x1e.v4serve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=43
-  _globals['_GENERATEREQUEST']._serialized_end=819
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=601
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=649
-  _globals['_TOPLOGPROB']._serialized_start=821
-  _globals['_TOPLOGPROB']._serialized_end=868
-  _globals['_TOKENLOGPROB']._serialized_start=870
-  _globals['_TOKENLOGPROB']._serialized_end=956
-  _globals['_USAGE']._serialized_start=958
-  _globals['_USAGE']._serialized_end=1038
-  _globals['_GENERATERESPONSE']._serialized_start=1041
-  _globals['_GENERATERESPONSE']._serialized_end=1279
-  _globals['_ABORTREQUEST']._serialized_start=1281
-  _globals['_ABORTREQUEST']._serialized_end=1315
-  _globals['_ABORTRESPONSE']._serialized_start=1317
-  _globals['_ABORTRESPONSE']._serialized_end=1347
-  _globals['_HEALTHREQUEST']._serialized_start=1349
-  _globals['_HEALTHREQUEST']._serialized_end=1364
-  _globals['_HEALTHRESPONSE']._serialized_start=1367
-  _globals['_HEALTHRESPONSE']._serialized_end=1501
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=1455
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=1501
-  _globals['_LISTMODELSREQUEST']._serialized_start=1503
-  _globals['_LISTMODELSREQUEST']._serialized_end=1522
-  _globals['_MODEL']._serialized_start=1524
-  _globals['_MODEL']._serialized_end=1566
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1568
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1623
-  _globals['_INFERENCE']._serialized_start=1626
-  _globals['_INFERENCE']._serialized_end=1914
+  _globals['_GENERATEREQUEST']._serialized_end=872
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=654
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=702
+  _globals['_RESPONSEFORMAT']._serialized_start=874
+  _globals['_RESPONSEFORMAT']._serialized_end=939
+  _globals['_TOPLOGPROB']._serialized_start=941
+  _globals['_TOPLOGPROB']._serialized_end=988
+  _globals['_TOKENLOGPROB']._serialized_start=990
+  _globals['_TOKENLOGPROB']._serialized_end=1076
+  _globals['_USAGE']._serialized_start=1078
+  _globals['_USAGE']._serialized_end=1158
+  _globals['_GENERATERESPONSE']._serialized_start=1161
+  _globals['_GENERATERESPONSE']._serialized_end=1399
+  _globals['_ABORTREQUEST']._serialized_start=1401
+  _globals['_ABORTREQUEST']._serialized_end=1435
+  _globals['_ABORTRESPONSE']._serialized_start=1437
+  _globals['_ABORTRESPONSE']._serialized_end=1467
+  _globals['_HEALTHREQUEST']._serialized_start=1469
+  _globals['_HEALTHREQUEST']._serialized_end=1484
+  _globals['_HEALTHRESPONSE']._serialized_start=1487
+  _globals['_HEALTHRESPONSE']._serialized_end=1621
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=1575
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=1621
+  _globals['_LISTMODELSREQUEST']._serialized_start=1623
+  _globals['_LISTMODELSREQUEST']._serialized_end=1642
+  _globals['_MODEL']._serialized_start=1644
+  _globals['_MODEL']._serialized_end=1686
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1688
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1743
+  _globals['_INFERENCE']._serialized_start=1746
+  _globals['_INFERENCE']._serialized_end=2034
 # @@protoc_insertion_point(module_scope)

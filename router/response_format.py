@@ -1,0 +1,162 @@
+"""The grammar a request's output must match (`GenerateRequest.grammar`), built at admission and
+checked here, so a bad schema is a 400 naming the problem before any worker sees the request.
+
+- `response_format` `{"type": "json_object"}`: a JSON object; `{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}}`: JSON valid against the schema (always enforced,
+  `strict` or not). Compact JSON: no whitespace between tokens.
+- `tool_choice` "required" / a named function, and `strict` functions: the output is DeepSeek-V4's
+  DSML tool-call block as `router/chat_encoding.py` renders it and `router/tool_calls.py` parses
+  it, one `invoke` per call (for a named function, exactly one of it; "required": one or more of
+  the offered, or exactly one with `parallel_tool_calls` false). Each parameter is a property of
+  the function's `parameters` schema, in its order, every required one present, no others: a
+  plain string property as raw text (`string="true"`, as the model writes it; text without
+  `</`), any other as JSON valid against the property's schema (`string="false"`). So the
+  arguments `tool_calls.py` assembles validate against the schema.
+- `tool_choice` "auto" with a `strict` function: free text without DSML markup, then optionally
+  the block, whose calls of strict functions are held to their schemas (others take any
+  parameters).
+- In thinking mode the grammar starts after the reasoning: anything up to the `</think>` token.
+
+The grammar is a Lark grammar in llguidance's dialect (`%json{...}` embeds a JSON schema).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from model import grammar as grammars
+from router.chat_encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_START
+from router.errors import invalid
+
+_JSON_OPTIONS = {"x-guidance": grammars.JSON_OPTIONS}
+_RAW_STRING_KEYS = {"type", "description", "title", "examples", "default"}  # no constraint on a raw string
+_DEFS = ("$defs", "definitions")
+_ANY_PARAMS = f'(_NL "<{DSML}parameter name=\\"" PNAME "\\" string=\\"false\\">" %json{{}} "</{DSML}parameter>")*'
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json(schema: dict, defs: dict) -> str:
+    """`%json{...}` of a (sub)schema, with the root's definitions its `$ref`s may name."""
+    return "%json " + json.dumps({**defs, **schema, **_JSON_OPTIONS}, ensure_ascii=False)
+
+
+def _check(text: str, param: str) -> str:
+    try:
+        grammars.check(text)
+    except grammars.GrammarError as e:  # its first line, without the grammar's position
+        reason = re.sub(r"^at \d+\(\d+\): ", "", str(e).splitlines()[0])
+        raise invalid(f"'{param}' cannot be enforced: {reason}", param) from None
+    return text
+
+
+def _reasoning(think_end_id: int | None, param: str) -> str:
+    if think_end_id is None:
+        raise invalid(f"'{param}' in thinking mode needs '</think>' to be one token of the tokenizer", param)
+    return f"REASONING <[{think_end_id}]> "
+
+
+def response_grammar(fmt, thinking: bool = False, think_end_id: int | None = None) -> str | None:
+    """The grammar of a typed `response_format` (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        schema = {"type": "object"}
+    else:
+        schema = fmt.json_schema.schema_
+        if schema is None:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise invalid("'response_format.json_schema.schema' must be a JSON object", "response_format")
+    head = _reasoning(think_end_id, "response_format") if thinking else ""
+    lark = f"start: {head}answer\nanswer: {_json(schema, {})}\n" + ("REASONING: /(?s:.*)/\n" if thinking else "")
+    return _check(grammars.from_lark(lark), "response_format")
+
+
+# --------------------------------------------------------------------------- DSML tool calls
+
+def _params(name: str, index: int, schema: dict | None, rules: list[str]) -> str:
+    """The parameter list of function `name`'s invoke (rules added to `rules`), from its schema."""
+    param = f"tools[{index}].function.parameters"
+    if schema is None or schema == {}:
+        return ""
+    if schema.get("type") != "object" or not isinstance(schema.get("properties", {}), dict):
+        raise invalid(f"function '{name}' cannot be enforced: its parameters must be an object schema with "
+                      "'properties'", param)
+    props = schema.get("properties", {})
+    if not props and schema.get("additionalProperties", True) is not False:
+        return _ANY_PARAMS
+    required = set(schema.get("required", ()))
+    if required - set(props):
+        raise invalid(f"function '{name}' requires parameters it does not define: {sorted(required - set(props))}",
+                      param)
+    defs = {k: schema[k] for k in _DEFS if k in schema}
+    out = []
+    for j, (key, sub) in enumerate(props.items()):
+        if not key or any(c in key for c in '"<>\n'):
+            raise invalid(f"function '{name}': parameter name {key!r} cannot be written in a tool call", param)
+        if not isinstance(sub, dict):
+            raise invalid(f"function '{name}': the schema of parameter {key!r} must be an object", param)
+        raw = sub.get("type") == "string" and set(sub) <= _RAW_STRING_KEYS
+        head = f'<{DSML}parameter name="{key}" string="{"true" if raw else "false"}">'
+        rule = f"p{index}_{j}"
+        value = "RAW" if raw else _json(sub, defs)
+        rules.append(f"{rule}: _NL {_lit(head)} {value} {_lit(f'</{DSML}parameter>')}")
+        out.append(rule if key in required else f"{rule}?")
+    return " ".join(out)
+
+
+def _invoke(tool, index: int, strict: bool, rules: list[str]) -> str:
+    """The rule of one call of `tool` (its arguments held to its schema when `strict`)."""
+    f = tool.function
+    params = _params(f.name, index, f.parameters, rules) if strict else _ANY_PARAMS
+    rule = f"invoke{index}"
+    start, end = _lit(f'<{DSML}invoke name="{f.name}">'), _lit(f"</{DSML}invoke>")
+    rules.append(f"{rule}: {start} {params} _NL {end}")
+    return rule
+
+
+def tool_grammar(tools, choice, parallel: bool | None, thinking: bool = False,
+                 think_end_id: int | None = None) -> str | None:
+    """The grammar of a chat request's output given its tools and `tool_choice` (after
+    `chat_options.tools_offered` checked them); None when nothing is enforced."""
+    if not tools or choice == "none":
+        return None
+    named = choice is not None and not isinstance(choice, str)
+    if choice in (None, "auto") and parallel is not False and not any(t.function.strict for t in tools):
+        return None
+    rules: list[str] = []
+    if named:
+        index = next((i for i, t in enumerate(tools) if t.function.name == choice.function.name), None)
+        if index is None:
+            raise invalid(f"'tool_choice' names function '{choice.function.name}', which is not among 'tools'",
+                          "tool_choice.function.name")
+        calls = _invoke(tools[index], index, True, rules)
+    else:
+        invokes = [_invoke(t, i, choice == "required" or bool(t.function.strict), rules) for i, t in enumerate(tools)]
+        rules.append("call: " + " | ".join(invokes))
+        calls = "call" if parallel is False else 'call (_NL call)*'
+    block = f"{_lit(TOOL_CALLS_START)} _NL {calls} _NL {_lit(TOOL_CALLS_END)}"
+    if choice in (None, "auto"):
+        # free text that holds no DSML markup, then the calls if any (after a blank line, as rendered)
+        body = f'CONTENT ("\\n\\n" {block})?'
+        rules.append(f"CONTENT: /(?s:.*)/ & ~/(?s:.*<{DSML}.*)/")
+    else:
+        body = block
+    head = _reasoning(think_end_id, "tool_choice") if thinking else ""
+    lark = "\n".join([f"start: {head}{body}", *rules, "_NL: \"\\n\"", 'PNAME: /[^"<>\\n]{1,64}/',
+                      r"RAW: /([^<]|<[^\/<])*/", "REASONING: /(?s:.*)/"]) + "\n"
+    return _check(grammars.from_lark(lark), "tools")
+
+
+def chat_grammar(req, tools, thinking: bool, think_end_id: int | None) -> str | None:
+    """A chat request's grammar: its `response_format`'s or its tools' (`tools`: those offered)."""
+    fmt = response_grammar(req.response_format, thinking, think_end_id)
+    calls = tool_grammar(tools, req.tool_choice, req.parallel_tool_calls, thinking, think_end_id)
+    if fmt is not None and calls is not None:
+        raise invalid("'response_format' and 'tool_choice' (or strict tools) both constrain the output; "
+                      "give one of them", "response_format")
+    return fmt if fmt is not None else calls
