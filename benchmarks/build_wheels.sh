@@ -7,7 +7,7 @@
 # The versions are the ones CI tests (pyproject's requirements as resolved in .venv). Ray and NIXL are rebuilt as smaller wheels
 # without what serving never loads (Ray: Java jars, dashboard client, the data / train / tune / serve /
 # rllib / llm libraries; NIXL: EP kernels, perf tests, examples, headers, the plugins other than UCX
-# and POSIX), and every wheel is recompressed with LZMA, so that the folder (~50 MiB) travels with the
+# and POSIX, and the S3 / Azure / GUSLI client libraries only those plugins load), and every wheel is recompressed with LZMA, so that the folder (~50 MiB) travels with the
 # working tree. .whl/ is git-ignored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,19 +19,20 @@ PACKAGES="ray==2.60.0 nixl==1.5.1 nixl-cu13==1.5.1 redis==8.1.0 valkey==6.2.0 va
     uvicorn==0.54.0 h11==0.16.0 httptools==0.9.0 grpcio==1.85.3 grpcio-health-checking==1.85.1
     grpcio-reflection==1.85.1 protobuf==7.36.2 prometheus-client==0.26.0
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 llguidance==1.9.1"
 # wheel-name glob, then the paths (fnmatch patterns) left out of it
 TRIM=(
     "ray-*.whl|ray/jars/*|ray/rllib/*|ray/data/*|ray/train/*|ray/tune/*|ray/serve/*|ray/llm/*|ray/dashboard/client/build/*"
     "nixl_cu13-*.whl|nixl_ep_cu13/*|nixl_cu13.scripts/*|nixl_cu13-*.data/*|*/libucx_perftest*|*/libplugin_AZURE_BLOB.so|\
 */libplugin_GDS.so|*/libplugin_GDS_MT.so|*/libplugin_GPUNETIO.so|*/libplugin_GUSLI.so|*/libplugin_INFINIA.so|\
-*/libplugin_LIBFABRIC.so|*/libplugin_OBJ.so|*/libtelemetry_exporter_doca.so"
+*/libplugin_LIBFABRIC.so|*/libplugin_OBJ.so|*/libtelemetry_exporter_doca.so|\
+*/libaws-cpp-sdk-s3-*|*/libazure-*|*/libxml2-*|*/libgusli_clnt-*"
 )
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # shellcheck disable=SC2086  # one argument per package
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$work/downloads" $PACKAGES
 mkdir "$work/wheels"
 python3 - "$work/downloads" "$work/wheels" "${TRIM[@]}" <<'EOF'
