@@ -78,6 +78,22 @@ def response_grammar(fmt, thinking: bool = False, think_end_id: int | None = Non
 
 # --------------------------------------------------------------------------- DSML tool calls
 
+def _raw(sub: dict) -> str | None:
+    """The Lark of a string property's value written as text (`string="true"`), or None when its
+    schema constrains it beyond what text can be checked for here (then only JSON is allowed)."""
+    enum = sub.get("enum")
+    if enum is not None:
+        if set(sub) - _RAW_STRING_KEYS - {"enum"} or not all(isinstance(v, str) and "<" not in v for v in enum):
+            return None
+        return "(" + " | ".join(_lit(v) for v in enum) + ")" if enum else None
+    if sub.get("type") != "string" or set(sub) - _RAW_STRING_KEYS - {"minLength", "maxLength"}:
+        return None
+    if "minLength" in sub or "maxLength" in sub:  # text without '<', its length bounded
+        low, high = int(sub.get("minLength", 0)), sub.get("maxLength")
+        return f"/[^<]{{{low},{'' if high is None else int(high)}}}/"
+    return "RAW"
+
+
 def _params(name: str, index: int, schema: dict | None, rules: list[str]) -> str:
     """The parameter list of function `name`'s invoke (rules added to `rules`), from its schema."""
     param = f"tools[{index}].function.parameters"
@@ -100,11 +116,13 @@ def _params(name: str, index: int, schema: dict | None, rules: list[str]) -> str
             raise invalid(f"function '{name}': parameter name {key!r} cannot be written in a tool call", param)
         if not isinstance(sub, dict):
             raise invalid(f"function '{name}': the schema of parameter {key!r} must be an object", param)
-        raw = sub.get("type") == "string" and set(sub) <= _RAW_STRING_KEYS
-        head = f'<{DSML}parameter name="{key}" string="{"true" if raw else "false"}">'
-        rule = f"p{index}_{j}"
-        value = "RAW" if raw else _json(sub, defs)
-        rules.append(f"{rule}: _NL {_lit(head)} {value} {_lit(f'</{DSML}parameter>')}")
+        rule, end = f"p{index}_{j}", _lit(f"</{DSML}parameter>")
+        tag = f'<{DSML}parameter name="{key}" string='
+        forms = [f"""{_lit(tag + '"false">')} {_json(sub, defs)}"""]
+        raw = _raw(sub)
+        if raw is not None:  # a string may also be written as text, as the model writes strings
+            forms.append(f"""{_lit(tag + '"true">')} {raw}""")
+        rules.append(f"{rule}: _NL ({' | '.join(forms)}) {end}")
         out.append(rule if key in required else f"{rule}?")
     return " ".join(out)
 
@@ -115,7 +133,7 @@ def _invoke(tool, index: int, strict: bool, rules: list[str]) -> str:
     params = _params(f.name, index, f.parameters, rules) if strict else _ANY_PARAMS
     rule = f"invoke{index}"
     start, end = _lit(f'<{DSML}invoke name="{f.name}">'), _lit(f"</{DSML}invoke>")
-    rules.append(f"{rule}: {start} {params} _NL {end}")
+    rules.append(f"{rule}: {start} {params} _NL _NL? {end}")  # no parameters: rendered with a blank line
     return rule
 
 
@@ -139,15 +157,19 @@ def tool_grammar(tools, choice, parallel: bool | None, thinking: bool = False,
         invokes = [_invoke(t, i, choice == "required" or bool(t.function.strict), rules) for i, t in enumerate(tools)]
         rules.append("call: " + " | ".join(invokes))
         calls = "call" if parallel is False else 'call (_NL call)*'
-    block = f"{_lit(TOOL_CALLS_START)} _NL {calls} _NL {_lit(TOOL_CALLS_END)}"
+    rest = f"_NL {calls} _NL {_lit(TOOL_CALLS_END)}"
     if choice in (None, "auto"):
-        # free text that holds no DSML markup, then the calls if any (after a blank line, as rendered)
-        body = f'CONTENT ("\\n\\n" {block})?'
-        rules.append(f"CONTENT: /(?s:.*)/ & ~/(?s:.*<{DSML}.*)/")
+        # free text that holds no DSML markup, or such text up to the block's start, then the calls: the
+        # start is inside one lazy lexeme, which ends at the first block start (a lexeme of its own
+        # could not be told from text that might still become one)
+        body = f"CONTENT | lead {rest}"
+        no_markup = f"~/(?s:.*<{DSML}.*<{DSML}.*)/"
+        rules += [f"CONTENT: /(?s:.*)/ & ~/(?s:.*<{DSML}.*)/",
+                  f"lead[lazy]: /(?s:.*){re.escape(TOOL_CALLS_START)}/ & {no_markup}"]
     else:
-        body = block
+        body = f"{_lit(TOOL_CALLS_START)} {rest}"
     head = _reasoning(think_end_id, "tool_choice") if thinking else ""
-    lark = "\n".join([f"start: {head}{body}", *rules, "_NL: \"\\n\"", 'PNAME: /[^"<>\\n]{1,64}/',
+    lark = "\n".join([f"start: {head}answer", f"answer: {body}", *rules, "_NL: \"\\n\"", 'PNAME: /[^"<>\\n]{1,64}/',
                       r"RAW: /([^<]|<[^\/<])*/", "REASONING: /(?s:.*)/"]) + "\n"
     return _check(grammars.from_lark(lark), "tools")
 

@@ -2,7 +2,9 @@
 decode worker, a real Valkey registry, no Ray) with the tiny random-weight model: `response_format`
 json_object / json_schema and `tool_choice` named / required through the OpenAI SDK over HTTP,
 streamed and not, and json_schema through gRPC. Random weights or not, the output parses and
-validates against the schema, and the tool calls' arguments against their function's."""
+validates against the schema, and the tool calls' arguments against their function's (that case
+is exhaustive: ~170 decode steps a call with the byte tokenizer; tests/router/test_structured_tools.py
+checks the tool-call grammar itself in CI)."""
 
 import asyncio
 import json
@@ -67,7 +69,10 @@ async def _http_cases(client) -> None:
                                         extra_body={"response_format": FORMAT})
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
 
-    kw["max_tokens"] = 400  # a DSML call is ~170 bytes, one token each with the byte tokenizer
+
+async def _tool_cases(client) -> None:
+    # a DSML call is ~170 bytes, one token each with the byte tokenizer
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 400, "temperature": 0.0}
     named = {"type": "function", "function": {"name": "lookup"}}
     r = await client.chat.completions.create(**kw, tools=TOOLS, tool_choice=named)
     assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
@@ -95,24 +100,37 @@ def _grpc_case(target: str) -> None:
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "objectx" in e.value.details()
 
 
-def test_structured_output_over_http_and_grpc(tiny_official_ckpt, registry_url):
-    cfg, _ = load_checkpoint(tiny_official_ckpt)
-    options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="structured", max_tokens=2048,
+def _serve(ckpt, registry_url, cases):
+    """Run `cases(client, pd)` against prefill-0 + decode-0 + an HTTP router in this process."""
+    cfg, _ = load_checkpoint(ckpt)
+    options = WorkerOptions(str(ckpt), registry_url, cluster="structured", max_tokens=2048,
                             max_seqs=4, prefill_token_budget=512, heartbeat_s=0.2)
 
     async def run():
-        tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        tokenizer = load_tokenizer(str(ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
         async with pd_in_process(options, tokenizer) as pd:
             client = openai.AsyncOpenAI(base_url=pd.router.http_url + "/v1", api_key="x", max_retries=0, timeout=300)
-            await _http_cases(client)
-            bad = {**FORMAT, "json_schema": {"name": "p", "schema": {"type": "object", "required": 3}}}
-            with pytest.raises(openai.BadRequestError) as e:
-                await client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, response_format=bad)
-            assert e.value.body["param"] == "response_format"
-            grpc_router = await serve(RouterConfig(http_port=None, grpc_port=0), pd.backend)
-            try:
-                await asyncio.to_thread(_grpc_case, grpc_router.grpc_target)
-            finally:
-                await grpc_router.stop()
+            await cases(client, pd)
 
     asyncio.run(run())
+
+
+@pytest.mark.exhaustive  # ~20 s of decode steps on 2 cores (tests/router/test_structured_tools.py: the grammar alone)
+def test_tool_choice_over_http(tiny_official_ckpt, registry_url):
+    _serve(tiny_official_ckpt, registry_url, lambda client, pd: _tool_cases(client))
+
+
+def test_structured_output_over_http_and_grpc(tiny_official_ckpt, registry_url):
+    async def cases(client, pd):
+        await _http_cases(client)
+        bad = {**FORMAT, "json_schema": {"name": "p", "schema": {"type": "object", "required": 3}}}
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, response_format=bad)
+        assert e.value.body["param"] == "response_format"
+        grpc_router = await serve(RouterConfig(http_port=None, grpc_port=0), pd.backend)
+        try:
+            await asyncio.to_thread(_grpc_case, grpc_router.grpc_target)
+        finally:
+            await grpc_router.stop()
+
+    _serve(tiny_official_ckpt, registry_url, cases)
