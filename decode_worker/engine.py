@@ -116,7 +116,7 @@ class DecodeEngine:
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
-        self.grammars = Grammars.for_tokenizer(tokenizer, model.cfg.vocab_size, self.eos_id)
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self.eos_id)
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
         self.failed: list[TokenChunk] = []  # admission failures not returned yet

@@ -5,7 +5,7 @@ grammar, which may embed JSON schemas as `%json{...}`, or the JSON form `grammar
 returns. The router builds it (`router/response_format.py`) and checks it with `check`; each worker
 compiles it against its vocabulary:
 
-    grammars = Grammars.for_tokenizer(tokenizer, cfg.vocab_size, eos_id)   # once per worker
+    grammars = Grammars(tokenizer, cfg.vocab_size, eos_id)   # once per worker
     grammars.prepare(text)                           # compile into the cache (in a thread: slow-ish)
     state = grammars.state(text, output_so_far)      # a request's matcher, replaying its output
     masks = grammars.bitmask([state, None, ...])     # [R, ceil(V/32)] int32, rows without: all ones
@@ -79,24 +79,21 @@ class Grammars:
     """A worker's grammar compiler: its vocabulary as llguidance indexes it, and compiled grammars
     by text. `prepare` may run in a thread while the worker's loop calls `state` and `bitmask`."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int | None, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None, cache_size: int = CACHE_SIZE):
+        """`tokenizer`: a `model/tokenizer.py` tokenizer, or its `tokenizer.json` text; read on first
+        use. `vocab_size`: the model's (its logits' width)."""
         self.vocab_size, self.cache_size = vocab_size, cache_size
-        self._tokenizer_json, self._eos = tokenizer_json, eos_id
+        self._tokenizer, self._eos = tokenizer, eos_id
         self._vocab: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int, eos_id: int | None) -> Grammars:
-        """For a `model/tokenizer.py` tokenizer and the model's vocabulary (its logits' width)."""
-        return cls(tokenizer.to_json(), vocab_size, eos_id)
-
     def _index(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._vocab is None:
-                self._vocab = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                     eos_token=self._eos)
+                text = self._tokenizer if isinstance(self._tokenizer, str) else self._tokenizer.to_json()
+                self._vocab = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
                 self._executor = llguidance.LLExecutor()
             return self._vocab
 

@@ -83,7 +83,7 @@ class PrefillEngine:
         """`tokenizer`: the model's (model/tokenizer.py), for requests with a grammar (their first
         token is sampled under it); without one, such requests are refused."""
         self.model, self.pools, self.worker_id, self.config, self.store = model, pools, worker_id, config, store
-        self.grammars = (Grammars.for_tokenizer(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_id)
+        self.grammars = (Grammars(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_id)
                          if tokenizer is not None else None)
         model.check_step_tokens(config.token_budget, "the prefill token budget")
         self.waiting: deque[Job] = deque()

@@ -34,7 +34,7 @@ TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "param
 
 @pytest.fixture(scope="module")
 def grammars():
-    return Grammars.for_tokenizer(TOK, VOCAB, EOS)
+    return Grammars(TOK, VOCAB, EOS)
 
 
 def walk(grammars: Grammars, grammar: str, seed: int, limit: int = 2000) -> list[int]:
