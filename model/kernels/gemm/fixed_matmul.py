@@ -3,11 +3,11 @@
 cuBLAS picks its algorithm, tile and K split by the matrix shape, so the bits of one row of
 `F.linear(x, w)` change with the number of rows M. Under `--deterministic` the model's dense
 float products on a GPU (the LM head, the gate, the compressors' and the indexer's bf16 products,
-`invariant.Linear`, `linear_fp32_out`) run this kernel instead: tiles of `BLOCK_M` rows ×
-`BLOCK_N` weight rows, K walked in `BLOCK_K` steps from 0 in one accumulator, no split. Every
-row is then computed by the same instructions in the same order whatever M is, and which tile or
-tile row it lands in changes nothing (the MMA's sums per output element do not depend on the
-element's place in the tile). Slower than cuBLAS for prefill-size products; the mode's cost is
+`invariant.Linear`, `linear_fp32_out`) run this kernel instead: tiles of `BLOCK_M` rows × a
+weight-row count set by the weight alone (`config`), K walked in `BLOCK_K` steps from 0 in one
+accumulator, no split. Every row is then computed by the same instructions in the same order
+whatever M is, and which tile or tile row it lands in changes nothing (the MMA's sums per output
+element do not depend on the element's place in the tile). Slower than cuBLAS for prefill-size products; the mode's cost is
 measured by benchmarks/research/deterministic_cost_bench.py.
 """
 
@@ -20,15 +20,17 @@ import triton.language as tl
 from model.kernels.common.pdl import launch_options, wait
 
 BLOCK_M = 64
-BLOCK_N = 128
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
+# weight rows a tile: 128 for wide products (the LM head), 32 below `WIDE_N` rows, so that a
+# narrow product (the gate's 256 rows) still spreads over several programs at one token
+WIDE_N = 4096
 
 
-def config() -> dict:
-    """The one launch configuration of every product (a function of nothing: tests check that)."""
-    return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "num_warps": NUM_WARPS,
+def config(N: int) -> dict:
+    """The launch configuration of every product with N weight rows, whatever its M."""
+    return {"BLOCK_M": BLOCK_M, "BLOCK_N": 128 if N >= WIDE_N else 32, "BLOCK_K": BLOCK_K, "num_warps": NUM_WARPS,
             "num_stages": NUM_STAGES}
 
 
@@ -48,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
-        cfg = config()
+        cfg = config(N)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
         _matmul_kernel[grid](x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
                              IEEE=x.dtype == torch.float32, **cfg, **launch_options(x2))
