@@ -166,7 +166,7 @@ class DecodeEngine:
     def _grammar(self, req: GenerateRequest, output: list[int] = ()) -> GrammarState | None:
         """The request's grammar state after `output` (the grammar compiled here unless the actor
         prepared it off the loop: `Grammars.prepare`). Raises GrammarError."""
-        return None if req.grammar is None else self.grammars.state(req.grammar, output)
+        return None if req.grammar is None else self.grammars.state(req.grammar, req.grammar_replay + tuple(output))
 
     def pause(self, request_id: str) -> Running | None:
         """Take a decoding request out of the batch (between steps); None unless it is decoding."""

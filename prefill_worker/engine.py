@@ -214,8 +214,8 @@ class PrefillEngine:
         """The first token's mask of each job with a grammar (model/grammar.py); None when none has one."""
         if self.grammars is None:
             return None
-        return self.grammars.bitmask([self.grammars.state(j.req.grammar) if j.req.grammar else None for j in done],
-                                     device)
+        return self.grammars.bitmask([self.grammars.state(j.req.grammar, j.req.grammar_replay) if j.req.grammar
+                                      else None for j in done], device)
 
     def _history(self, req: GenerateRequest) -> History | None:
         """What the first token's logit adjustments read: the prompt, no output, min_tokens' ids."""

@@ -217,7 +217,7 @@ class ClusterBackend:
             # a retry is a new request to the workers (its own id: the old one may linger there)
             attempt = req if not lost else dataclasses.replace(
                 req, request_id=f"{req.request_id}~{len(lost)}", prompt_ids=req.prompt_ids + tuple(generated),
-                max_tokens=req.max_tokens - len(generated))
+                max_tokens=req.max_tokens - len(generated), grammar_replay=tuple(generated))
             outcome = None
             async for chunk in self._generate_once(attempt, lost, req.request_id, repull):
                 if isinstance(chunk, _Lost):  # the decode worker died: retarget

@@ -72,6 +72,9 @@ class GenerateRequest:
     logprobs: int | None = None  # None: none; k: each token's logprob and its top k (model/logprobs.py)
     # the grammar the output must match (llguidance's input: model/grammar.py); None: unconstrained
     grammar: str | None = None
+    # output tokens generated before this attempt (a retry that recomputes them: they end its prompt),
+    # replayed into its grammar state before its own output
+    grammar_replay: tuple[int, ...] = ()
     # None: none; k: each prompt token's logprob (from the second on) and its top k, computed where the
     # prompt is prefilled (bypassing the prefix cache: cached positions have no logits)
     prompt_logprobs: int | None = None

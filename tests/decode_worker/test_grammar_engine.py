@@ -5,6 +5,7 @@ state rebuilt from the output so far), and with speculative decoding on (a gramm
 no drafts); the first token sampled on the prefill side is masked too. The HTTP / gRPC paths are
 tests/router/test_structured_output.py."""
 
+import dataclasses
 import json
 import random
 
@@ -120,3 +121,13 @@ def test_first_token_on_the_prefill_side_is_masked(model, batched):
     while req.request_id in d.running:
         out += [c.token_ids for c in d.step()]
     assert [t for ids in out for t in ids] == local
+
+
+def test_a_recomputed_retry_replays_the_output_into_its_grammar(model, batched):
+    """What the router sends after losing a decode worker: the tokens so far end the prompt, and
+    `grammar_replay` puts the grammar where they left it; the rest is the tokens it would have had."""
+    req, k = requests()[1], 6
+    tokens = batched[req.request_id]
+    retry = dataclasses.replace(req, request_id="retry", prompt_ids=req.prompt_ids + tuple(tokens[:k]),
+                                max_tokens=req.max_tokens - k, grammar_replay=tuple(tokens[:k]))
+    assert run_all(engine(model), [retry], arrivals=[0])["retry"] == tokens[k:]
