@@ -217,7 +217,9 @@ class ClusterBackend:
             # a retry is a new request to the workers (its own id: the old one may linger there)
             attempt = req if not lost else dataclasses.replace(
                 req, request_id=f"{req.request_id}~{len(lost)}", prompt_ids=req.prompt_ids + tuple(generated),
-                max_tokens=req.max_tokens - len(generated), grammar_replay=tuple(generated))
+                max_tokens=req.max_tokens - len(generated), grammar_replay=tuple(generated),
+                # the client has the prompt's logprobs once a token came: the longer prompt's are not asked
+                prompt_logprobs=None if generated else req.prompt_logprobs)
             outcome = None
             async for chunk in self._generate_once(attempt, lost, req.request_id, repull):
                 if isinstance(chunk, _Lost):  # the decode worker died: retarget
