@@ -26,9 +26,10 @@ from tests.worker_runtime.pd_in_process import pd_in_process
 from worker_runtime.options import WorkerOptions
 
 TOL = 1e-4
-THRESHOLD = 100  # prompts of fewer uncached tokens are prefilled on the decode worker
-LONG = [(i * 37 + 11) % 120 for i in range(300)]  # past one 256-token page: it enters the prefix cache
-SHORT = [(i * 53 + 7) % 120 for i in range(60)]
+THRESHOLD = 200  # prompts of fewer uncached tokens are prefilled on the decode worker
+# both prefilled in 128-token chunks; LONG passes one 256-token page: it enters the prefix cache
+LONG = [(i * 37 + 11) % 120 for i in range(300)]
+SHORT = [(i * 53 + 7) % 120 for i in range(150)]
 
 
 def check(hf, prompt: list[int], lp, generated: list[int]) -> None:
@@ -108,7 +109,8 @@ def test_echo_prompt_logprobs_and_min_p_over_http_and_grpc(tiny_hf_ckpt, tiny_ck
             (short if prompt is SHORT else long).logprobs.token_logprobs[1:len(prompt)], abs=TOL)
     zero = out["zero"]
     assert zero.choices[0].text == tokenizer.decode(SHORT) and zero.usage.completion_tokens == 0
-    assert zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(short.logprobs.token_logprobs[1:60], abs=TOL)
+    assert zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(short.logprobs.token_logprobs[1:len(SHORT)],
+                                                                        abs=TOL)
     assert "".join(c.choices[0].text for c in out["stream"]).startswith("Hello there")
     assert out["stream"][0].choices[0].text.startswith("Hello there")
     # min_p 1 keeps the top token alone: temperature 1 then draws what greedy picks
@@ -116,7 +118,9 @@ def test_echo_prompt_logprobs_and_min_p_over_http_and_grpc(tiny_hf_ckpt, tiny_ck
     assert out["sampled"].choices[0].token_ids != out["greedy"].choices[0].token_ids
     grpc_lps = [lp for m in out["grpc_echo"] for lp in m.prompt_logprobs]
     assert [lp.token_id for lp in grpc_lps] == SHORT[1:]
-    assert [lp.logprob for lp in grpc_lps] == pytest.approx(short.logprobs.token_logprobs[1:60], abs=TOL)
+    assert [lp.logprob for lp in grpc_lps] == pytest.approx(short.logprobs.token_logprobs[1:len(SHORT)], abs=TOL)
     assert all(len(lp.top) == 3 for lp in grpc_lps) and not any(m.token_ids for m in out["grpc_echo"])
     assert [t for m in out["grpc_min_p"] for t in m.token_ids] == out["greedy"].choices[0].token_ids
+    # LONG went through the prefill worker four times (plain, echo, again, in the batch), SHORT never
+    assert d_acct["transfers"]["transfers"] == 4 and d_acct["fallbacks"] == 0, d_acct
     assert d_acct["free"] == d_acct["idle"] and p_acct["free"] == p_acct["idle"], (d_acct, p_acct)
