@@ -6,7 +6,9 @@ model directory (its `tokenizer.json`).
   `continuous_usage_stats`): every request completes, none errors.
 - lm-eval `local-completions`: a generation task of a few examples written here, in batches
   (one /v1/completions request holds several token-id prompts): every example answered, no error.
-  Loglikelihood tasks need `echo` with prompt logprobs, which this server refuses (not here).
+- lm-eval `local-completions` on a small multiple-choice task (`loglikelihood/`: its YAML and
+  jsonl): every choice scored through echo with prompt logprobs, each loglikelihood equal to the
+  model's own (the same checkpoint run here, log-softmax over its logits) to 1e-4.
 
 The clients come from the `clients` extra (`scripts/setup_env.sh test,clients`); without them
 this module is skipped.
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # starts Ray; the module takes about a minute
 
@@ -133,3 +136,55 @@ def test_lm_eval_local_completions_generation_task(up, tmp_path):
     assert sorted(s["target"] for s in got) == sorted(r["answer"] for r in rows)
     # a random-weight model's answers are noise, but each is the server's generation, not an error
     assert all(isinstance(s["resps"][0][0], str) and s["resps"][0][0] for s in got), [s["resps"] for s in got]
+
+
+LOGLIKELIHOOD_TASK = Path(__file__).parent / "loglikelihood"  # v4serve_choices.yaml + choices.jsonl
+
+
+def own_loglikelihoods(model_dir: Path, pairs: list[tuple[str, str]]) -> list[float]:
+    """Each continuation's log-probability after its context, from the model itself: tokenized as
+    lm-eval does (trailing spaces of the context moved to the continuation, the whole encoded and
+    split after the context's tokens) and scored by the log-softmax of the logits at every position."""
+    from tokenizers import Tokenizer
+
+    from model.batch import ForwardBatch
+    from model.checkpoint import load_checkpoint
+    from model.kv_pool import KVPools, SeqKV
+
+    cfg, model = load_checkpoint(model_dir)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    out = []
+    for context, continuation in pairs:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = tok.encode(context + continuation, add_special_tokens=False).ids
+        n = len(tok.encode(context, add_special_tokens=False).ids)
+        pools, seq = KVPools(cfg, "fp32", max_tokens=len(whole), max_seqs=1), SeqKV()
+        pools.reserve(seq, len(whole))
+        logits = model(ForwardBatch.build([(seq, whole)]), pools, all_logits=True)
+        lp = torch.log_softmax(logits.double(), -1)
+        out.append(sum(lp[i - 1, whole[i]].item() for i in range(n, len(whole))))
+    return out
+
+
+def test_lm_eval_local_completions_loglikelihood_task(up, tmp_path):
+    args = (f"model={up.model},base_url={up.http}/v1/completions,tokenizer={up.model_dir},"
+            "tokenizer_backend=huggingface,max_retries=1")
+    run = subprocess.run(
+        [str(BIN / "lm_eval"), "--model", "local-completions", "--model_args", args, "--batch_size", "4",
+         "--tasks", "v4serve_choices", "--include_path", str(LOGLIKELIHOOD_TASK), "--output_path",
+         str(tmp_path / "out"), "--log_samples"],
+        check=False, capture_output=True, text=True, timeout=300, cwd=LOGLIKELIHOOD_TASK,  # the YAML's data path
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (samples,) = (tmp_path / "out").glob("*/samples_v4serve_choices_*.jsonl")
+    pairs, got = [], []
+    for s in (json.loads(line) for line in samples.read_text().splitlines()):
+        arguments = s["arguments"]
+        if isinstance(arguments, dict):  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
+            arguments = [(a["arg_0"], a["arg_1"]) for a in arguments.values()]
+        pairs += [tuple(a) for a in arguments]
+        got += [float(r[0][0]) for r in s["resps"]]  # (loglikelihood, is_greedy), written as strings
+    assert len(pairs) == 12, pairs
+    assert got == pytest.approx(own_loglikelihoods(up.model_dir, pairs), abs=1e-4)
