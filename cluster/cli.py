@@ -99,6 +99,24 @@ def _device_options(args: argparse.Namespace) -> dict:
     return {"device": args.device, "kernels": kernels, "decode_graphs": graphs, "load_format": args.load_format}
 
 
+def _worker_options(args: argparse.Namespace, model_dir: Path, router):
+    """Every worker's WorkerOptions from `up`'s flags; the tokenizer is the router's (`--tokenizer`)."""
+    from worker_runtime.engine_metrics import MetricsOptions
+    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
+
+    return WorkerOptions(str(model_dir), "", tokenizer_dir=router.tokenizer_dir, cluster=args.cluster,
+                         kv_dtype=args.kv_dtype, max_tokens=args.max_model_len, max_seqs=args.max_seqs,
+                         prefill_token_budget=args.prefill_token_budget,
+                         prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
+                                                          args.prefill_ep_timeout),
+                         decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
+                         speculative_tokens=args.speculative_tokens, deterministic=args.deterministic,
+                         logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
+                         metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve",
+                                                stall_s=float(args.engine_stall_timeout)),
+                         **_device_options(args))
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from cluster.settings import from_env
 
@@ -107,8 +125,6 @@ def cmd_up(args: argparse.Namespace) -> None:
     model_dir = _model_dir(args, env)
     from cluster import up
     from cluster.launcher import ClusterOptions
-    from worker_runtime.engine_metrics import MetricsOptions
-    from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
     router = _router_config(args, model_dir)
     autoscale_config = None
@@ -120,17 +136,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             autoscale_config = AutoscalerConfig.from_dict(raw)
         except (OSError, ValueError, TypeError) as e:
             raise CliError(f"--autoscale-config: {e}") from None
-    worker = WorkerOptions(str(model_dir), "", cluster=args.cluster, kv_dtype=args.kv_dtype,
-                           max_tokens=args.max_model_len, max_seqs=args.max_seqs,
-                           prefill_token_budget=args.prefill_token_budget,
-                           prefill_ep=ExpertParallelOptions(args.prefill_ep, args.prefill_ep_fp8_dispatch,
-                                                            args.prefill_ep_timeout),
-                           decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
-                           speculative_tokens=args.speculative_tokens, deterministic=args.deterministic,
-                           logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
-                           metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve",
-                                                  stall_s=float(args.engine_stall_timeout)),
-                           **_device_options(args))
+    worker = _worker_options(args, model_dir, router)
     options = up.UpOptions(
         ClusterOptions(worker, prefill=args.prefill, decode=args.decode, gpus_per_worker=args.gpus_per_worker,
                        slots=None if autoscale_config is None else (

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a name clients use in `model` (repeatable; the first is reported; default: the "
                               "checkpoint's _name_or_path or directory name; 'v4serve' is always accepted)")
     serving.add_argument("--tokenizer", type=Path, default=None,
-                         help="the router's tokenizer.json (a file or its directory) instead of the checkpoint's")
+                         help="the tokenizer.json (a file or its directory) the router and the workers use "
+                              "instead of the checkpoint's")
     serving.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     serving.add_argument("--api-key-file", type=Path, default=None,
                          help="file with one API key per line (keeps keys out of the command line)")

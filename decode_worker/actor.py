@@ -84,7 +84,8 @@ class DecodeWorker:
         graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens,
                                tokens_per_row=1 + options.speculative_tokens)
                   if options.decode_graphs and options.decode_ep.size == 1 else None)
-        tokenizer = load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        tokenizer = load_tokenizer(options.tokenizer_dir or options.model_dir, cfg.vocab_size, cfg.bos_token_id,
+                                   cfg.eos_token_id)
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs,

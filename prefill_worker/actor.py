@@ -82,8 +82,8 @@ class PrefillWorker:
         self.engine = PrefillEngine(model, self.pools, worker_id,
                                     PrefillConfig(token_budget=options.prefill_token_budget,
                                                   max_running=options.max_seqs), store=self.store,
-                                    tokenizer=load_tokenizer(options.model_dir, cfg.vocab_size, cfg.bos_token_id,
-                                                             cfg.eos_token_id))
+                                    tokenizer=load_tokenizer(options.tokenizer_dir or options.model_dir,
+                                                             cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id))
         self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self._load, options.prefill_ep,
                                  local)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it

@@ -42,6 +42,9 @@ class ExpertParallelOptions:
 class WorkerOptions:
     model_dir: str
     registry_url: str
+    # the directory of the tokenizer.json the workers detokenize, match stop strings and build
+    # grammars with: the router's (`--tokenizer`); "" = the checkpoint's own (model_dir)
+    tokenizer_dir: str = ""
     cluster: str = "default"
     kv_dtype: str = "fp32"  # same default as `v4serve generate`, so the two agree token for token
     page_size: int = 256
