@@ -52,7 +52,7 @@ from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.in_process import InProcess
-from worker_runtime.model_loader import DecodeGraphs, load_replica
+from worker_runtime.model_loader import DecodeGraphs, check_step_fits, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import (
@@ -90,6 +90,10 @@ class DecodeWorker:
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs,
                                                 speculative_tokens=options.speculative_tokens), graphs)
+        if options.decode_ep.size == 1:  # a group's ranks can only step together, once it has formed
+            check_step_fits(model, self.pools, options.max_seqs * (1 + options.speculative_tokens)
+                            + options.prefill_token_budget,
+                            "--max-seqs × (1 + --speculative-tokens) + --prefill-token-budget")
         self.shell = WorkerShell(worker_id, "decode", options, self.pools, self._load, options.decode_ep, local)
         self.agent, self.layout = self.shell.agent, self.shell.layout
         self.receiver = Receiver(self.agent, self.pools, self.layout, fence_wait_s=FENCE_WAIT_S)

@@ -56,7 +56,7 @@ from prefill_worker.prefix_store import PrefixStore
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.in_process import InProcess
-from worker_runtime.model_loader import load_replica
+from worker_runtime.model_loader import check_step_fits, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import GenerateRequest, TargetReply, TransferHeader, WorkerLoad
@@ -84,6 +84,8 @@ class PrefillWorker:
                                                   max_running=options.max_seqs), store=self.store,
                                     tokenizer=load_tokenizer(options.tokenizer_dir or options.model_dir,
                                                              cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id))
+        if options.prefill_ep.size == 1:  # a group's ranks can only step together, once it has formed
+            check_step_fits(model, self.pools, options.prefill_token_budget, "--prefill-token-budget")
         self.shell = WorkerShell(worker_id, "prefill", options, self.pools, self._load, options.prefill_ep,
                                  local)
         # a write still in flight a lease after its deadline went to a dead peer: give up on it

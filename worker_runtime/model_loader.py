@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from model.batch import ForwardBatch
 from model.checkpoint import fp8_activations, load_checkpoint, read_config
 from model.config import ModelConfig
 from model.cuda_graph import DecodeGraph
@@ -61,6 +62,31 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
                     with_mtp=with_mtp)
     return cfg, model, pools
+
+
+def check_step_fits(model: Transformer, pools: KVPools, tokens: int, what: str) -> None:
+    """Run one eager step of `tokens` prompt tokens (a worker's largest step) on a scratch request,
+    once at start on a GPU: a worker whose weights, KV pools and graphs leave too little memory
+    for that step then fails to start, naming the flags to change, instead of failing every
+    running request when load first brings such a step. The step's activations stay in torch's
+    cache for the steps that follow. Does nothing off the GPU (the pools' device), where memory
+    is the host's."""
+    if torch.device(pools.device).type != "cuda":
+        return
+    seq = SeqKV()
+    pools.reserve(seq, tokens)
+    try:
+        model(ForwardBatch.build([(seq, [0] * tokens)], pools.device), pools)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_allocated() / 2**30
+        raise RuntimeError(
+            f"{what} = {tokens} tokens in one step does not fit in GPU memory beside the weights, the KV pools "
+            f"and the decode graphs ({held:.1f} GiB held, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free): "
+            f"lower --max-seqs or --max-model-len (the pools) or --prefill-token-budget (the step)") from None
+    finally:
+        pools.release(seq)
 
 
 def _actor_name() -> str:
