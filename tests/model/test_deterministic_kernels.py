@@ -3,7 +3,8 @@ same bits as inside batches of other sizes and companions (`torch.equal`), for e
 choice the flag fixes: the fixed-tile matmul, the FP8 GEMM (W8A16 and W8A8, plain and grouped,
 in row slices past `KERNEL_MAX_M`), the sparse attention (fixed KV splits through the combine,
 a batch's wider -1-padded picks, row slices), the indexer's logits and picks, the mHC entry, and
-the MoE gate and experts (fused tiles at every size, the shared expert in the kernels)."""
+the MoE gate and experts (fused tiles at every size, the shared expert in the kernels); and the
+device-format tiny model composed of them."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from model.tiny import tiny_config
 from tests.model.kernel_cases import block_weights, fill_random, mhc_inputs, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# 14-38 s each under the interpreter on 2 cores: outside CI's budget; tests/gpu/test_deterministic_gpu.py
-# runs the same paths compiled, composed into the model
+# 14-38 s each under the interpreter on 2 cores (the composed model: ~10-20 min): outside CI's budget;
+# tests/gpu/test_deterministic_gpu.py runs the same paths compiled, composed into full-width layers
 COSTLY = pytest.mark.exhaustive
 
 
@@ -36,10 +37,10 @@ def _rows_alone_match(run, x: torch.Tensor, sizes=(1, 2, 5)) -> None:
     assert torch.equal(run(x[3:4]), full[3:4])  # a row from the middle, alone
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fixed_matmul_rows_do_not_depend_on_the_batch(dtype):
+@pytest.mark.parametrize("dtype, N", [(torch.bfloat16, 200), (torch.float32, 200), (torch.bfloat16, 4100)])
+def test_fixed_matmul_rows_do_not_depend_on_the_batch(dtype, N):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(200, 150, generator=g).to(DEVICE, dtype)
+    w = torch.randn(N, 150, generator=g).to(DEVICE, dtype)
     x = torch.randn(70, 150, generator=g).to(DEVICE, dtype)
     _rows_alone_match(lambda a: fixed_matmul.linear(a, w), x, sizes=(1, 7, 64))
     ref = x.double() @ w.double().T
@@ -201,3 +202,51 @@ def _split(packed: torch.Tensor, moe: MoE) -> torch.Tensor:
     out = experts_forward(rows, weights, experts, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit, "triton",
                           deterministic=True)
     return torch.cat([weights, experts.float(), out.float()], dim=1)
+
+
+# ---------------------------------------------------------------------------------------
+# the composed model
+# ---------------------------------------------------------------------------------------
+
+def _request_logits(model, pools, prompt: list[int], fed: list[int], others: list[list[int]], chunk: int):
+    """The logits of `prompt`'s last token and of each token of `fed` decoded after it, the prompt
+    prefilled in chunks of `chunk` beside `others` (each decoding a token a step once prefilled)."""
+    seqs = [SeqKV() for _ in range(len(others) + 1)]
+    prompts = [prompt] + others
+    for s, p in zip(seqs, prompts):
+        pools.reserve(s, len(p) + len(fed))
+    out = []
+    for start in range(0, max(map(len, prompts)), chunk):
+        items = [(s, p[start:start + chunk]) for s, p in zip(seqs, prompts) if p[start:start + chunk]]
+        batch = ForwardBatch.build(items, device=DEVICE)
+        logits = model(batch, pools, all_logits=True)
+        if start < len(prompt) <= start + chunk:
+            out.append(logits[_target_rows(batch, seqs[0])][-1:])
+        batch.commit()
+    for token in fed:
+        batch = ForwardBatch.build([(s, [token]) for s in seqs], device=DEVICE)
+        out.append(model(batch, pools)[:1])
+        batch.commit()
+    for s in seqs:
+        pools.release(s)
+    return torch.cat(out).float()
+
+
+@COSTLY
+def test_model_logits_do_not_depend_on_the_batch(tiny_official_ckpt):
+    """The device-format tiny model (W8A8, packed experts, fp8_pack pools) through the kernels: a
+    request alone in one prefill step, then chunked beside two others, gives the same logits."""
+    from model.checkpoint import load_checkpoint
+    from model.kernels import set_deterministic
+    from model.quantized import quantize_model
+
+    cfg, model = load_checkpoint(tiny_official_ckpt, device=DEVICE)
+    quantize_model(model, "triton", act_fp8=True)
+    set_deterministic(model, True)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 256, (37,), generator=g).tolist()
+    others = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 9)]
+    pools = KVPools(cfg, "fp8_pack", max_tokens=128, max_seqs=3, device=DEVICE)
+    alone = _request_logits(model, pools, prompt, [5, 6], [], chunk=64)
+    assert alone.isfinite().all()
+    assert torch.equal(_request_logits(model, pools, prompt, [5, 6], others, chunk=16), alone)
