@@ -169,7 +169,7 @@ def batch_tiles(tokens: int) -> BatchTiles:
     return BatchTiles(bt=16) if tokens <= 16 else BATCH_TILES
 
 
-def entry_tiles(tokens: int, deterministic: bool = False) -> "SmallTiles | BatchTiles | MixTiles":
+def entry_tiles(tokens: int, deterministic: bool = False) -> SmallTiles | BatchTiles | MixTiles:
     """The entry path and launch shape `_enter` takes for `tokens` tokens: the one-launch entry up
     to `SMALL_TOKENS`, the batch entry up to `BATCH_TOKENS`, the prefill launches above;
     `deterministic`: `DETERMINISTIC_TILES` for every count."""

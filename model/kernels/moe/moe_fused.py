@@ -114,8 +114,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     return result()
 
 
-def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
-                      shared: "PackedExperts | None", limit: float) -> torch.Tensor:
+def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: PackedExperts,
+                      shared: PackedExperts | None, limit: float) -> torch.Tensor:
     """`fused_moe` under `--deterministic`, for every step size and layer kind: the same tiles for
     every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
     independently, so a token's products do not depend on which others share its expert), the
