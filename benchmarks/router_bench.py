@@ -15,6 +15,7 @@ Fairness, by construction:
 
     python benchmarks/router_bench.py [--concurrency 32] [--duration 10] [--workers 2] \\
         [--routers-python /path/venv/bin/python] [--setups direct,ours,ours-inproc,sglang,vllm]
+    python benchmarks/router_bench.py --setups ours-inproc --request features   # the API features' cost
 
 sglang-router / vllm-router are found as `python -m sglang_router.launch_router` and
 `vllm-router` next to `--routers-python` (they install from PyPI: `pip install sglang-router
@@ -40,6 +41,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Summarize the following: " + "the router forwards requests to workers " * 3  # ~145 tokens
 BODY = {"model": "stub", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"], "additionalProperties": False}
+# The same prompt as a chat request with the API features on: two tools offered, a named tool choice
+# (a grammar built and checked at the router), logprobs with the top 5, a stop string, a penalty.
+FEATURES_BODY = {"model": "stub", "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+                 "stop": ["\n\n"], "presence_penalty": 0.5,
+                 "messages": [{"role": "system", "content": "You answer briefly."},
+                              {"role": "user", "content": PROMPT}],
+                 "tools": [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
+                                                             "parameters": _WEATHER}},
+                           {"type": "function", "function": {"name": "time", "description": "Local time",
+                                                             "parameters": {"type": "object", "properties": {
+                                                                 "city": {"type": "string"}}}}}],
+                 "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+# --request: (path, body) the client sends
+REQUESTS = {"plain": ("/v1/completions", BODY), "features": ("/v1/chat/completions", FEATURES_BODY)}
 
 
 # --------------------------------------------------------------------------- our router, as a process
@@ -184,11 +201,12 @@ def _ms(value: str) -> float:
     return float(num) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
 
 
-def run_wrk(url: str, concurrency: int, duration: float, threads: int) -> dict:
+def run_wrk(url: str, concurrency: int, duration: float, threads: int, request: str = "plain") -> dict:
+    path, body = REQUESTS[request]
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(_WRK_LUA % json.dumps(BODY))
+        f.write(_WRK_LUA % json.dumps(body))
     proc = subprocess.run(["wrk", "-t", str(min(threads, concurrency)), "-c", str(concurrency), "-d", f"{max(1, round(duration))}s", "--latency",
-                           "-s", f.name, url + "/v1/completions"], capture_output=True, text=True)
+                           "-s", f.name, url + path], capture_output=True, text=True)
     os.unlink(f.name)
     out = proc.stdout
     if "Requests/sec" not in out:
@@ -202,8 +220,10 @@ def run_wrk(url: str, concurrency: int, duration: float, threads: int) -> dict:
             "requests": int(re.search(r"(\d+) requests in", out).group(1)), "errors": errors}
 
 
-def run_python_client(urls: list[str], concurrency: int, duration: float) -> dict:
+def run_python_client(urls: list[str], concurrency: int, duration: float, request: str = "plain") -> dict:
     import aiohttp
+
+    path, body = REQUESTS[request]
 
     async def main():
         lat, errors, stop = [], 0, time.perf_counter() + duration
@@ -213,7 +233,7 @@ def run_python_client(urls: list[str], concurrency: int, duration: float) -> dic
                 n = 0
                 while time.perf_counter() < stop:
                     t0 = time.perf_counter()
-                    async with s.post(urls[(i + n) % len(urls)] + "/v1/completions", json=BODY) as r:
+                    async with s.post(urls[(i + n) % len(urls)] + path, json=body) as r:
                         await r.read()
                         errors += r.status != 200
                     lat.append(time.perf_counter() - t0)
@@ -252,9 +272,9 @@ def measure(setup: str, args) -> dict:
                 return {"setup": setup, "skipped": f"router did not become ready (log: {log.name})"}
         use_wrk = shutil.which("wrk") is not None and not args.python_client
         if not use_wrk:
-            run = lambda d: run_python_client([url] if url else workers, args.concurrency, d)  # noqa: E731
+            run = lambda d: run_python_client([url] if url else workers, args.concurrency, d, args.request)  # noqa: E731
         elif url:
-            run = lambda d: run_wrk(url, args.concurrency, d, args.threads)  # noqa: E731
+            run = lambda d: run_wrk(url, args.concurrency, d, args.threads, args.request)  # noqa: E731
         else:  # wrk keeps each connection on one host: one wrk per worker, connections split evenly
             run = lambda d: _direct_wrk(workers, args, d)  # noqa: E731
         run(args.warmup)
@@ -301,7 +321,13 @@ def main():
     ap.add_argument("--worker-urls", default="", help=argparse.SUPPRESS)
     ap.add_argument("--inproc", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--slow-tokenizer", action="store_true", help="ours with model/'s ByteTokenizer as is")
+    ap.add_argument("--request", choices=tuple(REQUESTS), default="plain",
+                    help="plain: the /v1/completions request; features: the chat request with tools, a named "
+                         "tool choice, logprobs, a stop string and a penalty (ours-inproc only: the stub "
+                         "workers serve completions without logprobs)")
     args = ap.parse_args()
+    if args.request != "plain" and args.serve_ours is None and set(args.setups.split(",")) - {"ours-inproc"}:
+        ap.error("--request features measures our router alone: --setups ours-inproc")
     if args.serve_ours is not None:
         return serve_ours(args.serve_ours, [u for u in args.worker_urls.split(",") if u], args.inproc,
                           args.slow_tokenizer)
