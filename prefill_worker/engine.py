@@ -168,8 +168,8 @@ class PrefillEngine:
         # the head runs on every prompt row only for the requests asking for prompt logprobs
         wide, last = logit_rows(batch.segments, [j.req.prompt_logprobs is not None for j in owners])
         try:
-            logits = self.model(batch, self.pools, logit_rows=None if wide is None else
-                                torch.tensor(wide, device=batch.input_ids.device))
+            logits = self.model(batch, self.pools) if wide is None else self.model(
+                batch, self.pools, logit_rows=torch.tensor(wide, device=batch.input_ids.device))
         finally:
             for h in hooks:
                 h.remove()
