@@ -342,7 +342,9 @@ class PrefillWorker:
         """KV events of the prefix cache → registry stream (the routers' prefix index)."""
         if self.store is None or not self.store.events:
             return
-        events, self.store.events = self.store.events, []
+        # drained in place: the radix cache appends to this very list (a new one would never be published)
+        events = list(self.store.events)
+        self.store.events.clear()
         try:
             await asyncio.to_thread(lambda: [self.shell.registry.publish(e) for e in events])
         except Exception as e:  # Redis down: routing degrades to load only; the cache is intact
