@@ -92,13 +92,13 @@ def test_speculative_steps_give_the_prompt_logprobs_of_plain_steps():
     """A prompt prefilled in chunks beside another request's verify segments (speculation on)
     gets the prompt logprobs it gets without speculation."""
     model = random_model(tiny_config(), with_mtp=True)
-    prompt = tuple(random_ids(model.cfg, 90, 6).tolist())
+    prompt = tuple(random_ids(model.cfg, 40, 6).tolist())
 
     def run(spec: int):
         engine = DecodeEngine(model, KVPools(model.cfg, "fp32", max_tokens=256, max_seqs=2, with_mtp=True),
                               ByteTokenizer(model.cfg.vocab_size), "d0",
-                              DecodeConfig(prefill_token_budget=32, speculative_tokens=spec))
-        engine.submit(GenerateRequest("other", tuple(range(5, 25)), 30, ignore_eos=True))
+                              DecodeConfig(prefill_token_budget=16, speculative_tokens=spec))
+        engine.submit(GenerateRequest("other", tuple(range(5, 15)), 8, ignore_eos=True))
         engine.step()  # "other" decodes (and drafts) from here on
         engine.submit(GenerateRequest("r", prompt, 2, ignore_eos=True, prompt_logprobs=2))
         out = []
