@@ -28,7 +28,7 @@ from worker_runtime.options import WorkerOptions
 TOL = 1e-4
 THRESHOLD = 200  # prompts of fewer uncached tokens are prefilled on the decode worker
 # both prefilled in 128-token chunks; LONG passes one 256-token page: it enters the prefix cache
-LONG = [(i * 37 + 11) % 120 for i in range(300)]
+LONG = [(i * 37 + 11) % 120 for i in range(270)]
 SHORT = [(i * 53 + 7) % 120 for i in range(150)]
 
 
@@ -70,7 +70,7 @@ def test_echo_prompt_logprobs_and_min_p_over_http_and_grpc(tiny_hf_ckpt, tiny_ck
                                                           max_tokens=0)
             out["stream"] = [c async for c in await client.completions.create(
                 model="tiny", prompt="Hello there", echo=True, max_tokens=3, temperature=0, stream=True)]
-            sampled = {"model": "tiny", "prompt": SHORT, "max_tokens": 8, "temperature": 1.0, "seed": 3,
+            sampled = {"model": "tiny", "prompt": SHORT, "max_tokens": 5, "temperature": 1.0, "seed": 3,
                            "extra_body": {"return_token_ids": True, "ignore_eos": True}}
             out["greedy"] = await client.completions.create(**{**sampled, "temperature": 0})
             out["sampled"] = await client.completions.create(**sampled)
@@ -89,7 +89,7 @@ def test_echo_prompt_logprobs_and_min_p_over_http_and_grpc(tiny_hf_ckpt, tiny_ck
                     out["grpc_echo"] = [m async for m in stub.Generate(pb.GenerateRequest(
                         prompt_token_ids=SHORT, max_tokens=0, echo=True, logprobs=3, temperature=0))]
                     out["grpc_min_p"] = [m async for m in stub.Generate(pb.GenerateRequest(
-                        prompt_token_ids=SHORT, max_tokens=8, temperature=1.0, seed=3, min_p=1.0, ignore_eos=True))]
+                        prompt_token_ids=SHORT, max_tokens=5, temperature=1.0, seed=3, min_p=1.0, ignore_eos=True))]
             finally:
                 await grouter.stop()
             await asyncio.sleep(0.3)
