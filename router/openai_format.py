@@ -121,18 +121,14 @@ class ResponseBuilder:
         self._lp_chars += sum(len(t) for t in out["tokens"])
         return out
 
-    def _echo(self, text: str, logprobs: dict | None) -> tuple[str, dict | None]:
-        """The text and logprobs object of a completion's output with its prompt before it (echo)."""
-        if not self.options.echo:
-            return text, logprobs
-        if self.options.logprobs is None:
-            logprobs = None
-        else:
-            self._lp_chars = 0  # the offsets count from the prompt's start
+    def _echo(self, text: str, lps) -> tuple[str, dict | None]:
+        """The text and logprobs object of output `text` (its tokens' TokenLogprobs `lps`) with the
+        prompt before it (echo); the offsets count from the prompt's start."""
+        logprobs = None
+        if self.options.logprobs is not None:
             head = prompt_logprobs(self.tokenizer, self.prompt_ids, self.prompt_lps, 0)
             self._lp_chars = sum(len(t) for t in head["tokens"])
-            tail = self._logprobs(self.logprobs if logprobs is None else logprobs)
-            logprobs = joined(head, tail)
+            logprobs = joined(head, self._logprobs(lps))
         return self.tokenizer.decode(list(self.prompt_ids)) + text, logprobs
 
     def finish_reason(self, reason: str) -> str:
@@ -166,7 +162,7 @@ class ResponseBuilder:
             choice = {"index": self.index, "message": message, "logprobs": self._logprobs(self.logprobs),
                       "finish_reason": self.finish_reason(finish_reason)}
         elif self.options.echo:
-            text, logprobs = self._echo(content, None)
+            text, logprobs = self._echo(content, self.logprobs)
             choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": self.index, "text": content, "logprobs": self._logprobs(self.logprobs),
@@ -196,7 +192,7 @@ class ResponseBuilder:
                       "finish_reason": finish_reason}
         elif self.options.echo and not self._echoed:  # the prompt goes out before the first new text
             self._echoed = True
-            text, lps = self._echo(c, list(logprobs or ()))
+            text, lps = self._echo(c, logprobs)
             choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         else:
             choice = {"index": self.index, "text": c, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
