@@ -6,7 +6,9 @@
   prefix store, the longest cached resumable prefix is reused and only the rest is computed.
 * schedule: prompt chunks of admitted requests, oldest first, up to `token_budget` tokens; a
   chunk ends at each snapshot point so the compress state there can be copied for the cache.
-* run: one `ForwardBatch` through the model.
+* run: one `ForwardBatch` through the model; the LM head runs on each segment's last token, and on
+  every token of a request asking for prompt logprobs (`model/logprobs.py`), which such a request
+  collects chunk by chunk. It bypasses the prefix cache: cached positions have no logits.
 * postprocess: a request whose prompt is complete samples its first token (position = prompt
   length, the same pure sampling as everywhere) and is returned as `Prefilled`; its pages stay
   held until the owner has shipped them and calls `release`.
