@@ -71,9 +71,9 @@ def test_mhc_entries_take_one_path_for_every_step():
     assert kinds == {mhc.SmallTiles, mhc.BatchTiles, mhc.MixTiles}
 
 
-def test_moe_takes_one_tile_table_unsplit_for_every_step():
+def test_moe_takes_one_tile_table_and_k_split_for_every_step():
     tiles = [moe_fused.decode_tiles(T, deterministic=True) for T in range(1, 4097)]
-    assert _one(tiles) and all(t.split_k == 1 for t in tiles[0])
+    assert _one(tiles) and tiles[0] == moe_fused.decode_tiles(1)  # a one-token step's, split K included
     assert not _one([moe_fused.decode_tiles(T) for T in TOKENS])
 
 

@@ -75,8 +75,11 @@ FEW_DOWN = replace(SMALL_DOWN, split_k=1)
 DECODE_MAX_TOKENS = 256
 
 
-# `--deterministic`: every step, of any size, on the decode tiles, unsplit (`deterministic_moe`)
-DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN = DECODE_GATEUP, DECODE_DOWN
+# `--deterministic`: every step, of any size, on the one-token tiles (`deterministic_moe`): their K
+# split is a fixed count, its partials summed in split order, so a token's sums run in one order
+# at every step size, and the latency-bound steps of a few tokens (speculation's verify steps at
+# low concurrency) keep the split that fills the GPU there
+DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN = SMALL_GATEUP, SMALL_DOWN
 
 
 def decode_tiles(tokens: int, deterministic: bool = False) -> tuple[Tiles, Tiles]:
@@ -116,8 +119,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
 
 def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: PackedExperts,
                       shared: PackedExperts | None, limit: float) -> torch.Tensor:
-    """`fused_moe` under `--deterministic`, for every step size and layer kind: the same tiles for
-    every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
+    """`fused_moe` under `--deterministic`, for every step size and layer kind: the same tiles and
+    K split for every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
     independently, so a token's products do not depend on which others share its expert), the
     shared expert always among the assignments (never the dense products, which round
     differently), the combine in slot order. Steps above `DECODE_MAX_TOKENS` run in slices of that
