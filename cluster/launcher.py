@@ -29,6 +29,7 @@ it is never brought back, and a replacement made just before is the one removed.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -117,7 +118,27 @@ def join_ray(address: str, cluster: str, logs: LogOptions | None = None) -> None
     lines reach this console."""
     if not ray.is_initialized():
         ray.init(address=address, namespace=ray_namespace(cluster), log_to_driver=logs is not None,
-                 configure_logging=False, runtime_env=None if logs is None else worker_runtime_env(logs))
+                 configure_logging=False, runtime_env=None if logs is None else worker_runtime_env(logs),
+                 _node_ip_address=address_toward(address))
+
+
+def address_toward(address: str) -> str | None:
+    """This host's address on the route to the Ray head at `address` ("host:port"; None for
+    "auto" and the like: Ray finds the local node itself).
+
+    Ray names a driver's node by the address it guesses with a probe to a public address; a host
+    without a route out gets 127.0.0.1, matches no node and is registered as the head's node:
+    workers on other hosts then send its replies (a decode worker's token stream) to the head's
+    host, where nobody listens, and wait on them for ever."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), int(port)))  # a route lookup: nothing is sent
+            return s.getsockname()[0]
+    except OSError:
+        return None  # unresolvable or unreachable: ray.init reports it
 
 
 class LocalCluster:
