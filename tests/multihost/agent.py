@@ -79,12 +79,13 @@ class _Ops:
     def _ray(self):
         import ray
 
-        from cluster.launcher import ray_namespace
+        from cluster.launcher import address_toward, ray_namespace
 
         with self._ray_lock:
             if not ray.is_initialized():
                 ray.init(address=os.environ["RAY_ADDRESS"], namespace=ray_namespace(self.cluster),
-                         log_to_driver=False, configure_logging=False)
+                         log_to_driver=False, configure_logging=False,
+                         _node_ip_address=address_toward(os.environ["RAY_ADDRESS"]))  # this host's node
         return ray
 
     def _workers(self) -> dict:
