@@ -1,4 +1,5 @@
-"""The grammars of `tool_choice` required / named and of strict tools (router/response_format.py),
+"""The grammars of `tool_choice` required / named, of strict tools and of `response_format` in thinking
+mode (router/response_format.py),
 on the tiny model's byte tokenizer without a model: every output they allow is a DSML tool-call
 block that `router/tool_calls.py` parses (fed token by token, as streamed) into calls of the
 right functions whose arguments validate against their schemas; what they forbid is refused.
@@ -15,8 +16,8 @@ from model.grammar import Grammars
 from model.tokenizer import ByteTokenizer
 from router.chat_encoding import render_tool_calls
 from router.errors import APIError
-from router.request_models import NamedToolChoice, Tool
-from router.response_format import tool_grammar
+from router.request_models import ChatCompletionRequest, NamedToolChoice, Tool
+from router.response_format import response_grammar, tool_grammar
 from router.tool_calls import ToolCallParser
 
 VOCAB, EOS, THINK_END = 320, 257, 261
@@ -126,3 +127,14 @@ def test_a_schema_that_cannot_be_enforced_is_refused():
     with pytest.raises(APIError) as e:
         tool_grammar(bad, "required", None)
     assert e.value.param == "tools"
+
+
+def test_response_format_in_thinking_mode_starts_after_the_reasoning(grammars):
+    fmt = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+            "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}}).response_format
+    g = response_grammar(fmt, thinking=True, think_end_id=THINK_END)
+    assert grammars.state(g, TOK.encode("hmm, {not json") + [THINK_END] + TOK.encode('{"a":7}')).done
+    with pytest.raises(ValueError, match="not allowed"):
+        grammars.state(g, TOK.encode("hmm") + [THINK_END] + TOK.encode("text"))
+    assert grammars.state(response_grammar(fmt), TOK.encode('{"a":7}')).done
