@@ -1,6 +1,5 @@
 """The grammars of `tool_choice` required / named, of strict tools and of `response_format` in thinking
-mode (router/response_format.py),
-on the tiny model's byte tokenizer without a model: every output they allow is a DSML tool-call
+mode (router/response_format.py), on the tiny model's byte tokenizer without a model: every output they allow is a DSML tool-call
 block that `router/tool_calls.py` parses (fed token by token, as streamed) into calls of the
 right functions whose arguments validate against their schemas; what they forbid is refused.
 Random walks stand in for a model: each step takes a random token among those the mask allows."""
