@@ -51,7 +51,8 @@ quiet() { grep --line-buffered -v "NIXL INFO\|^I[0-9]* .*nixl\|CudaIPCTypes" || 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 tests() {  # log name, then pytest arguments
     local log=$1; shift
-    timeout 560 $PYTHON -m pytest -q -p no:cacheprovider --durations=10 "$@" 2>&1 | quiet | tee "$OUT/$log.log" | tail -16
+    # -v: a line per test, so a run cut by its timeout still shows what passed
+    timeout 560 $PYTHON -m pytest -v -p no:cacheprovider --durations=10 "$@" 2>&1 | quiet | tee "$OUT/$log.log" | tail -16
 }
 v4serve() { $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main())" "$@"; }
 
@@ -128,7 +129,7 @@ serve-stop)
 triton-cache)
     tar -C $TRITON_CACHE_DIR -cf - . | xz -T0 > "$OUT/triton-cache.tar.xz" && du -h "$OUT/triton-cache.tar.xz" ;;
 pytest)
-    $PYTHON -m pytest -p no:cacheprovider "$@" 2>&1 | quiet ;;
+    $PYTHON -m pytest -v -p no:cacheprovider "$@" 2>&1 | quiet ;;
 python)
     $PYTHON "$@" 2>&1 | quiet ;;
 esac
