@@ -59,6 +59,34 @@ def check(grammar: str) -> None:
         raise GrammarError(error.strip())
 
 
+class CheckedGrammars:
+    """`check` with its verdicts remembered by grammar text (the last `size`): clients send the same
+    schema or tools with every request, and checking one costs milliseconds."""
+
+    def __init__(self, size: int = CACHE_SIZE):
+        self.size = size
+        self._verdicts: OrderedDict[str, str] = OrderedDict()  # grammar → "" (fine) or why not
+        self._lock = threading.Lock()
+
+    def check(self, grammar: str) -> None:
+        with self._lock:
+            verdict = self._verdicts.get(grammar)
+            if verdict is not None:
+                self._verdicts.move_to_end(grammar)
+        if verdict is None:
+            try:
+                check(grammar)
+                verdict = ""
+            except GrammarError as e:
+                verdict = str(e)
+            with self._lock:
+                self._verdicts[grammar] = verdict
+                while len(self._verdicts) > self.size:
+                    self._verdicts.popitem(last=False)
+        if verdict:
+            raise GrammarError(verdict)
+
+
 class GrammarState:
     """One request's position in its grammar."""
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from model.grammar import CheckedGrammars
 from model.sampling import SamplingParams
 from router.chat_encoding import THINK_END, ChatFormatError, encode_messages, from_request
 from router.chat_options import chat_mode, tools_offered
@@ -57,6 +58,8 @@ class Limits:
     max_batch_prompts: int = 32
     max_children: int = 4096  # the router's max_concurrent_requests: a request's choices all run at once
     think_end_id: int | None = None  # the token id of '</think>' (a grammar in thinking mode starts after it)
+    # grammars checked so far, by text (router/response_format.py): each distinct one is checked once
+    grammar_checks: CheckedGrammars = field(default_factory=CheckedGrammars, compare=False)
 
     @classmethod
     def build(cls, config, backend) -> Limits:
@@ -277,7 +280,7 @@ def parse_completion(body, limits: Limits) -> Draft:
     strings or of id arrays: each prompt its own `n` choices, indexed prompt-major)."""
     req = _validate(CompletionRequest, body)
     common = _common(req, limits, chat=False)
-    common["grammar"] = response_grammar(req.response_format)
+    common["grammar"] = response_grammar(req.response_format, checked=limits.grammar_checks)
     prompt = req.prompt
     if not prompt:
         raise invalid("'prompt' must not be empty", "prompt")
@@ -309,7 +312,7 @@ def parse_chat(body, limits: Limits) -> Draft:
     thinking, effort, drop = chat_mode(req)
     tools = tools_offered(req)
     common = _common(req, limits, chat=True, thinking=thinking, tool_calls=tools is not None)
-    common["grammar"] = chat_grammar(req, tools, thinking, limits.think_end_id)
+    common["grammar"] = chat_grammar(req, tools, thinking, limits.think_end_id, limits.grammar_checks)
     raw_tools = [t["function"] for t in body["tools"]] if tools is not None else None
     try:
         text = encode_messages(from_request(req.messages, raw_tools), "thinking" if thinking else "chat",

@@ -44,9 +44,9 @@ def _json(schema: dict, defs: dict) -> str:
     return "%json " + json.dumps({**defs, **schema, **_JSON_OPTIONS}, ensure_ascii=False)
 
 
-def _check(text: str, param: str) -> str:
+def _check(text: str, param: str, checked: grammars.CheckedGrammars | None) -> str:
     try:
-        grammars.check(text)
+        (checked.check if checked is not None else grammars.check)(text)
     except grammars.GrammarError as e:  # its first line, without the grammar's position
         reason = re.sub(r"^at \d+\(\d+\): ", "", str(e).splitlines()[0])
         raise invalid(f"'{param}' cannot be enforced: {reason}", param) from None
@@ -59,8 +59,9 @@ def _reasoning(think_end_id: int | None, param: str) -> str:
     return f"REASONING <[{think_end_id}]> "
 
 
-def response_grammar(fmt, thinking: bool = False, think_end_id: int | None = None) -> str | None:
-    """The grammar of a typed `response_format` (None: free text)."""
+def response_grammar(fmt, thinking: bool = False, think_end_id: int | None = None,
+                     checked: grammars.CheckedGrammars | None = None) -> str | None:
+    """The grammar of a typed `response_format` (None: free text); `checked`: verdicts to reuse."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -73,7 +74,7 @@ def response_grammar(fmt, thinking: bool = False, think_end_id: int | None = Non
             raise invalid("'response_format.json_schema.schema' must be a JSON object", "response_format")
     head = _reasoning(think_end_id, "response_format") if thinking else ""
     lark = f"start: {head}answer\nanswer: {_json(schema, {})}\n" + ("REASONING: /(?s:.*)/\n" if thinking else "")
-    return _check(grammars.from_lark(lark), "response_format")
+    return _check(grammars.from_lark(lark), "response_format", checked)
 
 
 # --------------------------------------------------------------------------- DSML tool calls
@@ -138,7 +139,7 @@ def _invoke(tool, index: int, strict: bool, rules: list[str]) -> str:
 
 
 def tool_grammar(tools, choice, parallel: bool | None, thinking: bool = False,
-                 think_end_id: int | None = None) -> str | None:
+                 think_end_id: int | None = None, checked: grammars.CheckedGrammars | None = None) -> str | None:
     """The grammar of a chat request's output given its tools and `tool_choice` (after
     `chat_options.tools_offered` checked them); None when nothing is enforced."""
     if not tools or choice == "none":
@@ -171,13 +172,14 @@ def tool_grammar(tools, choice, parallel: bool | None, thinking: bool = False,
     head = _reasoning(think_end_id, "tool_choice") if thinking else ""
     lark = "\n".join([f"start: {head}answer", f"answer: {body}", *rules, "_NL: \"\\n\"", 'PNAME: /[^"<>\\n]{1,64}/',
                       r"RAW: /([^<]|<[^\/<])*/", "REASONING: /(?s:.*)/"]) + "\n"
-    return _check(grammars.from_lark(lark), "tools")
+    return _check(grammars.from_lark(lark), "tools", checked)
 
 
-def chat_grammar(req, tools, thinking: bool, think_end_id: int | None) -> str | None:
+def chat_grammar(req, tools, thinking: bool, think_end_id: int | None,
+                 checked: grammars.CheckedGrammars | None = None) -> str | None:
     """A chat request's grammar: its `response_format`'s or its tools' (`tools`: those offered)."""
-    fmt = response_grammar(req.response_format, thinking, think_end_id)
-    calls = tool_grammar(tools, req.tool_choice, req.parallel_tool_calls, thinking, think_end_id)
+    fmt = response_grammar(req.response_format, thinking, think_end_id, checked)
+    calls = tool_grammar(tools, req.tool_choice, req.parallel_tool_calls, thinking, think_end_id, checked)
     if fmt is not None and calls is not None:
         raise invalid("'response_format' and 'tool_choice' (or strict tools) both constrain the output; "
                       "give one of them", "response_format")

@@ -6,7 +6,7 @@ on the device and the masked draw give the CPU's result at V4's vocabulary size.
 import pytest
 import torch
 
-from model.grammar import GrammarError, Grammars, check, from_json_schema, from_lark
+from model.grammar import CheckedGrammars, GrammarError, Grammars, check, from_json_schema, from_lark
 from model.sampling import SamplingParams, apply_bitmask, sample_rows
 from model.tokenizer import ByteTokenizer
 
@@ -97,3 +97,15 @@ def test_mask_and_masked_draw_on_the_gpu_equal_the_cpu():
     cpu = sample_rows(logits, params, positions, impl="torch", masks=masks)
     assert sample_rows(logits.cuda(), params, positions, masks=masks.cuda()) == cpu
     assert all((int(masks[i, t // 32]) >> (t % 32)) & 1 for i, t in enumerate(cpu))
+
+
+def test_checked_grammars_remember_each_verdict():
+    checked = CheckedGrammars(size=2)
+    bad = from_json_schema({"type": "objectx"})
+    for _ in range(2):  # the second time from the cache: the same verdict
+        checked.check(DIGITS)
+        with pytest.raises(GrammarError, match="objectx"):
+            checked.check(bad)
+    checked.check(from_lark('start: "x"'))  # evicts the oldest; it is checked again when it comes back
+    with pytest.raises(GrammarError, match="objectx"):
+        checked.check(bad)
