@@ -39,6 +39,11 @@ class InferenceStub:
                 request_serializer=router_dot_proto_dot_v4serve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_v4serve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/v4serve.v1.Inference/Chat',
+                request_serializer=router_dot_proto_dot_v4serve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_v4serve__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/v4serve.v1.Inference/Abort',
                 request_serializer=router_dot_proto_dot_v4serve__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,15 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Streams the new tokens of one request; the last message has finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """A chat (as POST /v1/chat/completions): the conversation encoded as DeepSeek-V4 defines it,
+        the output streamed as deltas of content, reasoning_content and tool calls; the last message
+        of each choice has finish_reason ("stop", "length" or "tool_calls") and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +106,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=router_dot_proto_dot_v4serve__pb2.GenerateRequest.FromString,
                     response_serializer=router_dot_proto_dot_v4serve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=router_dot_proto_dot_v4serve__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_proto_dot_v4serve__pb2.ChatResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -136,6 +155,33 @@ class Inference:
             '/v4serve.v1.Inference/Generate',
             router_dot_proto_dot_v4serve__pb2.GenerateRequest.SerializeToString,
             router_dot_proto_dot_v4serve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/v4serve.v1.Inference/Chat',
+            router_dot_proto_dot_v4serve__pb2.ChatRequest.SerializeToString,
+            router_dot_proto_dot_v4serve__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
