@@ -1,9 +1,9 @@
 """gRPC front door (grpc.aio): service `v4serve.v1.Inference` plus the standard health service
 and server reflection.
 
-A GenerateRequest is validated by the same code as the HTTP API: it is turned into the equivalent
-/v1/completions body and parsed by `openai_protocol`, so both doors accept and refuse exactly the
-same inputs. The client's own gRPC deadline tightens the request deadline; a client cancel
+A GenerateRequest (a ChatRequest) is validated by the same code as the HTTP API: it is turned into
+the equivalent /v1/completions (/v1/chat/completions, `grpc_chat.py`) body and parsed by
+`openai_protocol`, so both doors accept and refuse exactly the same inputs. The client's own gRPC deadline tightens the request deadline; a client cancel
 cancels the handler task, which makes the dispatcher abort the backend request.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import time
@@ -24,8 +23,9 @@ from grpc_reflection.v1alpha import reflection
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
+from router.grpc_chat import chat_body, shared_fields, stream_chat, token_logprobs
 from router.openai_format import stop_string_matched
-from router.openai_protocol import Limits, ParsedRequest, finalize, parse_completion, prompt_ids
+from router.openai_protocol import Limits, ParsedRequest, finalize, parse_chat, parse_completion, prompt_ids
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
 from worker_runtime.wire import ErrorCode
 
@@ -43,47 +43,16 @@ def request_body(req: pb.GenerateRequest) -> dict:
     has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
     if has_text == has_ids:
         raise invalid("exactly one of 'prompt' and 'prompt_token_ids' must be set", "prompt")
-    body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids)}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "logprobs", "min_p"):
-        if req.HasField(name):
-            body[name] = getattr(req, name)
-    if req.logit_bias:
-        body["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
-    if req.stop:
-        body["stop"] = list(req.stop)
-    if req.stop_token_ids:
-        body["stop_token_ids"] = list(req.stop_token_ids)
-    if req.ignore_eos:
-        body["ignore_eos"] = True
+    body: dict = {"prompt": req.prompt if has_text else list(req.prompt_token_ids), **shared_fields(req)}
+    if req.HasField("logprobs"):
+        body["logprobs"] = req.logprobs
     if req.echo:
         body["echo"] = True
-    if req.include_stop_str_in_output:
-        body["include_stop_str_in_output"] = True
-    if req.model:
-        body["model"] = req.model
-    if req.HasField("response_format"):
-        body["response_format"] = _response_format(req.response_format)
     return body
 
 
-def _response_format(fmt: pb.ResponseFormat) -> dict:
-    """The OpenAI `response_format` of the message's (the schema's JSON text parsed)."""
-    if fmt.type != "json_schema":
-        if fmt.json_schema or fmt.name:
-            raise invalid("'response_format.json_schema' and '.name' go with type 'json_schema'", "response_format")
-        return {"type": fmt.type}
-    try:
-        schema = json.loads(fmt.json_schema) if fmt.json_schema else {}
-    except ValueError as e:
-        raise invalid(f"'response_format.json_schema' is not JSON: {e}", "response_format.json_schema") from None
-    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": schema}}
-
-
 def _logprobs(chunk, prompt: bool = False) -> list:
-    return [pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-            for lp in (chunk.prompt_logprobs if prompt else chunk.logprobs) or ()]
+    return token_logprobs(chunk.prompt_logprobs if prompt else chunk.logprobs)
 
 
 def _check_request_id(rid: str) -> str:
@@ -109,12 +78,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return None
         return self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
 
-    async def _request(self, request, context) -> ParsedRequest:
-        """Validated exactly as the equivalent /v1/completions body; a large message in a thread."""
+    async def _request(self, request, context, parse=parse_completion, body=request_body) -> ParsedRequest:
+        """Validated exactly as the equivalent HTTP body (`body(request)` parsed by `parse`); a large
+        message in a thread."""
         if request.ByteSize() > _THREAD_PARSE_BYTES:
-            draft = await asyncio.to_thread(lambda: parse_completion(request_body(request), self.limits))
+            draft = await asyncio.to_thread(lambda: parse(body(request), self.limits))
         else:
-            draft = parse_completion(request_body(request), self.limits)
+            draft = parse(body(request), self.limits)
         rid = _check_request_id(request.request_id) if request.request_id else None
         parsed = finalize(draft, await prompt_ids(draft, self.backend.tokenizer), self.limits, time.time(),
                           request_id=rid)
@@ -176,6 +146,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 index=c.index, logprobs=_logprobs(last[c.index]),
                 prompt_logprobs=_logprobs(last[c.index], prompt=True), usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                               cached_tokens=u.cached_tokens)))
+
+    async def Chat(self, request, context):
+        arrival = time.perf_counter()
+        try:
+            parsed = await self._request(request, context, parse_chat, chat_body)
+            owner = self._owner(context)
+            slot = self.dispatcher.admit(len(parsed.children))
+        except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
+            err = _as_api_error(exc, "Chat")
+            self.dispatcher.rejected(err)
+            await _abort_with(context, err)
+            return
+        try:
+            await stream_chat(self.dispatcher, self.backend.tokenizer, self.limits.model_name, parsed, slot, arrival,
+                              owner, context.write)
+        except APIError as err:
+            self.dispatcher.rejected(err)  # an error execute did not count (a request id in use)
+            await _abort_with(context, err)
 
     async def Abort(self, request, context):
         """With API keys on, only the caller's own requests (made with the same key) are found."""
