@@ -86,7 +86,7 @@ def test_pools_sit_on_the_hosts_they_are_pinned_to(cluster):
 
 
 def test_outputs_equal_generate_and_kv_crosses_hosts_over_tcp(cluster, reference):
-    work = workload(8, seed=1)
+    work = workload(4, seed=1)
     before = {i: cluster.hosts.counters(i)["tx_bytes"] for i in PREFILL_HOSTS}
     kv_before = cluster.metrics().get("v4serve_kv_transfer_bytes_total", 0.0)
     got = cluster.generate(work)
