@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from decode_worker import speculative
+from decode_worker.running import Planned, Running
 from model import speculation
 from model.batch import ForwardBatch
 from model.detokenizer import Detokenizer
@@ -63,40 +64,6 @@ class DecodeConfig:
 
     def __post_init__(self):
         speculation.check_depth(self.speculative_tokens)
-
-
-@dataclass
-class Running:
-    req: GenerateRequest
-    state: RequestState
-    detok: Detokenizer
-    seq: SeqKV | None = None
-    prefilled: int = 0  # prompt tokens in the pools (local prefill progress)
-    tokens: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    grammar: GrammarState | None = None  # its grammar's state after `tokens` (req.grammar set)
-    prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (prompt logprobs asked)
-
-    @property
-    def total_tokens(self) -> int:
-        """Tokens the request may ever hold in the pools (the last sampled one is never fed; a
-        request of max_tokens 0 still holds its whole prompt)."""
-        return len(self.req.prompt_ids) + max(self.req.max_tokens, 1) - 1
-
-    @property
-    def wants_prompt_rows(self) -> bool:
-        """Whether its prompt chunk in this step needs the logits at every row (prompt logprobs)."""
-        return self.state is RequestState.PREFILLING and self.req.prompt_logprobs is not None
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One step's forward: the batch, owners[i] = (request, whether segment i yields a token), and
-    pending[i] its speculative step (None: a plain segment; empty without speculation)."""
-
-    batch: ForwardBatch
-    owners: list[tuple[Running, bool]]
-    pending: tuple[speculation.Pending | None, ...] = ()
 
 
 class DecodeEngine:

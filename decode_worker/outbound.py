@@ -21,7 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from decode_worker.engine import DecodeEngine, Running
+from decode_worker.engine import DecodeEngine
+from decode_worker.running import Running
 from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
 from kvtransfer.sender import Sender
