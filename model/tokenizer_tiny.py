@@ -21,7 +21,7 @@ from model.tokenizer import BYTE_SPECIALS
 PLACEHOLDER = "<｜place▁holder▁no▁{}｜>"
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """GPT-2's byte → printable character map, the alphabet of byte-level BPE."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars, extra = {}, 0
@@ -49,7 +49,7 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {c: b for b, c in enumerate(_byte_chars())}, "merges": []},
+                  "vocab": {c: b for b, c in enumerate(byte_chars())}, "merges": []},
     }
     return json.dumps(doc, ensure_ascii=False, indent=1)
 

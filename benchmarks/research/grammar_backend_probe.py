@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from model.tokenizer_tiny import _byte_chars
+from model.tokenizer_tiny import byte_chars
 
 SCHEMA = {
     "type": "object",
@@ -67,7 +67,7 @@ def synthetic_tokenizer_json(vocab: int) -> tuple[str, int]:
         data = path.read_bytes()
         for n in (2, 3, 4, 5, 6, 8, 10, 12):
             counts.update(data[i:i + n] for i in range(0, len(data) - n, n))
-    chars = _byte_chars()
+    chars = byte_chars()
     vocab_map = {c: b for b, c in enumerate(chars)}
     for piece, _ in counts.most_common():
         if len(vocab_map) >= vocab - 2:
