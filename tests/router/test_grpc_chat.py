@@ -164,3 +164,10 @@ def test_grpc_only_refusals(stub):
         with pytest.raises(grpc.RpcError) as e:
             chat(stub, max_tokens=5, **fields)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output(router, stub, include):
+    router.set_stub(script=tuple(router.tokenizer.encode("one. two. three")))
+    out = chat(stub, messages=[USER], max_tokens=40, stop=[". t"], include_stop_str_in_output=include)
+    assert out[-1].finish_reason == "stop" and assembled(out)[0]["content"] == ("one. t" if include else "one")
