@@ -97,17 +97,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                         for c in parsed.children))
         return parsed
 
-    async def Generate(self, request, context):
-        arrival = time.perf_counter()
+    async def _admit(self, request, context, method: str, *parse):
+        """(parsed, owner, slot) of an admitted call, or None once it was refused with its status."""
         try:
-            parsed = await self._request(request, context)
-            owner = self._owner(context)
-            slot = self.dispatcher.admit(len(parsed.children))
+            parsed = await self._request(request, context, *parse)
+            return parsed, self._owner(context), self.dispatcher.admit(len(parsed.children))
         except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
-            err = _as_api_error(exc, "Generate")
+            err = _as_api_error(exc, method)
             self.dispatcher.rejected(err)
             await _abort_with(context, err)
+            return None
+
+    async def Generate(self, request, context):
+        arrival = time.perf_counter()
+        admitted = await self._admit(request, context, "Generate")
+        if admitted is None:
             return
+        parsed, owner, slot = admitted
 
         rid, keep_stop = parsed.request_id, parsed.options.include_stop_str
         lock = asyncio.Lock()  # choices stream from tasks of their own: one write at a time
@@ -149,15 +155,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Chat(self, request, context):
         arrival = time.perf_counter()
-        try:
-            parsed = await self._request(request, context, parse_chat, chat_body)
-            owner = self._owner(context)
-            slot = self.dispatcher.admit(len(parsed.children))
-        except Exception as exc:  # noqa: BLE001 - a bug too must end in a status and be counted
-            err = _as_api_error(exc, "Chat")
-            self.dispatcher.rejected(err)
-            await _abort_with(context, err)
+        admitted = await self._admit(request, context, "Chat", parse_chat, chat_body)
+        if admitted is None:
             return
+        parsed, owner, slot = admitted
         try:
             await stream_chat(self.dispatcher, self.backend.tokenizer, self.limits.model_name, parsed, slot, arrival,
                               owner, context.write)
