@@ -6,10 +6,11 @@
           the engine's work ahead of it is under `TARGET_HORIZON_STEPS` steps this worker asks
           the decode worker for the target (`reserve_for_prefill`), so a lease covers the
           request's own compute and transfer, never its wait in this queue
-    loop: apply commands → ask for due targets → engine.step() (in a thread) → WRITE the compressed pages each chunk
-          made final (transfer overlaps the next chunks) → for each finished prompt: WRITE the
-          rest (last pages, SWA window, compress-state rings), TransferDone with the header →
-          sender.poll(): on ack / refusal / lease end, free the pages and answer the caller
+    loop: apply commands → ask for due targets → engine.step() (in a thread) → WRITE the compressed
+          pages each chunk made final (transfer overlaps the next chunks) → for each finished
+          prompt: WRITE the rest (last pages, SWA window, compress-state rings), TransferDone with
+          the header → sender.poll(): on ack / refusal / lease end, free the pages and answer the
+          caller (the writes and answers: prefill_worker/shipping.py)
 
 Each request's way out is one record (prefill_worker/delivery.py: COMPUTING → SHIPPING → ACKED,
 ...). The prefill worker keeps a request's pages until the decode side acknowledges them. If that
@@ -31,15 +32,9 @@ import logging
 
 import torch
 
-from kvtransfer.checksum import range_checksum_tensor
 from kvtransfer.faults import FaultPlan
-from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
-from kvtransfer.regions import layer_byte_range
 from kvtransfer.sender import Sender
-from kvtransfer.transport import metadata_epoch
-from kvtransfer.write_plan import SendPart
-from model.kv_pool import RATIO_OF_KIND
 from model.tokenizer import load_tokenizer
 from prefill_worker.delivery import (
     HOLDING,
@@ -51,15 +46,16 @@ from prefill_worker.delivery import (
     TransferFailed,
 )
 from prefill_worker.engine import PrefillConfig, PrefillEngine
-from prefill_worker.layer_stream import LayerStream, Streamed
+from prefill_worker.layer_stream import LayerStream
 from prefill_worker.prefix_store import PrefixStore
+from prefill_worker.shipping import Shipping
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.in_process import InProcess
 from worker_runtime.model_loader import check_step_fits, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
-from worker_runtime.wire import GenerateRequest, TargetReply, TransferHeader, WorkerLoad
+from worker_runtime.wire import GenerateRequest, TargetReply, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +87,7 @@ class PrefillWorker:
         # a write still in flight a lease after its deadline went to a dead peer: give up on it
         self.sender = Sender(self.shell.agent, self.shell.layout, stuck_s=options.lease_s)
         self.deliveries = Deliveries(hold_s=options.lease_s)  # one record per request, by engine id
-        self.peers: dict[str, str] = {}  # agent name → epoch of the last handshake
-        self.streamed_pages = 0  # pages shipped before their request's prefill ended
-        self.layer_streamed = 0  # requests whose last chunk went layer by layer as it was computed
+        self.shipping = Shipping(self.sender, self.pools, self.engine, self.deliveries)
         self.repulls = 0  # deliveries of held KV to a new decode worker
         self.commands = Commands()  # changes from actor methods, applied by the loop
         self.shell.observe(self.engine.stats, lambda: {"sent": self.sender.metrics.snapshot()})  # engine metrics
@@ -112,7 +106,8 @@ class PrefillWorker:
         return {"free": self.pools.num_free(), "idle": self.pools.idle_free(),
                 "cached_pages": self.store.cache.num_cached_pages() if self.store else 0,
                 "computed_tokens": self.engine.computed_tokens, "holding": len(self.deliveries.in_state(*HOLDING)),
-                "streamed_pages": self.streamed_pages, "layer_streamed": self.layer_streamed, "repulls": self.repulls, "epoch": self.shell.agent.epoch,
+                "streamed_pages": self.shipping.streamed_pages, "layer_streamed": self.shipping.layer_streamed,
+                "repulls": self.repulls, "epoch": self.shell.agent.epoch,
                 "queued": len(self.engine.waiting) + len(self.engine.running) + len(self._untargeted()),
                 "transfers": self.sender.metrics.snapshot()}
 
@@ -175,7 +170,7 @@ class PrefillWorker:
     def _submit(self, d: Delivery) -> None:
         # an abort() that Ray ran before this prefill() was applied first: the delivery ended already
         if self.deliveries.find(d.request_id) is d:
-            self._connect_early(d.dest)  # in the loop: a step's layer writes use the sender meanwhile
+            self.shipping.connect_early(d.dest)  # in the loop: a step's layer writes use the sender meanwhile
             self.engine.submit(d.req)
 
     # --- targets asked for when a request is about to start -----------------------------------
@@ -193,7 +188,7 @@ class PrefillWorker:
             if ahead >= horizon or slots <= 0:
                 return
             ahead, slots = ahead + len(d.req.prompt_ids), slots - 1
-            self._connect_early(d.asker)  # its Ack of a reservation it gives up must reach us
+            self.shipping.connect_early(d.asker)  # its Ack of a reservation it gives up must reach us
             asyncio.ensure_future(self._ask(d, self.deliveries.ask(d), d.asker.decode_id))
 
     async def _ask(self, d: Delivery, ask: int, decode_id: str) -> None:
@@ -216,7 +211,7 @@ class PrefillWorker:
         else:
             dest = Destination(decode_target(reply.target), d.asker.metadata, d.asker.layout)
             self.deliveries.targeted(d, dest)
-            self._connect_early(dest)
+            self.shipping.connect_early(dest)
             self.engine.submit(d.req)
 
     async def repull(self, lost_id: str, req: GenerateRequest, target: bytes, peer_metadata: bytes,
@@ -236,7 +231,7 @@ class PrefillWorker:
             raise TransferFailed(f"peer_restarted: {self.worker_id} is epoch {self.shell.agent.epoch}, not {epoch}")
 
     def _repull(self, lost_id: str, req: GenerateRequest, dest: Destination, fut: asyncio.Future) -> None:
-        self._connect_early(dest)
+        self.shipping.connect_early(dest)
         d = self.deliveries.find(lost_id)
         if d is None or d.state is State.ABORTING or d.req.prompt_ids != req.prompt_ids:
             fut.set_exception(TransferFailed(f"no KV of {lost_id!r} held here"))
@@ -249,7 +244,7 @@ class PrefillWorker:
         if was in (State.QUEUED, State.ASKING):  # not started: the engine takes it now, for the new target
             self.engine.submit(d.req)
         if d.state is State.SHIPPING:
-            self._ship(d)
+            self.shipping.ship(d)
 
     async def abort(self, request_id: str) -> bool:
         self.commands.put(lambda: self._abort(request_id))
@@ -289,7 +284,7 @@ class PrefillWorker:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
                     await self.commands.wait()
-                self._poll_sender()
+                self.shipping.poll()
                 for d in self.deliveries.expire():
                     self.engine.release(d.done)
                 await self._publish_events()
@@ -302,11 +297,11 @@ class PrefillWorker:
         layers written to their targets as the forward computes them (layer_stream.py)."""
         planned = self.engine.plan()
         if planned is None:
-            self._computed([])
+            self.shipping.computed([])
             return
         stream = LayerStream.plan(planned.owners, self.deliveries, self.pools, self.sender,
                                   self.options.prefill_layer_stream, len(self.engine.model.layers))
-        self._computed(await asyncio.to_thread(self.engine.run, planned, None, stream), stream)
+        self.shipping.computed(await asyncio.to_thread(self.engine.run, planned, None, stream), stream)
 
     async def _group_step(self, group: ExpertParallelGroup) -> None:
         """One lockstep step of the expert-parallel group; when no rank had work, wait until the
@@ -319,10 +314,10 @@ class PrefillWorker:
         if finished is None:
             await group.wait_idle(self.commands, self._transfers_in_flight)
         else:
-            self._computed(finished)
+            self.shipping.computed(finished)
 
     def _transfers_in_flight(self) -> bool:
-        self._poll_sender()
+        self.shipping.poll()
         return bool(self.deliveries.in_state(State.SHIPPING, State.ABORTING))
 
     async def _leave_group(self, reason: str) -> None:
@@ -351,126 +346,3 @@ class PrefillWorker:
             log.warning("publishing %d KV events failed: %s", len(events), e)
 
     # --- writing the KV -------------------------------------------------------------------
-    def _connect_early(self, dest: Destination | Asker) -> None:
-        """Know the decode worker from the moment it reserves pages for us (or is asked to), not
-        from the first write: if it gives the reservation up first (lease over, abort), its Ack
-        must find us able to answer Fenced, or its pages wait out the receiver's fence timeout. A
-        refused handshake is left to _ship, which reports it."""
-        try:
-            if isinstance(dest, Asker):  # a worker's id is its agent's name
-                self._handshake(dest.decode_id, metadata_epoch(dest.metadata), dest.metadata, dest.layout)
-            else:
-                self._connect(dest)
-        except Exception as e:
-            log.debug("early handshake with %s failed: %s", getattr(dest, "decode_id", None) or dest.request_id, e)
-
-    def _connect(self, dest: Destination) -> None:
-        self._handshake(dest.target.agent_name, dest.target.agent_epoch, dest.metadata, dest.layout)
-
-    def _handshake(self, name: str, epoch: str, metadata: bytes, layout: bytes) -> None:
-        if self.peers.get(name) != epoch:
-            self.sender.handshake(name, metadata, LayoutDescriptor.from_bytes(layout))
-            self.peers[name] = epoch
-
-    def _computed(self, finished: list, stream: LayerStream | None = None) -> None:
-        """After a step: ship what the engine finished, stream what became final of the rest."""
-        for done in finished:
-            d = self.deliveries.find(done.request_id)
-            self.deliveries.computed(d, done)
-            if d.state is State.SHIPPING:
-                self._ship(d, stream.result(d) if stream is not None else None)
-        self._stream_progress()
-
-    def _stream_progress(self) -> None:
-        """Write the compressed pages that became final in this step (every page whose entries
-        are all written), so the transfer overlaps the prefill of the next chunks."""
-        for d in self.deliveries.in_state(State.COMPUTING):
-            job = self.engine.running.get(d.request_id)
-            if job is None or job.seq is None:
-                continue
-            runs, offsets = {}, {}
-            for kind, pages in d.dest.target.page_ids:
-                if kind not in RATIO_OF_KIND:
-                    continue  # SWA (only the last window) and state rings go at the end
-                final = job.seq.num_tokens // RATIO_OF_KIND[kind] // self.pools.specs[kind].entries_per_page
-                final = min(final, len(pages))
-                if final > d.streamed.get(kind, 0):
-                    runs[kind] = job.seq.pages[kind][d.streamed.get(kind, 0):final]
-                    offsets[kind] = d.streamed.get(kind, 0)
-            if not runs:
-                continue
-            try:
-                self._connect(d.dest)
-                self.sender.send(d.dest.target, runs, first_page=offsets)
-            except Exception as e:  # the target is gone or refused: the KV is parked once computed
-                log.warning("streaming %s failed: %s", d.request_id, e)
-                self.sender.abort(d.dest.request_id)
-                self.deliveries.detach(d, TransferFailed(str(e)))
-                continue
-            for kind, run in runs.items():
-                d.streamed[kind] = offsets[kind] + len(run)
-                self.streamed_pages += len(run)
-
-    def _ship(self, d: Delivery, streamed: Streamed | None = None) -> None:
-        """Write the rest of a computed request (what was not streamed, per chunk or per layer)
-        and notify its target."""
-        done, dest, sent = d.done, d.dest, d.streamed
-        try:
-            self._connect(dest)
-            # kinds with no pages yet (e.g. c128 before 128 tokens) are not part of the target
-            pages = {k: v for k, v in self.pools.resume_pages(done.seq).items() if v}
-            sums = None
-            if streamed is not None and streamed.failed is None and streamed.pages == pages:
-                parts, sums = self._after_layers(streamed)
-                if parts:
-                    self.sender.send_many(dest.target, parts)
-                self.layer_streamed += 1
-            else:
-                rest = {k: v[sent.get(k, 0):] for k, v in pages.items() if v[sent.get(k, 0):]}
-                if rest:
-                    self.sender.send(dest.target, rest, first_page={k: sent.get(k, 0) for k in rest})
-            header = TransferHeader(done.seq.num_tokens, done.first_token, done.computed_tokens, done.first_logprobs,
-                                    done.prompt_logprobs)
-            self.sender.finish(dest.target, header.to_bytes(), src_pages=pages, checksums=sums)
-        except Exception as e:  # mismatch, stale target, lease over: nothing usable was declared
-            log.warning("shipping %s failed: %s", d.request_id, e)
-            self.sender.abort(dest.request_id)
-            if dest.request_id in self.sender.holding():  # writes in flight: settled at the sender's answer
-                self.deliveries.answer(d, TransferFailed(str(e)))
-            else:
-                self.deliveries.lost(d, TransferFailed(str(e)))
-
-    def _after_layers(self, s: Streamed) -> tuple[list[SendPart], dict]:
-        """What the step's layer writes left: the slices of layers the main model does not write
-        (the MTP layer's), as parts; and the checksums of the kinds whose every layer went, from
-        the terms summed on the device while they were written plus the leading pages that
-        earlier steps wrote whole."""
-        parts, sums = [], {}
-        for kind, pages in s.pages.items():
-            first, spec = s.first[kind], self.pools.specs[kind]
-            missing = s.missing(self.pools, kind)
-            if not missing and kind in s.sums:
-                lead = range_checksum_tensor(self.pools.buffers[kind], pages[:first]) if first else 0
-                sums[kind] = s.sums[kind] + lead
-                continue
-            if not missing or not pages[first:]:
-                continue
-            runs = [[missing[0]]]
-            for i in missing[1:]:
-                if i == runs[-1][-1] + 1:
-                    runs[-1].append(i)
-                else:
-                    runs.append([i])
-            for run in runs:
-                r = layer_byte_range(spec.page_bytes, len(spec.layers), run[0], len(run))
-                parts.append(SendPart({kind: pages[first:]}, {kind: r}, {kind: first}))
-        return parts, sums
-
-    def _poll_sender(self) -> None:
-        for ev in self.sender.poll():
-            d = self.deliveries.find(ev.request_id)
-            if d is None or d.state not in (State.SHIPPING, State.ABORTING) or d.dest.request_id != ev.request_id:
-                continue  # an earlier delivery of a re-pulled request (or one that never shipped)
-            self.deliveries.settle(d, ev.reason)
-            if d.state is not State.PARKED:  # acked, given up or aborted: the pages go back
-                self.engine.release(d.done)

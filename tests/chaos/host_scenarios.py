@@ -141,7 +141,7 @@ async def node_rejoin(bed: HostsBed, rng: random.Random) -> str:
         bed.dead.discard(victim)
 
     async def met_new() -> bool:
-        peers = await bed.actor("prefill-0").__ray_call__.remote(lambda s: dict(s.peers))
+        peers = await bed.actor("prefill-0").__ray_call__.remote(lambda s: dict(s.shipping.peers))
         return peers.get(victim) not in (None, info.epoch)
 
     # the second wave (waves_s) brings prefill-0 transfers for the new decode-1; until it has met
