@@ -305,7 +305,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              kill_when("decode-0", "awaiting", "while it awaited KV", after_s=(0.0, 0.5)),
              lambda o: _counted("retargeted{repull,recompute}", retargeted(o, "repull", "recompute"))),
     Scenario("crash_decode_at_verify", "decode process exits when TransferDone arrives", crash_decode_at_verify,
-             lambda o: _counted("retargeted{repull}", retargeted(o, "repull")), ci=True),
+             lambda o: _counted("retargeted{repull}", retargeted(o, "repull"))),
     Scenario("kill_decode_mid_decode", "decode actor killed while decoding",
              # a request with tokens still to go, so the kill lands before it can finish
              # looked for from early on: a late look can find decode-0's share of the load done
@@ -315,7 +315,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("rebalance", "none: running requests migrated under load", rebalance,
              lambda o: _counted("retargeted{migrate}", retargeted(o, "migrate"))),
     Scenario("kill_migration_source", "migration source exits mid-migration", kill_migration_source,
-             lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull")), ci=True),
+             lambda o: _counted("retargeted{recompute,repull}", retargeted(o, "recompute", "repull"))),
     Scenario("kill_migration_target", "migration target killed mid-migration", kill_migration_target,
              lambda o: _counted("migrations_out_failed + retargeted{recompute}",
                                 worker_sum(o, "counts", "migrations_out_failed") + retargeted(o, "recompute"))),

@@ -35,7 +35,9 @@ def cluster(tiny_official_ckpt):
     c.stop()
 
 
-@pytest.mark.parametrize("n_requests", [400, pytest.param(1000, marks=pytest.mark.exhaustive)])
+# exhaustive: a cluster of its own and ~65 s; CI checks abort bookkeeping in tests/router and the chaos subset
+@pytest.mark.parametrize("n_requests", [pytest.param(400, marks=pytest.mark.exhaustive),
+                                        pytest.param(1000, marks=pytest.mark.exhaustive)])
 def test_abort_storm_leaves_no_pages(cluster, n_requests):
     rng = random.Random(7)
 

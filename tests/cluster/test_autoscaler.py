@@ -380,6 +380,7 @@ WAVES = [(0.0, 10), (1.5, 10), (3.0, 10)] + [(6.0 + 0.7 * k, 1) for k in range(1
 
 
 @pytest.mark.cluster
+@pytest.mark.exhaustive  # ~45-60 s of Ray pools growing and shrinking; the policy's cases above stay in CI
 def test_ray_actuator_follows_a_load_trace(tiny_official_ckpt, tmp_path):
     pytest.importorskip("nixl")
     import asyncio

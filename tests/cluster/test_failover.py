@@ -36,6 +36,7 @@ pytestmark = pytest.mark.cluster  # starts Ray
 pytest.importorskip("nixl")
 
 
+@pytest.mark.exhaustive  # ~40-50 s; CI kills decode workers in test_supervision.py and the chaos subset
 def test_killed_decode_worker_requests_continue_elsewhere(tiny_official_ckpt):
     options = WorkerOptions(str(tiny_official_ckpt), "", max_tokens=512, max_seqs=16, lease_s=3.0)
     cluster = LocalCluster(ClusterOptions(options, prefill=1, decode=2), Environment(None, None, Path("/tmp"))).start()

@@ -174,6 +174,7 @@ def test_autoscaler_scale_down_migrates_running_requests(cluster, oracle):
     assert_idle(cluster.decode)
 
 
+@pytest.mark.exhaustive  # ~30-36 s; the drain itself is in CI through the autoscaler's scale-down below
 def test_v4serve_drain_cli_migrates_a_decode_worker(cluster, oracle):
     """`v4serve drain WORKER` against the running cluster (a separate process joining its Ray)."""
     added = cluster.add_worker("decode")  # the previous test left one decode worker

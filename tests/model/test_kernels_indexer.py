@@ -95,6 +95,7 @@ def test_logits_rotate_the_queries_as_the_rope_kernel_does():
                        indexer.indexer_topk(rope.apply(q, batch.positions), w, batch, pools, 1, 16, "torch"))
 
 
+@pytest.mark.exhaustive  # ~24 s under the interpreter; the GPU parity run compiles it
 def test_head_weights_scaled_in_the_logits_launch():
     """`w_scale` (the indexer's n_I^-1/2, which `Indexer.forward` no longer applies in an
     element-wise launch of its own) gives the bits of scaling w first, also at a scale that is

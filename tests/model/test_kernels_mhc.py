@@ -43,7 +43,7 @@ def test_hc_pre_matches_reference(dtype, T):
                                       (mhc.MixTiles(bt=16, split=2, num_warps=8, collapse_split=3), 70),
                                       (mhc.MixTiles(bt=16), 1), (mhc.SmallTiles(columns=32, num_warps=4), 2),
                                       (mhc.SmallTiles(columns=64, num_warps=8), 7),
-                                      (mhc.BatchTiles(bt=16, columns=64), 70), (mhc.BatchTiles(bt=64, columns=16), 3),
+                                      pytest.param(mhc.BatchTiles(bt=16, columns=64), 70, marks=pytest.mark.exhaustive), (mhc.BatchTiles(bt=64, columns=16), 3),
                                       (mhc.BatchTiles(bt=32, columns=32, num_warps=8), 1)], ids=str)
 def test_hc_pre_launch_shapes_agree(dtype, tiles, T):
     """Every launch shape (tokens per program, K per step, K splits, warps, D splits of the
@@ -98,7 +98,8 @@ def _pending(T, hc, D, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, pending", [(1, True), (3, False), (4, True), (5, True), (70, True)])
+@pytest.mark.parametrize("T, pending", [(1, True), (3, False), (4, True), (5, True),
+                                        pytest.param(70, True, marks=pytest.mark.exhaustive)])  # ~16 s a dtype
 def test_sublayer_input_matches_reference(dtype, T, pending):
     """One fused entry (settle the pending hc_post, mixes, Sinkhorn, collapse, RMSNorm) against
     the reference's hc_post → hc_pre → rms_norm; the arrival counters are zero afterwards."""

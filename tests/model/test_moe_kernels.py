@@ -353,6 +353,7 @@ def test_split_k_small_steps(poisoned, fmt, T):
     assert torch.equal(out, again)  # the split order, not the arrival order, sets the sums
 
 
+@pytest.mark.exhaustive  # ~21 s under the interpreter; tests/gpu runs the split-K tiles compiled
 def test_split_k_tiles_fit_and_need_their_arrival_counters(monkeypatch):
     small, _ = moe_fused.decode_tiles(1)
     assert moe_grouped.fit(small, 2048, 4096).split_k == small.split_k > 1  # V4-Flash gate/up: K = 4096
