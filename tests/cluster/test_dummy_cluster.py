@@ -23,7 +23,7 @@ from tests.cluster.test_ep_prefill import requests
 from tests.cluster.test_pd_cluster import assert_idle, collect
 from worker_runtime.options import ExpertParallelOptions, WorkerOptions
 
-pytestmark = pytest.mark.cluster  # starts Ray
+pytestmark = [pytest.mark.cluster, pytest.mark.exhaustive]  # starts Ray; ~50 s, the GPU serve runs load dummy weights
 
 pytest.importorskip("nixl")
 

@@ -103,6 +103,7 @@ def test_idle_group_costs_little_cpu(cluster):
     assert_little_cpu(cluster.decode)
 
 
+@pytest.mark.exhaustive  # ~24 s; a broken group in CI: test_ep_prefill.py (a prefill rank killed)
 def test_killed_rank_takes_the_group_down_like_a_dead_worker(cluster, tiny_official_ckpt):
     rng = random.Random(3)
     long = GenerateRequest("long", tuple(rng.randrange(256) for _ in range(40)), max_tokens=400, ignore_eos=True)

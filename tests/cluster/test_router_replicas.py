@@ -210,6 +210,7 @@ def test_two_routers_serve_the_same_pools(owner, routers, reference):
     assert served == [len(work[0::2]), len(work[1::2])]
 
 
+@pytest.mark.exhaustive  # ~15 s
 def test_restarted_router_serves_without_restarting_the_pools(tiny_official_ckpt, owner, routers, env, reference):
     before = epochs(owner)
     routers[0].stop(signal.SIGKILL)  # a crash: nothing of the router is left to clean up

@@ -113,6 +113,7 @@ def test_negative_stats_interval_refused():
 
 
 @pytest.mark.cluster
+@pytest.mark.exhaustive  # ~22 s waiting out a start timeout
 def test_no_gpu_fails_within_start_timeout_with_the_reason(tiny_official_ckpt, tmp_path):
     pytest.importorskip("nixl")
     if shutil.which("nvidia-smi"):

@@ -182,6 +182,7 @@ async def _health(backend, prefill: int, decode: int) -> bool:
     return h["prefill"] == prefill and h["decode"] == decode
 
 
+@pytest.mark.exhaustive  # ~35 s; the replacement itself stays in CI above
 def test_workers_removed_on_purpose_are_not_brought_back(tiny_official_ckpt, tmp_path):
     """The autoscaler drains and removes a decode worker; a prefill worker killed and removed at
     once (the supervisor may see it dead first) is not replaced either; a decode worker that just
