@@ -6,9 +6,9 @@
   segment becomes the verify segment [last token, drafts...].
 * `verify`: the step's forward, with logits at every row of a verify segment and at the last row
   of the others: a CUDA graph of the batch's size when every segment verifies N drafts and the
-  worker captured graphs of N+1 tokens a row (`DecodeGraphs.tokens_per_row`; the MTP extension
-  then runs eagerly after the replay), else eagerly; one batched sampling draws the target's
-  token at every such row;
+  worker captured graphs of N+1 tokens a row (`DecodeGraphs.tokens_per_row`, the MTP extension
+  inside), else eagerly; the drafts replay the worker's draft graphs; one batched sampling draws
+  the target's token at every such row;
   each verify segment keeps its agreeing prefix plus the target's next token and rolls the pools
   back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
   max_tokens inside an accepted run ends the request there, as it would without speculation.
@@ -37,9 +37,10 @@ def draft(engine, owners: list, items: list) -> tuple:
     spec = engine.config.speculative_tokens
     decoding = [i for i, (r, _) in enumerate(owners) if r.state is RequestState.DECODING]
     runs = [owners[i][0] for i in decoding]
+    graphs = engine.graphs
     drafted = speculation.draft(engine.model, engine.pools, [
         (r.seq, r.tokens[-1], 0 if r.grammar is not None else min(spec, r.req.max_tokens - len(r.tokens) - 1),
-         r.req.sampling) for r in runs])
+         r.req.sampling) for r in runs], graphs.draft_for_rows if graphs is not None else None)
     pending: list = [None] * len(owners)
     for i, p in zip(decoding, drafted):
         pending[i] = p
@@ -57,9 +58,8 @@ def verify(engine, planned) -> list[TokenChunk]:
     graphs = engine.graphs
     graph = graphs.for_batch(batch) if graphs is not None and all(p is not None for p in pending) else None
     if graph is not None:  # every row a verify segment of the graph's length: flat is every row, in order
-        logits = graph.run(batch)
+        logits = graph.run(batch)  # the MTP extension included
         streams = graph.streams[: len(flat)]
-        engine.model.extend_mtp(streams, batch, engine.pools)
         graphs.replays += 1
     else:
         logits, streams = engine.model(batch, engine.pools, return_streams=True,
@@ -95,16 +95,20 @@ def verify(engine, planned) -> list[TokenChunk]:
                          masks=engine.grammars.bitmask(grammars, logits.device))
     # a row's logprobs belong to the target's token there: settle keeps a prefix of the rows' tokens
     lps = token_logprobs(logits, tokens, [r.req.logprobs for _, r, _, n in picked for _ in range(n)])
-    k = 0
-    for i, r, _, n in picked:
-        targets, row_lps, k = tokens[k:k + n], lps[k:k + n], k + n
-        p = pending[i]
-        if p is not None:
-            targets = speculation.settle(engine.pools, p, targets, streams[batch.segments[i].rows])
-            engine.pools.trim_window(r.seq)
-            engine.spec_proposed += len(p.drafts)
-            engine.spec_accepted += len(targets) - 1
-            engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
+    split, k = [], 0
+    for _, _, _, n in picked:
+        split.append((tokens[k:k + n], lps[k:k + n]))
+        k += n
+    spec = [(j, pending[i]) for j, (i, _, _, _) in enumerate(picked) if pending[i] is not None]
+    kept = speculation.settle(engine.pools, [p for _, p in spec], [split[j][0] for j, _ in spec], streams,
+                              [batch.segments[picked[j][0]].offset for j, _ in spec])
+    for (j, p), targets in zip(spec, kept):
+        split[j] = (targets, split[j][1])
+        engine.pools.trim_window(picked[j][1].seq)
+        engine.spec_proposed += len(p.drafts)
+        engine.spec_accepted += len(targets) - 1
+        engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
+    for (_, r, _, _), (targets, row_lps) in zip(picked, split):
         r.state = RequestState.DECODING
         for token, lp in zip(targets, row_lps):
             out.append(engine._emit(r, token, lp))

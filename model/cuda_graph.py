@@ -21,8 +21,12 @@ only the token ids.
 A graph of `tokens_per_row` L > 1 is a speculative verify step (`model/speculation.py`): each row
 is one request's segment of L tokens (its last sampled token and L-1 drafts), with logits and
 main streams at every token. The MTP block's extension (`Transformer.extend_mtp`) is not in the
-graph (its inputs are per-request host decisions): `run` returns the streams and the caller runs
-the extension eagerly over the real batch.
+graph too (`Transformer.extend_mtp` on the static batch: every row's MTP segment is its tokens one
+position back), so a verify step and its extension are one replay.
+
+A draft graph (`draft=True`) is one step of the MTP block and the head at one token a row
+(`Transformer.mtp_step`), beside the streams the caller puts in `streams_in`: a speculative step
+drafts N tokens in N replays of it (`model/speculation.py`).
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ class DecodeGraph:
     """One captured decode step for up to `batch_size` requests of up to `max_context` tokens."""
 
     def __init__(self, model, pools: KVPools, batch_size: int, max_context: int, scratch: SeqKV | None = None,
-                 tokens_per_row: int = 1):
+                 tokens_per_row: int = 1, draft: bool = False):
         """`scratch`: a request reserved for `max_context` tokens that the padding rows decode
         (graphs of several buckets share one); by default this graph reserves its own.
-        `tokens_per_row`: L tokens a row (L > 1: a verify step, logits and streams at every token)."""
+        `tokens_per_row`: L tokens a row (L > 1: a verify step, logits and streams at every token).
+        `draft`: a draft step of the MTP block (one token a row) on the streams in `streams_in`
+        [B, hc, D]; `run` returns its logits and its output streams are `streams`."""
+        if draft and tokens_per_row != 1:
+            raise ValueError("a draft graph takes one token a row")
         if pools.device == "cpu" or torch.device(pools.device).type != "cuda":
             raise ValueError("CUDA graphs need pools on a CUDA device")
         self.model, self.pools, self.B, self.max_context = model, pools, batch_size, max_context
@@ -76,22 +84,31 @@ class DecodeGraph:
             event.record()
         self.batch = ForwardBatch(self.ids, self.positions, ())
         self.batch.__dict__["meta"] = self.meta  # the static meta, in place of the per-batch build
+        self.draft = draft
+        if draft:
+            c = model.cfg
+            self.streams_in = torch.zeros(B, c.hc_mult, c.hidden_size, dtype=model.embed.weight.dtype, device=device)
+            self.all_rows = torch.arange(B, device=device)
         self.load_inputs(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
-            self._widen()
-            self.model(self.batch, pools, all_logits=True, return_streams=L > 1)
+            self._step()
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
-        self.streams = None
         with torch.cuda.graph(self.graph):  # the widening copies are the graph's first nodes
-            self._widen()
-            out = self.model(self.batch, pools, all_logits=True, return_streams=L > 1)
-        self.logits, self.streams = out if L > 1 else (out, None)
+            out = self._step()
+        self.logits, self.streams = out if L > 1 or draft else (out, None)
+
+    def _step(self):
+        """The captured work: widen the inputs, then the model's step (or the MTP block's)."""
+        self._widen()
+        if self.draft:
+            return self.model.mtp_step(self.streams_in, self.batch, self.pools, rows=self.all_rows)
+        return self.model(self.batch, self.pools, all_logits=True, return_streams=self.L > 1)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [n·L, vocab] of a batch of n segments of L tokens each (L = 1: a decode step); the
         caller commits it. With L > 1 the step's main streams are `streams[: n·L]` until the next
-        replay."""
+        replay (a draft graph's: the MTP block's output streams)."""
         segs = batch.segments
         # (one pass over the rows: until the replay is queued the GPU waits on the host)
         if len(segs) > self.B or any(s.length != self.L or s.end > self.max_context for s in segs):

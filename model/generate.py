@@ -96,6 +96,6 @@ def _speculate(model: Transformer, pools: KVPools, seq: SeqKV, last: int, depth:
     batch.commit()
     targets = sample_rows(logits, [params] * (depth + 1), list(range(pending.start + 1, pending.start + depth + 2)),
                           histories=[history(pending.drafts[:j]) for j in range(depth + 1)])
-    new = speculation.settle(pools, pending, targets, streams)
+    new = speculation.settle(pools, [pending], [targets], streams, [0])[0]
     pools.trim_window(seq)
     return logits, new

@@ -329,6 +329,22 @@ class KVPools:
         return seq
 
     # --- typed entry access ---------------------------------------------------------------
+    def read_slots(self, kind: str, pages: torch.Tensor) -> torch.Tensor:
+        """The single entries of the one-layer, one-entry-a-page state kind `kind` (the MTP slot)
+        in `pages` [n] (a device tensor) → float32 [n, dim]: one gather, no host sync (unlike
+        `read`), so it can run inside a CUDA graph."""
+        return self._slot_view(kind)[pages.long()]
+
+    def write_slots(self, kind: str, pages: torch.Tensor, values: torch.Tensor) -> None:
+        """Store float `values` [n, dim] into the entries of `pages` [n] (see `read_slots`)."""
+        self._slot_view(kind)[pages.long()] = values.reshape(values.shape[0], -1).float()
+
+    def _slot_view(self, kind: str) -> torch.Tensor:
+        spec = self.specs[kind]
+        if kind not in STATE_KINDS or len(spec.layers) != 1 or spec.entries_per_page != 1:
+            raise ValueError(f"{kind}: slot access is for state kinds of one layer and one entry a page")
+        return self.buffers[kind].view(torch.float32)
+
     def _rows(self, kind: str, layer: int, pages: list[int], idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries idx [n] → (page [n, 1], byte offsets in the page [n, entry_bytes])."""
         spec = self.specs[kind]

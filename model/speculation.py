@@ -15,8 +15,8 @@ A request at n cached tokens whose last sampled token x_n is fed next takes one 
 * **roll back**: the request keeps n+a+1 tokens. KV entries of the rejected positions (SWA and
   compressed) are rewritten before any later query can read them, but the compress-state rings
   (`state_c4`, `state_c4_indexer`, `state_c128`) lose the rows those positions overwrote: their
-  rows for the step's positions are copied before drafting (`Pending.snapshot`) and put back for
-  every rejected position; the MTP slot takes the main streams at the last kept position.
+  rows for the step's positions are copied before drafting (`Snapshot`, one per step) and put
+  back for every rejected position; the MTP slot takes the main streams at the last kept position.
 
 A chain writes the MTP layer at positions n-1..n+k-2 with drafted inputs; the verify's forward
 rewrites n-1..n+k-1 from the main streams (`Transformer.extend_mtp`), and the roll-back restores
@@ -25,6 +25,7 @@ the MTP layer's rows from position n+a on, which it holds for n+a+1 cached token
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,40 +57,53 @@ def check_model(model: Transformer, pools: KVPools) -> None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The compress-state ring rows of one request for positions [first, end), every layer."""
+    """The compress-state ring rows of a step's drafting requests at positions [n_r - 1,
+    n_r - 1 + width) (n_r: request r's cached tokens), every layer: one gather per kind to take,
+    one scatter per kind to restore, whatever the batch."""
 
-    first: int
-    end: int
-    rows: dict[str, torch.Tensor]  # kind → [layers, positions, entry_bytes] uint8
+    pages: dict[str, torch.Tensor]  # kind → [R] each request's ring page
+    positions: torch.Tensor  # [R, width] int64
+    rows: dict[str, torch.Tensor]  # kind → [R, layers, width, entry_bytes] uint8
 
     @classmethod
-    def take(cls, pools: KVPools, seq: SeqKV, first: int, end: int) -> Snapshot:
-        rows = {}
+    def take(cls, pools: KVPools, seqs: list[SeqKV], width: int) -> Snapshot:
+        device = pools.device
+        positions = (torch.tensor([s.num_tokens - 1 for s in seqs], device=device)[:, None]
+                     + torch.arange(width, device=device))
+        pages, rows = {}, {}
         for kind in RING_KINDS:
             if kind in pools.kinds_for():
-                view, idx = _ring_view(pools, seq, kind, first, end)
-                rows[kind] = view[:, idx].clone()
-        return cls(first, end, rows)
+                pages[kind] = torch.tensor([s.pages[kind][0] for s in seqs], device=device)
+                rows[kind] = _ring_view(pools, kind)[_ring_index(pools, kind, pages[kind], positions)]
+        return cls(pages, positions, rows)
 
-    def restore(self, pools: KVPools, seq: SeqKV, main_from: int) -> None:
-        """Put back the rows of positions >= main_from in the main layers and >= main_from - 1 in
-        the MTP layer (which lags by one)."""
+    def restore(self, pools: KVPools, rows: list[int], main_from: list[int]) -> None:
+        """Put back, for each snapshot row `rows[i]`, the entries of positions >= main_from[i] in
+        the main layers and >= main_from[i] - 1 in the MTP layer (which lags by one)."""
+        device = self.positions.device
+        r = torch.tensor(rows, device=device)
+        keep = torch.tensor(main_from, device=device)
+        positions = self.positions[r]
+        mtp = -1 if pools.mtp_layer is None else pools.mtp_layer
         for kind, saved in self.rows.items():
-            view, idx = _ring_view(pools, seq, kind, self.first, self.end)
-            layers = torch.tensor(pools.specs[kind].layers, device=saved.device)
-            first = torch.full_like(layers, main_from)
-            if pools.mtp_layer is not None:
-                first = torch.where(layers == pools.mtp_layer, main_from - 1, first)
-            positions = torch.arange(self.first, self.end, device=saved.device)
-            back = (positions[None, :] >= first[:, None])[..., None]
-            view[:, idx] = torch.where(back, saved, view[:, idx])
+            layers = torch.tensor(pools.specs[kind].layers, device=device)
+            first = keep[:, None] - (layers == mtp).long()[None, :]  # [n, layers]
+            back = (positions[:, None, :] >= first[:, :, None])[..., None]  # [n, layers, width, 1]
+            view, index = _ring_view(pools, kind), _ring_index(pools, kind, self.pages[kind][r], positions)
+            view[index] = torch.where(back, saved[r], view[index])
 
 
-def _ring_view(pools: KVPools, seq: SeqKV, kind: str, first: int, end: int):
+def _ring_view(pools: KVPools, kind: str) -> torch.Tensor:
+    """The ring pool `kind` as [pages, layers, entries_per_page, entry_bytes] uint8."""
     spec = pools.specs[kind]
-    page = pools.buffers[kind][seq.pages[kind][0]]
-    view = page.view(len(spec.layers), spec.entries_per_page, spec.entry_bytes)
-    return view, torch.arange(first, end, device=page.device) % spec.entries_per_page
+    return pools.buffers[kind].view(-1, len(spec.layers), spec.entries_per_page, spec.entry_bytes)
+
+
+def _ring_index(pools: KVPools, kind: str, pages: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """Advanced index of `_ring_view` for pages [R] at positions [R, W], every layer: → [R, layers, W, bytes]."""
+    spec = pools.specs[kind]
+    layers = torch.arange(len(spec.layers), device=pages.device)
+    return pages[:, None, None], layers[None, :, None], (positions % spec.entries_per_page)[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,8 @@ class Pending:
     last: int  # x_n
     drafts: tuple[int, ...]
     params: SamplingParams
-    snapshot: Snapshot
+    snapshot: Snapshot | None  # the step's ring rows (shared by the step's requests; None: nothing drafted)
+    row: int = -1  # this request's row in `snapshot`
 
     @property
     def tokens(self) -> list[int]:
@@ -109,39 +124,44 @@ class Pending:
         return [self.last, *self.drafts]
 
 
-def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, int, SamplingParams]]
-          ) -> list[Pending]:
+def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, int, SamplingParams]],
+          graph_for: Callable[[int], object | None] | None = None) -> list[Pending]:
     """Draft up to `depth` tokens for each (seq, last token, depth, sampling) with the MTP block,
-    chained, all requests in one MTP step per draft. Every request's ring rows for the step are
-    saved first, so that `settle` can undo what the drafts and the verify write."""
-    out = [Pending(seq, seq.num_tokens, last, (), params,
-                   Snapshot.take(pools, seq, seq.num_tokens - 1, seq.num_tokens + depth + 1) if depth
-                   else Snapshot(0, 0, {}))
-           for seq, last, depth, params in requests]
+    chained, all requests in one MTP step per draft. Every drafting request's ring rows for the
+    step are saved first (one `Snapshot`), so that `settle` can undo what the drafts and the
+    verify write. `graph_for(rows)`: a captured draft step (`model.cuda_graph.DecodeGraph` with
+    `draft=True`) of at least that many rows, or None to run the block eagerly."""
     depths = [depth for _, _, depth, _ in requests]
+    drafting = [i for i, d in enumerate(depths) if d > 0]
+    snapshot = Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2) if drafting else None
+    row = {i: r for r, i in enumerate(drafting)}
     drafts: list[list[int]] = [[] for _ in requests]
-    live = [i for i, d in enumerate(depths) if d > 0]
-    streams = None
+    live, streams = drafting, None
     for k in range(max(depths, default=0)):
         if k == 0:
-            layer = pools.mtp_layer
-            zero = torch.zeros(1, dtype=torch.long, device=pools.device)
-            streams = torch.stack([pools.read("state_mtp", layer, out[i].seq.pages["state_mtp"], zero)
-                                   .view(model.cfg.hc_mult, model.cfg.hidden_size) for i in live])
-        items = [(SeqKV(out[i].seq.pages, out[i].start - 1 + k), [drafts[i][-1] if k else out[i].last])
-                 for i in live]
-        logits, streams = model.mtp_step(streams.to(model.embed.weight.dtype), ForwardBatch.build(items, pools.device),
-                                         pools)
+            slots = torch.tensor([requests[i][0].pages["state_mtp"][0] for i in live], device=pools.device)
+            streams = pools.read_slots("state_mtp", slots).view(len(live), model.cfg.hc_mult, model.cfg.hidden_size)
+        seqs = [requests[i][0] for i in live]
+        batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1 + k), [drafts[i][-1] if k else requests[i][1]])
+                                    for s, i in zip(seqs, live)], pools.device)
+        graph = graph_for(len(live)) if graph_for is not None else None
+        if graph is not None:
+            graph.streams_in[: len(live)] = streams
+            logits, out = graph.run(batch), graph.streams[: len(live)]
+        else:
+            logits, out = model.mtp_step(streams.to(model.embed.weight.dtype), batch, pools)
         # drafts are proposals: the verify applies a request's penalties exactly, so they draw without
-        tokens = sample_rows(logits, [out[i].params.unadjusted for i in live], [out[i].start + 1 + k for i in live])
+        tokens = sample_rows(logits, [requests[i][3].unadjusted for i in live],
+                             [s.num_tokens + 1 + k for s in seqs])
         for i, t in zip(live, tokens):
             drafts[i].append(t)
         keep = [j for j, i in enumerate(live) if depths[i] > k + 1]
         live = [live[j] for j in keep]
-        streams = streams[keep]
         if not live:
             break
-    return [Pending(p.seq, p.start, p.last, tuple(d), p.params, p.snapshot) for p, d in zip(out, drafts)]
+        streams = out[torch.tensor(keep, device=out.device)]  # a copy: a graph's output is rewritten
+    return [Pending(seq, seq.num_tokens, last, tuple(drafts[i]), params, snapshot if i in row else None, row.get(i, -1))
+            for i, (seq, last, _, params) in enumerate(requests)]
 
 
 def accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
@@ -152,15 +172,28 @@ def accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
     return a
 
 
-def settle(pools: KVPools, p: Pending, targets: list[int], streams: torch.Tensor) -> list[int]:
-    """After the verify's forward (committed) and the targets sampled from its rows: roll the
-    request back to its kept tokens and return the tokens it emits (t_0..t_a). `streams`: the
-    verify segment's main streams [k+1, hc, D]."""
-    a = accepted(p.drafts, targets)
-    kept = p.start + a + 1
-    if kept < p.seq.num_tokens:
-        p.snapshot.restore(pools, p.seq, kept)
-        p.seq.num_tokens = kept
-        zero = torch.zeros(1, dtype=torch.long, device=streams.device)
-        pools.write("state_mtp", pools.mtp_layer, p.seq.pages["state_mtp"], zero, streams[a].reshape(1, -1))
-    return targets[: a + 1]
+def settle(pools: KVPools, pending: list[Pending], targets: list[list[int]], streams: torch.Tensor,
+           offsets: list[int]) -> list[list[int]]:
+    """After the verify's forward (committed) and the targets sampled from its rows: roll each
+    request back to its kept tokens and return the tokens each emits (t_0..t_a). `streams`: the
+    verify's main streams [T, hc, D]; `offsets`: each request's first row in them. Every roll-back
+    of the step is one restore and one slot write."""
+    emitted, back, back_from, slot_rows = [], [], [], []
+    for p, t, offset in zip(pending, targets, offsets):
+        a = accepted(p.drafts, t)
+        kept = p.start + a + 1
+        if kept < p.seq.num_tokens:
+            back.append(p)
+            back_from.append(kept)
+            slot_rows.append(offset + a)
+            p.seq.num_tokens = kept
+        emitted.append(t[: a + 1])
+    if back:
+        snapshot = back[0].snapshot
+        if any(p.snapshot is not snapshot for p in back):
+            raise ValueError("settle takes the requests of one draft step (one snapshot)")
+        snapshot.restore(pools, [p.row for p in back], back_from)
+        device = streams.device
+        slots = torch.tensor([p.seq.pages["state_mtp"][0] for p in back], device=device)
+        pools.write_slots("state_mtp", slots, streams[torch.tensor(slot_rows, device=device)])
+    return emitted

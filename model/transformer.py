@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from model.attention import Attention, RMSNorm
-from model.batch import ForwardBatch
+from model.batch import BatchMeta, ForwardBatch
 from model.config import ModelConfig
 from model.kernels import arrival_counter, set_deterministic, set_impl
 from model.kernels.common.invariant import Linear
@@ -174,26 +174,46 @@ class Transformer(nn.Module):
         """MTP position t pairs the main streams at t with token t+1, so a segment of tokens at
         [s, e) completes MTP positions [s-1, e-1): the first pairs the streams at s-1, kept in the
         request's `state_mtp` slot since the step before, with token s. The slot then takes the
-        streams at e-1. Only the MTP block's KV is wanted here, not its logits."""
-        mtp_layer = pools.mtp_layer
+        streams at e-1. Only the MTP block's KV is wanted here, not its logits.
+
+        A batch without host segments is a CUDA graph's static one (`model.cuda_graph`): rows of
+        equal length, each past its first token, extended from the device meta alone."""
+        if not batch.segments:
+            return self._extend_mtp_rows(streams, batch, pools)
+        segs = batch.segments
+        slots = torch.tensor([seg.seq.pages["state_mtp"][0] for seg in segs], device=streams.device)
+        prev = pools.read_slots("state_mtp", slots).view(len(segs), *streams.shape[1:]).to(streams.dtype)
         items, inputs = [], []
-        for seg in batch.segments:
-            slot = seg.seq.pages["state_mtp"]
+        for i, seg in enumerate(segs):
             rows = streams[seg.rows]
             ids = list(batch.host_ids[seg.rows]) if batch.host_ids else batch.input_ids[seg.rows].tolist()
             if seg.start > 0:
-                prev = pools.read("state_mtp", mtp_layer, slot, torch.zeros(1, dtype=torch.long, device=rows.device))
-                inputs.append(torch.cat([prev.view(1, *rows.shape[1:]).to(rows.dtype), rows[:-1]]))
+                inputs.append(torch.cat([prev[i:i + 1], rows[:-1]]))
                 items.append((SeqKV(seg.seq.pages, seg.start - 1), ids))
             elif seg.length > 1:
                 inputs.append(rows[:-1])
                 items.append((SeqKV(seg.seq.pages, 0), ids[1:]))
-        for seg in batch.segments:
-            last = streams[seg.offset + seg.length - 1]
-            pools.write("state_mtp", mtp_layer, seg.seq.pages["state_mtp"],
-                        torch.zeros(1, dtype=torch.long, device=last.device), last.reshape(1, -1))
+        last = torch.tensor([seg.offset + seg.length - 1 for seg in segs], device=streams.device)
+        pools.write_slots("state_mtp", slots, streams[last])
         if items:
             self.mtp_step(torch.cat(inputs), ForwardBatch.build(items, device=streams.device), pools, logits=False)
+
+    def _extend_mtp_rows(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> None:
+        """`extend_mtp` for a graph's B rows of L tokens, all on the device: the MTP segment of a
+        row is its tokens at its positions - 1, beside [its slot, its streams but the last]. A
+        padding row (the scratch request at position 0) is clamped to position 0: its writes land
+        in the scratch's pages and nothing reads them."""
+        meta = batch.meta
+        B = meta.seg_start.shape[0]
+        x = streams.view(B, -1, *streams.shape[1:])
+        slots = meta.tables["state_mtp"][:, 0]
+        prev = pools.read_slots("state_mtp", slots).view(B, 1, *streams.shape[1:]).to(streams.dtype)
+        pools.write_slots("state_mtp", slots, x[:, -1])
+        shifted = ForwardBatch(batch.input_ids, (batch.positions - 1).clamp(min=0), ())
+        shifted.__dict__["meta"] = BatchMeta(meta.token_seq, (meta.positions - 1).clamp(min=0),
+                                             (meta.seg_start - 1).clamp(min=0), (meta.seg_end - 1).clamp(min=1),
+                                             meta.tables, meta.max_end)
+        self.mtp_step(torch.cat([prev, x[:, :-1]], dim=1).flatten(0, 1), shifted, pools, logits=False)
 
     @torch.no_grad()
     def mtp_step(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools, logits: bool = True,

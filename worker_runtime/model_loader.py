@@ -120,6 +120,9 @@ class DecodeGraphs:
                                            tokens_per_row=tokens_per_row))
         if expert_parallel:
             set_capacity(model, 0)
+        # with speculation, the draft step of each bucket (the MTP block at one token a row)
+        self.drafts = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch, draft=True)
+                       for b in buckets] if tokens_per_row > 1 else []
         self.tokens_per_row = tokens_per_row  # > 1: speculative verify steps of that many tokens a request
         self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
 
@@ -134,6 +137,10 @@ class DecodeGraphs:
     def for_rows(self, rows: int) -> DecodeGraph | None:
         """The smallest graph of at least `rows` rows, or None."""
         return next((g for g in self.graphs if g.B >= rows), None)
+
+    def draft_for_rows(self, rows: int) -> DecodeGraph | None:
+        """The smallest draft graph of at least `rows` rows, or None (no speculation, too many rows)."""
+        return next((g for g in self.drafts if g.B >= rows), None)
 
     def held_pages(self) -> dict[str, int]:
         """Pages the scratch request holds for good (not free when the worker is idle)."""

@@ -7,9 +7,13 @@ speculative `generate` gives plain decoding's tokens and logits, bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model import speculation
 from model.batch import ForwardBatch
 from model.dummy_weights import dummy_model
 from model.generate import generate
@@ -17,8 +21,10 @@ from model.kernels import set_deterministic
 from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams
 from model.tiny import flash_config
-from worker_runtime.model_loader import load_replica
+from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import GenerateRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -119,3 +125,42 @@ def test_speculation_on_full_width_layers_is_plain_decoding_bit_for_bit():
         got = run(n)
         assert got.token_ids == plain.token_ids, n
         assert torch.equal(got.logits, plain.logits), n
+
+
+def test_graph_speculation_drafts_and_emits_what_eager_speculation_does(tiny_official_ckpt, monkeypatch):
+    """Speculative steps replaying CUDA graphs (verify steps with the MTP extension inside, drafts
+    through the draft graphs, batched ring roll-back) against the same engine run eagerly and
+    against plain decoding, under --deterministic: the same drafts at every step, bit for bit (so
+    the MTP layer's KV and slots are the same), and plain decoding's tokens."""
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
+                            device="cuda", kernels="triton", speculative_tokens=2, decode_graphs=(1, 2, 4),
+                            deterministic=True)
+    g = torch.Generator().manual_seed(3)
+    requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()), max_tokens=20,
+                                ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+                for i, k in enumerate((150, 37, 90))]
+    real = speculation.accepted
+
+    def serve(spec: int, graphed: bool):
+        cfg, model, pools = load_replica(dataclasses.replace(options, speculative_tokens=spec))
+        graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=spec + 1) \
+            if graphed else None
+        engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
+                              DecodeConfig(max_running=4, speculative_tokens=spec), graphs)
+        seen = []
+        monkeypatch.setattr(speculation, "accepted", lambda d, t: seen.append((d, tuple(t))) or real(d, t))
+        for r in requests:
+            engine.submit(r)
+        tokens = {r.request_id: [] for r in requests}
+        while engine.has_work():
+            for chunk in engine.step():
+                assert chunk.error is None, chunk.error
+                tokens[chunk.request_id] += chunk.token_ids
+        return tokens, seen, graphs
+
+    plain, _, _ = serve(0, False)
+    eager, eager_seen, _ = serve(2, False)
+    graphed, graph_seen, graphs = serve(2, True)
+    assert graphs.replays > 0 and len(graph_seen) > 0
+    assert graph_seen == eager_seen
+    assert graphed == eager == plain

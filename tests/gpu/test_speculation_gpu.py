@@ -84,7 +84,7 @@ def test_speculative_decode_engine_on_the_gpu_returns_every_page(tiny_official_c
 
 def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt):
     """Decode graphs captured as verify steps of N+1 = 3 tokens a request: every step whose
-    requests all verify two drafts replays one (then extends the MTP layer eagerly), the others
+    requests all verify two drafts replays one (the MTP extension inside), the others
     run eagerly; every request gets its tokens, pages come back (the scratch request stays held),
     and the tokens match an eager speculative replica up to near-ties."""
     options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,

@@ -117,7 +117,7 @@ def test_a_rejected_run_leaves_the_pools_as_plain_decoding_does(model, mtp_ratio
         out, streams = model(batch, pools, all_logits=True, return_streams=True)
         batch.commit()
         targets = sample_rows(out, [params] * 4, list(range(seq.num_tokens - 3, seq.num_tokens + 1)))
-        emitted = speculation.settle(pools, pending, targets, streams)
+        emitted = speculation.settle(pools, [pending], [targets], streams, [0])[0]
         assert emitted == truth and seq.num_tokens == ref.num_tokens == 126 + accept + 1
         assert all(torch.equal(a, b) for a, b in zip(state_bytes(pools, seq).values(),
                                                       state_bytes(ref_pools, ref).values()))
