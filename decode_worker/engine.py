@@ -109,7 +109,7 @@ class DecodeEngine:
         r = Running(req, RequestState.DECODING, Detokenizer(self.tokenizer, req.stop_strings), seq=seq,
                     prefilled=len(req.prompt_ids), cached_tokens=cached_tokens, prompt_lps=list(prompt_logprobs or ()))
         r.grammar = self._grammar(req)
-        self.pools.reserve(seq, r.total_tokens)
+        self.pools.reserve(seq, self.tokens_held(r.req))
         self.running[req.request_id] = r
         return [self._emit(r, first_token, first_logprobs)]
 
@@ -206,7 +206,7 @@ class DecodeEngine:
                 continue
             seq = SeqKV()
             try:
-                self.pools.reserve(seq, r.total_tokens)
+                self.pools.reserve(seq, self.tokens_held(r.req))
             except PoolExhausted:
                 break  # FIFO: later requests wait behind the head
             self.waiting.popleft()
@@ -338,6 +338,15 @@ class DecodeEngine:
         """The logprobs of the prompt tokens that a prompt chunk's logits [n, V] at positions
         start.. predict."""
         r.prompt_lps += prompt_logprobs(logits, r.req.prompt_ids, start, r.req.prompt_logprobs)
+
+    def tokens_held(self, req: GenerateRequest) -> int:
+        """Tokens a request's decode pages hold: its prompt and every output token but the last
+        (which is never fed; a request of max_tokens 0 still holds its prompt), and with
+        speculation N more. Every verify segment is then N+1 tokens long, up to the request's
+        last step, whose rows past max_tokens are computed and dropped: a batch of decoding
+        requests always fits the verify graphs, where shorter segments at the ends of requests
+        would send whole steps to the eager path."""
+        return len(req.prompt_ids) + max(req.max_tokens, 1) - 1 + self.config.speculative_tokens
 
     def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:
         """What its logit adjustments read (None when its sampling has none): its prompt, its output

@@ -110,7 +110,7 @@ class Inbound:
         Raises OutOfPages / PoolExhausted with nothing held."""
         counts = self.pools.resume_page_counts(num_tokens)
         probe = self.pools.adopt(num_tokens, {k: [0] * n for k, n in counts.items()})
-        more = self.pools.pages_needed(probe, len(req.prompt_ids) + req.max_tokens - 1)
+        more = self.pools.pages_needed(probe, self.engine.tokens_held(req))
         short = [k for k, n in more.items() if counts.get(k, 0) + n > self.pools.num_free(k)]
         if short:
             raise PoolExhausted(f"no room to migrate {req.request_id} in: {short}")

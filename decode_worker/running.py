@@ -27,12 +27,6 @@ class Running:
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (prompt logprobs asked)
 
     @property
-    def total_tokens(self) -> int:
-        """Tokens the request may ever hold in the pools (the last sampled one is never fed; a
-        request of max_tokens 0 still holds its whole prompt)."""
-        return len(self.req.prompt_ids) + max(self.req.max_tokens, 1) - 1
-
-    @property
     def wants_prompt_rows(self) -> bool:
         """Whether its prompt chunk in this step needs the logits at every row (prompt logprobs)."""
         return self.state is RequestState.PREFILLING and self.req.prompt_logprobs is not None

@@ -1,8 +1,8 @@
 """The decode engine's speculative steps (`DecodeConfig.speculative_tokens` N > 0; the method in
 `model/speculation.py`).
 
-* `draft`: at schedule time, every decoding request drafts up to N tokens with the MTP block
-  (fewer near its max_tokens: a step never feeds a position past its reservation), and its
+* `draft`: at schedule time, every decoding request drafts N tokens with the MTP block, also
+  near its max_tokens (its pages hold N positions past it: `DecodeEngine.tokens_held`), and its
   segment becomes the verify segment [last token, drafts...].
 * `verify`: the step's forward, with logits at every row of a verify segment and at the last row
   of the others: a CUDA graph of the batch's size when every segment verifies N drafts and the
@@ -13,14 +13,16 @@
   back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
   max_tokens inside an accepted run ends the request there, as it would without speculation.
 
-A request with a grammar (`model/grammar.py`) drafts nothing: its segment is a plain one-token
-step inside the speculative batch, its row masked by its grammar. Its mask depends on the tokens
-before it, so a draft row would need the grammar advanced over unverified drafts and rolled back;
-one-token steps keep it exact at no cost to the other rows.
+A request with a grammar (`model/grammar.py`) accepts no drafts: its mask depends on the tokens
+before it, so a draft row would need the grammar advanced over unverified drafts and rolled back.
+Its segment still has N+1 rows (the MTP's drafts as placeholders, `Pending.binding` False), so a
+batch with it keeps the verify graphs' shape: the first row is masked by its grammar and gives
+its one token, the others are sampled unmasked and dropped, and the roll-back undoes their KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -38,9 +40,10 @@ def draft(engine, owners: list, items: list) -> tuple:
     decoding = [i for i, (r, _) in enumerate(owners) if r.state is RequestState.DECODING]
     runs = [owners[i][0] for i in decoding]
     graphs = engine.graphs
-    drafted = speculation.draft(engine.model, engine.pools, [
-        (r.seq, r.tokens[-1], 0 if r.grammar is not None else min(spec, r.req.max_tokens - len(r.tokens) - 1),
-         r.req.sampling) for r in runs], graphs.draft_for_rows if graphs is not None else None)
+    drafted = speculation.draft(engine.model, engine.pools, [(r.seq, r.tokens[-1], spec, r.req.sampling) for r in runs],
+                                graphs.draft_for_rows if graphs is not None else None)
+    # a grammar's row verifies N placeholder rows, never accepted (see the module docstring)
+    drafted = [dataclasses.replace(p, binding=False) if r.grammar is not None else p for r, p in zip(runs, drafted)]
     pending: list = [None] * len(owners)
     for i, p in zip(decoding, drafted):
         pending[i] = p
@@ -81,7 +84,7 @@ def verify(engine, planned) -> list[TokenChunk]:
             continue
         picked.append((i, r, first, n))
         params += [r.req.sampling] * n
-        grammars += [r.grammar] * n  # a grammar's row verifies no drafts: n is 1
+        grammars += [r.grammar] + [None] * (n - 1)  # a grammar's rows past the first are dropped
         # verify row j samples as if the drafts before it were accepted (it is used only then)
         drafts = pending[i].drafts if pending[i] is not None else ()
         histories += [engine.history(r, tuple(drafts[:j])) for j in range(n)]
@@ -105,9 +108,10 @@ def verify(engine, planned) -> list[TokenChunk]:
     for (j, p), targets in zip(spec, kept):
         split[j] = (targets, split[j][1])
         engine.pools.trim_window(picked[j][1].seq)
-        engine.spec_proposed += len(p.drafts)
-        engine.spec_accepted += len(targets) - 1
-        engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
+        if p.binding:
+            engine.spec_proposed += len(p.drafts)
+            engine.spec_accepted += len(targets) - 1
+            engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
     for (_, r, _, _), (targets, row_lps) in zip(picked, split):
         r.state = RequestState.DECODING
         for token, lp in zip(targets, row_lps):

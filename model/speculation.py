@@ -117,6 +117,7 @@ class Pending:
     params: SamplingParams
     snapshot: Snapshot | None  # the step's ring rows (shared by the step's requests; None: nothing drafted)
     row: int = -1  # this request's row in `snapshot`
+    binding: bool = True  # False: the drafts are placeholders, never accepted (the verify keeps t_0 alone)
 
     @property
     def tokens(self) -> list[int]:
@@ -180,7 +181,7 @@ def settle(pools: KVPools, pending: list[Pending], targets: list[list[int]], str
     of the step is one restore and one slot write."""
     emitted, back, back_from, slot_rows = [], [], [], []
     for p, t, offset in zip(pending, targets, offsets):
-        a = accepted(p.drafts, t)
+        a = accepted(p.drafts, t) if p.binding else 0
         kept = p.start + a + 1
         if kept < p.seq.num_tokens:
             back.append(p)

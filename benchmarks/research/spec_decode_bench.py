@@ -10,7 +10,8 @@ the last bits from a one-token step's, random weights give near-ties everywhere,
 request leave the recorded text and every later draft is refused. The forced outputs are not a
 draw of the model; only the timing is measured, which depends on how many tokens a step keeps,
 not on which. At depth N a step emits 1 + p + p² + ... + p^N tokens on average. Every engine runs
-once on short requests first, so kernel compilation is not timed.
+the same requests once first, so no kernel compilation is timed (a compilation inside the timed
+steps reads as ~10 ms a step).
 
     python benchmarks/research/spec_decode_bench.py --layers 8 --concurrency 1 16 64 --n 1 2 --accept 0.6 0.8 0.9
     python benchmarks/research/spec_decode_bench.py --device cpu --concurrency 1 2 --n 1 --accept 0.8 --new 8
@@ -105,7 +106,7 @@ def main() -> None:
                                 DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n),
                                 graphs)
 
-        warm = [dataclasses.replace(r, request_id=f"w{r.request_id}", max_tokens=6) for r in requests]
+        warm = [dataclasses.replace(r, request_id=f"w{r.request_id}") for r in requests]
         run(engine(0), warm, sync)
         _, secs, steps, emitted = run(engine(0), requests, sync)
         base = secs / emitted

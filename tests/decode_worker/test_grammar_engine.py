@@ -1,7 +1,7 @@
 """Grammar-constrained decoding in the decode engine, on the tiny random model and its byte
 tokenizer: the output parses and validates against the JSON schema and ends with "stop"; the
 tokens are the same when bounced between engines mid-decode (the grammar state rebuilt from the
-output so far), with speculative decoding on (a grammar's rows verify no drafts), and in a retry
+output so far), with speculative decoding on (a grammar's rows accept no drafts), and in a retry
 that recomputes the tokens so far as prompt; the first token sampled on the prefill side is
 masked too. The HTTP / gRPC paths are
 tests/router/test_structured_output.py."""
@@ -87,10 +87,22 @@ def test_output_validates_and_is_the_same_batched_and_bounced(model, batched):
 
 def test_speculation_with_a_grammar_is_exact(model, batched):
     """Grammar rows beside an unconstrained one in speculative steps: every row's tokens are those
-    without speculation, and the unconstrained row still drafts."""
+    without speculation, the unconstrained row still drafts, and every segment has the verify
+    graphs' N+1 rows."""
     spec = engine(model, spec=2)
+    lengths, plan = set(), spec.plan
+
+    def recording():
+        planned = plan()
+        if planned is not None:
+            lengths.update(seg.length for seg, p in zip(planned.batch.segments, planned.pending) if p is not None)
+        return planned
+
+    spec.plan = recording
     assert run_all(spec, requests(), ARRIVALS) == batched
     assert spec.spec_proposed > 0
+    assert lengths == {3}  # grammar rows too verify N+1 rows (placeholders, never accepted): the graphs' shape
+    assert spec.pools.num_free() == spec.pools.idle_free()
 
 
 def test_first_token_on_the_prefill_side_is_masked(model, batched):

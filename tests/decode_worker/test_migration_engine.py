@@ -33,7 +33,7 @@ def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> None:
         dst.pools.buffers[kind][got[kind]] = src.pools.buffers[kind][ids]
     seq = dst.pools.adopt(r.seq.num_tokens, got)
     extra = SeqKV()
-    for kind, n in dst.pools.pages_needed(seq, r.total_tokens).items():
+    for kind, n in dst.pools.pages_needed(seq, dst.tokens_held(r.req)).items():
         extra.pages[kind] = dst.pools.alloc(kind, n)
     dst.admit_migrated(r.req, seq, list(r.tokens), r.detok.emitted, r.cached_tokens, extra)
     src.hand_off(rid)

@@ -60,6 +60,29 @@ def test_batched_speculative_decoding_gives_the_tokens_of_generate(model):
     assert e.pools.num_free() == e.pools.idle_free()
 
 
+def test_every_verify_segment_is_full_length_up_to_the_last_step(model):
+    """With N drafts a request verifies N+1 tokens at every step up to its last, also where fewer
+    than N tokens remain to its max_tokens (its pages hold N positions past it): a batch of
+    decoding requests always has the verify graphs' shape. Tokens stay generate's (the rows past
+    max_tokens are dropped) and every page comes back."""
+    reqs = requests(1, [40, 12, 77], max_tokens=9)  # max_tokens 9, 8, 7: they end at different steps
+    e = engine(model, 2)
+    for r in reqs:
+        e.submit(r)
+    got, lengths = {r.request_id: [] for r in reqs}, set()
+    while e.has_work():
+        planned = e.plan()
+        if planned is None:
+            continue
+        lengths |= {seg.length for seg, p in zip(planned.batch.segments, planned.pending) if p is not None}
+        for chunk in e.run(planned):
+            got[chunk.request_id] += chunk.token_ids
+    assert lengths == {3}
+    for r in reqs:
+        assert got[r.request_id] == reference(model, r), r.request_id
+    assert e.pools.num_free() == e.pools.idle_free()
+
+
 def prefilled(model, pools: KVPools, req: GenerateRequest) -> tuple[SeqKV, int]:
     """The prompt run by a prefill engine (MTP layer included) and its pages copied into `pools` as
     a transfer would: → (the request's KV there, the first token)."""

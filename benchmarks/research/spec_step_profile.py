@@ -1,0 +1,113 @@
+"""Where a speculative decode step's time goes on the GPU: the decode engine with CUDA graphs at
+forced acceptance (as `spec_decode_bench.py`), each phase timed between device synchronisations
+(drafting, the verify replay with its MTP extension, sampling, the roll-back), against the plain
+step's replay. Synchronising adds a little to every phase; the sum is compared with the step.
+The requests run twice through each engine and the second pass is timed: the first compiles the
+kernels its eager shapes need (a compilation inside the timed steps would read as ~10 ms a step).
+
+    python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.research.spec_decode_bench import forcing
+from decode_worker import speculative
+from decode_worker.engine import DecodeConfig, DecodeEngine
+from model import speculation
+from model.cuda_graph import DecodeGraph
+from model.dummy_weights import dummy_model
+from model.kv_pool import KVPools
+from model.tiny import flash_config
+from model.tokenizer import ByteTokenizer
+from worker_runtime.model_loader import DecodeGraphs
+from worker_runtime.wire import GenerateRequest, RequestState
+
+SPENT: dict[str, float] = collections.defaultdict(float)
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        key = name(args) if callable(name) else name
+        SPENT[key] += time.perf_counter() - t
+        return out
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--n", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--accept", type=float, default=0.8)
+    ap.add_argument("--isl", type=int, default=512)
+    ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    cfg = flash_config(args.layers)
+    model = dummy_model(cfg, "triton", "cuda", act_fp8=True, with_mtp=True)
+    speculation.accepted = forcing(args.accept, random.Random(1))
+    speculation.draft = timed("draft", speculation.draft)
+    speculation.settle = timed("settle", speculation.settle)
+    speculative.sample_rows = timed("sample", speculative.sample_rows)
+    speculative.token_logprobs = timed("logprobs", speculative.token_logprobs)
+    DecodeGraph.run = timed(lambda a: "draft replay" if a[0].draft else f"replay of {a[0].L} a row", DecodeGraph.run)
+    rows = []
+    for c in args.concurrency:
+        rng = random.Random(0)
+        requests = [GenerateRequest(f"r{i}", tuple(rng.randrange(2, 256) for _ in range(args.isl)),
+                                    max_tokens=args.new, ignore_eos=True) for i in range(c)]
+        for n in args.n:
+            pools = KVPools(cfg, "fp8_pack", max_tokens=args.isl + args.new + 8, max_seqs=c + 1, device="cuda",
+                            with_mtp=True)
+            buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= c) or (1,)
+            graphs = DecodeGraphs(model, pools, buckets, args.isl + args.new + 8, tokens_per_row=n + 1)
+            engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
+                                  DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n),
+                                  graphs)
+            for rep in range(2):  # the first pass compiles what the step shapes need; the second is timed
+                for r in requests:
+                    engine.submit(dataclasses.replace(r, request_id=f"{r.request_id}.{rep}"))
+                steps, total, emitted, counted = 0, 0.0, 0, 0
+                while engine.has_work():
+                    decoding = all(x.state is RequestState.DECODING for x in engine.running.values()) \
+                        and not engine.waiting
+                    torch.cuda.synchronize()
+                    if decoding and steps == 0:
+                        SPENT.clear()
+                    t = time.perf_counter()
+                    chunks = engine.step()
+                    torch.cuda.synchronize()
+                    if decoding:
+                        steps += 1
+                        total += time.perf_counter() - t
+                        emitted += sum(len(ch.token_ids) for ch in chunks)
+                        counted += 1
+            row = {"concurrency": c, "n": n, "accept": args.accept, "step_ms": total / counted * 1e3,
+                   "tokens_per_step": emitted / counted / c,
+                   "phases_ms": {k: v / counted * 1e3 for k, v in sorted(SPENT.items())}}
+            row["other_ms"] = row["step_ms"] - sum(row["phases_ms"].values()) + row["phases_ms"].get("draft replay", 0)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"layers": args.layers, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
