@@ -304,17 +304,22 @@ class PrefillWorker:
         self.shipping.computed(await asyncio.to_thread(self.engine.run, planned, None, stream), stream)
 
     async def _group_step(self, group: ExpertParallelGroup) -> None:
-        """One lockstep step of the expert-parallel group; when no rank had work, wait until the
+        """One lockstep step of the expert-parallel group, planned here as `_step` plans its own
+        (the prompts it completes streamed layer by layer); when no rank had work, wait until the
         next meeting is due, polling transfers in flight meanwhile."""
+        planned = self.engine.plan()
+        stream = None if planned is None else LayerStream.plan(
+            planned.owners, self.deliveries, self.pools, self.sender, self.options.prefill_layer_stream,
+            len(self.engine.model.layers))
         try:
-            finished = await asyncio.to_thread(group.step, self.engine)
+            finished = await asyncio.to_thread(group.run, self.engine, planned, stream)
         except GroupFailed as e:
             await self._leave_group(str(e))
             return
         if finished is None:
             await group.wait_idle(self.commands, self._transfers_in_flight)
         else:
-            self.shipping.computed(finished)
+            self.shipping.computed(finished, stream)
 
     def _transfers_in_flight(self) -> bool:
         self.shipping.poll()

@@ -132,7 +132,14 @@ class ExpertParallelGroup:
         Raises GroupFailed."""
         if self.state is not GroupState.ACTIVE:
             raise GroupFailed(self.failure)
-        planned = engine.plan()
+        return self.run(engine, engine.plan())
+
+    def run(self, engine, planned, layer_done: Callable[[int], None] | None = None) -> list | None:
+        """`step` for a step planned already (`engine.plan()`, None: no work here), e.g. on the
+        worker's loop thread; `layer_done`: the prefill engine's per-layer hook
+        (prefill_worker/layer_stream.py), called after each of this rank's model layers."""
+        if self.state is not GroupState.ACTIVE:
+            raise GroupFailed(self.failure)
         try:
             shape = torch.tensor(engine.shape(planned).as_list())
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.control)  # the step every rank runs
@@ -145,7 +152,7 @@ class ExpertParallelGroup:
                 self.idle_steps += 1
                 return []
             self.steps += 1
-            return engine.run(planned, agreed)
+            return engine.run(planned, agreed) if layer_done is None else engine.run(planned, agreed, layer_done)
         except Exception as e:  # whatever it was, this rank may be out of lockstep now
             self.fail(f"{type(e).__name__}: {e}")
             raise GroupFailed(self.failure) from e

@@ -2,7 +2,8 @@
 over localhost), one decode worker, a real Valkey registry, NIXL transfers.
 
 Outputs equal `v4serve generate` token for token (invariant 1) whether a group step has work on
-one rank (the other joins the MoE exchanges idle) or on both; each rank holds half the routed
+one rank (the other joins the MoE exchanges idle) or on both, with each rank's completed prompts
+streamed to the decode worker layer by layer; each rank holds half the routed
 experts; an idle group costs little CPU. Killing one rank fails the other's in-flight prefill
 with a reason code within the group's timeout: the decode worker recomputes it (same tokens), the
 survivor leaves the registry and refuses new prefills, and the group restarts under its names.
@@ -79,6 +80,9 @@ def test_group_outputs_equal_generate(cluster, tiny_official_ckpt):
     assert after_one[1]["steps"] == before[1]["steps"] and after_one[1]["idle_steps"] > before[1]["idle_steps"]
     assert all(s["state"] == "active" and s["steps"] > 0 for s in after)
     assert ray.get(cluster.decode[0].page_accounting.remote())["fallbacks"] == 0
+    # each rank's completed prompts were written layer by layer as its forward computed them
+    streamed = [ray.get(a.page_accounting.remote())["layer_streamed"] for a in cluster.prefill]
+    assert streamed[0] > 0 and streamed[1] > 0, streamed
     for actor in cluster.prefill:
         assert_idle(actor, prefill=True)
     assert_idle(cluster.decode[0])
