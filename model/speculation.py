@@ -64,33 +64,36 @@ class Snapshot:
     pages: dict[str, torch.Tensor]  # kind → [R] each request's ring page
     positions: torch.Tensor  # [R, width] int64
     rows: dict[str, torch.Tensor]  # kind → [R, layers, width, entry_bytes] uint8
+    slots: torch.Tensor  # [R] each request's MTP slot page (`state_mtp`)
 
     @classmethod
     def take(cls, pools: KVPools, seqs: list[SeqKV], width: int) -> Snapshot:
-        device = pools.device
-        positions = (torch.tensor([s.num_tokens - 1 for s in seqs], device=device)[:, None]
-                     + torch.arange(width, device=device))
-        pages, rows = {}, {}
-        for kind in RING_KINDS:
-            if kind in pools.kinds_for():
-                pages[kind] = torch.tensor([s.pages[kind][0] for s in seqs], device=device)
-                rows[kind] = _ring_view(pools, kind)[_ring_index(pools, kind, pages[kind], positions)]
-        return cls(pages, positions, rows)
+        kinds = [k for k in RING_KINDS if k in pools.kinds_for()]
+        # one host → device copy for every index the step's drafting and roll-back need
+        flat = torch.tensor([s.num_tokens - 1 for s in seqs] + [s.pages[k][0] for k in (*kinds, "state_mtp")
+                                                                for s in seqs], device=pools.device)
+        first, *pages, slots = flat.split(len(seqs))
+        positions = first[:, None] + torch.arange(width, device=flat.device)
+        pages = dict(zip(kinds, pages))
+        rows = {k: _ring_view(pools, k)[_ring_index(pools, k, pages[k], positions)] for k in kinds}
+        return cls(pages, positions, rows, slots)
 
-    def restore(self, pools: KVPools, rows: list[int], main_from: list[int]) -> None:
+    def restore(self, pools: KVPools, rows: list[int], main_from: list[int], slot_rows: list[int],
+                streams: torch.Tensor) -> None:
         """Put back, for each snapshot row `rows[i]`, the entries of positions >= main_from[i] in
-        the main layers and >= main_from[i] - 1 in the MTP layer (which lags by one)."""
+        the main layers and >= main_from[i] - 1 in the MTP layer (which lags by one), and set its
+        MTP slot to the main streams `streams[slot_rows[i]]` (the last kept position's)."""
         device = self.positions.device
-        r = torch.tensor(rows, device=device)
-        keep = torch.tensor(main_from, device=device)
+        r, keep, at = torch.tensor([*rows, *main_from, *slot_rows], device=device).split(len(rows))
         positions = self.positions[r]
-        mtp = -1 if pools.mtp_layer is None else pools.mtp_layer
         for kind, saved in self.rows.items():
-            layers = torch.tensor(pools.specs[kind].layers, device=device)
-            first = keep[:, None] - (layers == mtp).long()[None, :]  # [n, layers]
+            layers = pools.specs[kind].layers
+            mtp = layers.index(pools.mtp_layer) if pools.mtp_layer in layers else -1
+            first = keep[:, None] - (torch.arange(len(layers), device=device) == mtp).long()[None, :]  # [n, layers]
             back = (positions[:, None, :] >= first[:, :, None])[..., None]  # [n, layers, width, 1]
             view, index = _ring_view(pools, kind), _ring_index(pools, kind, self.pages[kind][r], positions)
             view[index] = torch.where(back, saved[r], view[index])
+        pools.write_slots("state_mtp", self.slots[r], streams[at.to(streams.device)])
 
 
 def _ring_view(pools: KVPools, kind: str) -> torch.Tensor:
@@ -140,12 +143,13 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
     live, streams = drafting, None
     for k in range(max(depths, default=0)):
         if k == 0:
-            slots = torch.tensor([requests[i][0].pages["state_mtp"][0] for i in live], device=pools.device)
-            streams = pools.read_slots("state_mtp", slots).view(len(live), model.cfg.hc_mult, model.cfg.hidden_size)
+            streams = pools.read_slots("state_mtp", snapshot.slots).view(len(live), model.cfg.hc_mult,
+                                                                       model.cfg.hidden_size)
         seqs = [requests[i][0] for i in live]
-        batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1 + k), [drafts[i][-1] if k else requests[i][1]])
-                                    for s, i in zip(seqs, live)], pools.device)
         graph = graph_for(len(live)) if graph_for is not None else None
+        # a graph reads the batch's segments and host ids only: no device copy of them
+        batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1 + k), [drafts[i][-1] if k else requests[i][1]])
+                                    for s, i in zip(seqs, live)], "cpu" if graph is not None else pools.device)
         if graph is not None:
             graph.streams_in[: len(live)] = streams
             logits, out = graph.run(batch), graph.streams[: len(live)]
@@ -157,10 +161,11 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
         for i, t in zip(live, tokens):
             drafts[i].append(t)
         keep = [j for j, i in enumerate(live) if depths[i] > k + 1]
-        live = [live[j] for j in keep]
-        if not live:
+        if not keep:
             break
-        streams = out[torch.tensor(keep, device=out.device)]  # a copy: a graph's output is rewritten
+        # (a graph's output is copied into its input before the next replay rewrites it)
+        streams = out if len(keep) == len(live) else out[torch.tensor(keep, device=out.device)]
+        live = [live[j] for j in keep]
     return [Pending(seq, seq.num_tokens, last, tuple(drafts[i]), params, snapshot if i in row else None, row.get(i, -1))
             for i, (seq, last, _, params) in enumerate(requests)]
 
@@ -193,8 +198,5 @@ def settle(pools: KVPools, pending: list[Pending], targets: list[list[int]], str
         snapshot = back[0].snapshot
         if any(p.snapshot is not snapshot for p in back):
             raise ValueError("settle takes the requests of one draft step (one snapshot)")
-        snapshot.restore(pools, [p.row for p in back], back_from)
-        device = streams.device
-        slots = torch.tensor([p.seq.pages["state_mtp"][0] for p in back], device=device)
-        pools.write_slots("state_mtp", slots, streams[torch.tensor(slot_rows, device=device)])
+        snapshot.restore(pools, [p.row for p in back], back_from, slot_rows, streams)
     return emitted
