@@ -272,7 +272,7 @@ class DecodeWorker:
                                            for i, rid in enumerate(ids))))
 
     async def _migrate_one(self, request_id: str, worker_id: str, actor) -> dict:
-        r = await self.commands.call(lambda: self.engine.pause(request_id))
+        r = await self.commands.call(lambda: self._pause(request_id))
         if r is None:
             return {"request_id": request_id, "moved": False, "reason": "not decoding"}
         self.migrations += 1
@@ -361,6 +361,13 @@ class DecodeWorker:
         await self.shell.leave_group(reason, "exiting")
         logging.shutdown()
         os._exit(1)
+
+    def _pause(self, request_id: str):
+        """Take a request out of the batch for a migration; the chunks of a step its pause settled
+        (decode_worker/overlap.py) are streamed now, before any token of its new worker."""
+        r = self.engine.pause(request_id)
+        self._route(self.engine.take_failed())
+        return r
 
     def _route(self, chunks: list[TokenChunk]) -> None:
         for chunk in chunks:

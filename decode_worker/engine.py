@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_worker import speculative
+from decode_worker import overlap, speculative
 from decode_worker.running import Planned, Running
 from model import speculation
 from model.batch import ForwardBatch
@@ -61,6 +61,7 @@ class DecodeConfig:
     prefill_token_budget: int = 512  # prompt tokens prefilled locally per step
     max_running: int = 64
     speculative_tokens: int = 0  # drafts per request and step through the MTP block (0: off)
+    overlap: bool = True  # queue the next decode step before this one's tokens reach the host (overlap.py)
 
     def __post_init__(self):
         speculation.check_depth(self.speculative_tokens)
@@ -80,13 +81,17 @@ class DecodeEngine:
             raise ValueError(f"decode graphs of {graphs.tokens_per_row} token(s) a request cannot run the steps of "
                              f"{spec} speculative token(s) ({1 + spec} a request)")
         self.graphs = graphs
+        # positions a request's pages hold past its max_tokens: what a verify step or a step queued
+        # ahead feeds there (`tokens_held`)
+        self.lookahead = max(spec, int(config.overlap))
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, self.eos_id)
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
-        self.failed: list[TokenChunk] = []  # admission failures not returned yet
+        self.failed: list[TokenChunk] = []  # admission failures (and a settled step's chunks) not returned yet
+        self.ahead: tuple[Planned, torch.Tensor] | None = None  # a step queued before the last one's ids were known
         self.stats = EngineStats()  # the worker's engine metrics (worker_runtime/engine_metrics.py)
 
     # --- admission ------------------------------------------------------------------------
@@ -137,6 +142,7 @@ class DecodeEngine:
 
     def pause(self, request_id: str) -> Running | None:
         """Take a decoding request out of the batch (between steps); None unless it is decoding."""
+        overlap.settle(self)  # its chunks leave before its pages (`take_failed`)
         r = self.running.get(request_id)
         if r is None or r.state is not RequestState.DECODING:
             return None
@@ -165,6 +171,8 @@ class DecodeEngine:
                 self.waiting.remove(r)
                 self.stats.ended(request_id)
                 return True
+        overlap.settle(self)
+        self.failed = [c for c in self.failed if c.request_id != request_id]
         r = self.running.pop(request_id, None)
         if r is None:
             return False
@@ -175,10 +183,11 @@ class DecodeEngine:
 
     def has_work(self) -> bool:
         """Anything a step would do (a paused request waits for its migration, not for a step)."""
-        return bool(self.waiting) or any(r.state is not RequestState.MIGRATING for r in self.running.values())
+        return (bool(self.waiting) or self.ahead is not None
+                or any(r.state is not RequestState.MIGRATING for r in self.running.values()))
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.ahead is None
 
     def tokens_left(self) -> int:
         """Tokens the decoding requests may still generate (an upper bound: stops end them early)."""
@@ -217,6 +226,8 @@ class DecodeEngine:
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
+        if self.ahead is not None:
+            return overlap.advance(self)
         planned = self.plan()
         return self.run(planned) if planned is not None else self.take_failed()
 
@@ -240,7 +251,10 @@ class DecodeEngine:
             return out
         logits = self._run(planned.batch, agreed, planned.owners)
         planned.batch.commit()
-        out = self.take_failed() + self._postprocess(planned.owners, logits)
+        if agreed is None and overlap.eligible(self, planned.owners):
+            out = self.take_failed() + overlap.launch(self, planned, logits)
+        else:
+            out = self.take_failed() + self._postprocess(planned.owners, logits)
         self.stats.step_ended()
         return out
 
@@ -309,13 +323,18 @@ class DecodeEngine:
             self.graphs.replays += 1
         return logits
 
-    def _postprocess(self, owners: list[tuple[Running, bool]], logits) -> list[TokenChunk]:
+    def _postprocess(self, owners: list[tuple[Running, bool]], logits, drawn: list[int] | None = None
+                     ) -> list[TokenChunk]:
         """Sample every row that yields a token in one batch on the device (only the ids reach
-        the host), then emit them in row order."""
+        the host), then emit them in row order. `drawn`: every row's id, drawn already (an
+        overlapped step's, without logprobs). A row whose request left the batch since the step
+        was queued (ended, aborted, paused: `overlap.py`) is skipped."""
         out, rows, sampled = [], [], []
         for i, (r, yields) in enumerate(owners):
+            if self.running.get(r.req.request_id) is not r or r.state is RequestState.MIGRATING:
+                continue
             self.pools.trim_window(r.seq)
-            if not yields or r.req.request_id not in self.running:
+            if not yields:
                 continue
             if r.req.deadline is not None and time.time() > r.req.deadline:
                 out.append(self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
@@ -324,11 +343,14 @@ class DecodeEngine:
             sampled.append(r)
         if not rows:
             return out
-        logits = logits[rows] if len(rows) < len(owners) else logits
-        tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled],
-                             histories=[self.history(r) for r in sampled],
-                             masks=self.grammars.bitmask([r.grammar for r in sampled], logits.device))
-        lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
+        if drawn is not None:
+            tokens, lps = [drawn[i] for i in rows], [None] * len(rows)
+        else:
+            logits = logits[rows] if len(rows) < len(owners) else logits
+            tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled],
+                                 histories=[self.history(r) for r in sampled],
+                                 masks=self.grammars.bitmask([r.grammar for r in sampled], logits.device))
+            lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
         for r, token, lp in zip(sampled, tokens, lps):
             r.state = RequestState.DECODING
             out.append(self._emit(r, token, lp))
@@ -341,12 +363,13 @@ class DecodeEngine:
 
     def tokens_held(self, req: GenerateRequest) -> int:
         """Tokens a request's decode pages hold: its prompt and every output token but the last
-        (which is never fed; a request of max_tokens 0 still holds its prompt), and with
-        speculation N more. Every verify segment is then N+1 tokens long, up to the request's
-        last step, whose rows past max_tokens are computed and dropped: a batch of decoding
-        requests always fits the verify graphs, where shorter segments at the ends of requests
-        would send whole steps to the eager path."""
-        return len(req.prompt_ids) + max(req.max_tokens, 1) - 1 + self.config.speculative_tokens
+        (which is never fed; a request of max_tokens 0 still holds its prompt), and `lookahead`
+        more. With speculation N: every verify segment is then N+1 tokens long, up to the
+        request's last step, whose rows past max_tokens are computed and dropped, so a batch of
+        decoding requests always fits the verify graphs (shorter segments at the ends of
+        requests would send whole steps to the eager path). With overlapped steps one: the step
+        queued ahead feeds the last token too (`overlap.py`)."""
+        return len(req.prompt_ids) + max(req.max_tokens, 1) - 1 + self.lookahead
 
     def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:
         """What its logit adjustments read (None when its sampling has none): its prompt, its output

@@ -107,8 +107,10 @@ class DecodeGraph:
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [n·L, vocab] of a batch of n segments of L tokens each (L = 1: a decode step); the
-        caller commits it. With L > 1 the step's main streams are `streams[: n·L]` until the next
-        replay (a draft graph's: the MTP block's output streams)."""
+        caller commits it. Without `host_ids` the batch's ids are read on the device, in stream
+        order (an overlapped step's, `decode_worker/overlap.py`). With L > 1 the step's main
+        streams are `streams[: n·L]` until the next replay (a draft graph's: the MTP block's
+        output streams)."""
         segs = batch.segments
         # (one pass over the rows: until the replay is queued the GPU waits on the host)
         if len(segs) > self.B or any(s.length != self.L or s.end > self.max_context for s in segs):
@@ -117,7 +119,9 @@ class DecodeGraph:
                                  f"token(s), got {[s.length for s in segs]}")
             raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
         rows = self.staging.rows(segs)
-        staged = self.load_inputs(rows, list(batch.host_ids) if batch.host_ids else batch.input_ids.tolist())
+        staged = self.load_inputs(rows, list(batch.host_ids))
+        if not batch.host_ids:  # ids still on the device (sampled by the step before): after the inputs' copy
+            self.flat[: batch.input_ids.shape[0]].copy_(batch.input_ids)
         self.graph.replay()
         self._stage_next(rows, staged)
         return self.logits[: len(segs) * self.L]

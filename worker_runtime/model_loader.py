@@ -58,9 +58,8 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
         if options.device == "cuda":
             quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
     set_deterministic(model, options.deterministic)  # after quantize_model, which makes new modules
-    # a speculative verify step writes up to N positions past a request's last token (`DecodeEngine.tokens_held`)
-    pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size,
-                    max_tokens=options.max_tokens + options.speculative_tokens, max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
+    pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
+                    max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,
                     with_mtp=with_mtp)
     return cfg, model, pools
 
@@ -111,8 +110,9 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int,
                  expert_parallel: bool = False, tokens_per_row: int = 1):
-        # a verify row writes up to tokens_per_row - 1 positions past its request's last token
-        max_context += tokens_per_row - 1
+        # a verify row writes up to tokens_per_row - 1 positions past its request's last token, a
+        # step queued ahead one (`DecodeEngine.tokens_held`)
+        max_context += max(tokens_per_row - 1, 1)
         self.scratch = SeqKV()
         pools.reserve(self.scratch, max_context)
         self.graphs = []

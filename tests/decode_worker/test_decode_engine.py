@@ -112,3 +112,40 @@ def test_abort_at_random_points_leaves_pools_idle(model):
         engine.abort(rid)
     assert not engine.has_work()
     assert pools.num_free() == pools.idle_free()
+
+
+def test_overlapped_steps_queue_the_next_step_and_change_no_token(model):
+    """With overlap (the default) a decode-only step queues the next one before its ids reach the
+    host: the engine holds a step in flight between calls while its requests decode. The tokens
+    are those of an engine stepping one at a time (greedy and drawn, requests ending at different
+    steps); an abort while a step is in flight drops the aborted request's token there, the others
+    go on unchanged, and every page comes back."""
+    rng = random.Random(5)
+    reqs = [GenerateRequest(f"o{i}", tuple(rng.randrange(256) for _ in range(20 + 30 * i)), max_tokens=14 - 3 * i,
+                            ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+            for i in range(3)]
+
+    def serve(overlap: bool, abort_after: int = 0):
+        e = DecodeEngine(model, KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=4),
+                         ByteTokenizer(model.cfg.vocab_size), "d", DecodeConfig(overlap=overlap))
+        for r in reqs:
+            e.submit(r)
+        out, ahead, steps = {r.request_id: [] for r in reqs}, 0, 0
+        while e.has_work():
+            for chunk in e.step():
+                out[chunk.request_id] += chunk.token_ids
+            ahead += e.ahead is not None
+            steps += 1
+            if steps == abort_after:
+                assert e.ahead is not None and e.abort("o0")
+        assert e.pools.num_free() == e.pools.idle_free() and e.idle()
+        return out, ahead
+
+    plain, ahead = serve(False)
+    assert ahead == 0
+    assert all(plain[r.request_id] == reference(model, r) for r in reqs)
+    got, ahead = serve(True)
+    assert got == plain and ahead >= 8
+    cut, _ = serve(True, abort_after=5)
+    assert cut["o1"] == plain["o1"] and cut["o2"] == plain["o2"]
+    assert 0 < len(cut["o0"]) < len(plain["o0"]) and cut["o0"] == plain["o0"][: len(cut["o0"])]

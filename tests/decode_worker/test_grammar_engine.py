@@ -78,7 +78,7 @@ def test_output_validates_and_is_the_same_batched_and_bounced(model, batched):
         if any(c.finish_reason for c in chunks):
             break
         if engines[at].running[r.request_id].state is RequestState.DECODING:
-            move(engines[at], engines[1 - at], r.request_id)
+            out += [t for c in move(engines[at], engines[1 - at], r.request_id) for t in c.token_ids]
             at, moves = 1 - at, moves + 1
     else:
         pytest.fail("the bounced request did not finish")

@@ -59,6 +59,12 @@ class DecodeSide:
                 c = replace(c, transfer=stats)
             self.chunks.setdefault(c.request_id, []).append(c)
 
+    def pause(self, rid: str):
+        """As the actor pauses for a migration: the chunks of a step the pause settled go out first."""
+        r = self.engine.pause(rid)
+        self.route(self.engine.take_failed())
+        return r
+
     def tokens(self, rid: str) -> list[int]:
         return [t for c in self.chunks.get(rid, []) for t in c.token_ids]
 

@@ -23,10 +23,16 @@ def model():
     return random_model(tiny_config(index_topk=128))
 
 
-def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> None:
-    """What a migration does, minus NIXL: pause, copy the resume pages, adopt, hand off."""
+def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> list:
+    """What a migration does, minus NIXL: pause, copy the resume pages, adopt, hand off. → the
+    chunks the pause settled (a step queued ahead, `decode_worker/overlap.py`), which the worker
+    streams before the migration starts: the caller takes them in that order."""
     r = src.pause(rid)
-    assert r is not None and r.state is RequestState.MIGRATING
+    settled = src.take_failed()
+    if r is None:  # it ended in a settled step (this one's, or an earlier pause's)
+        assert rid not in src.running
+        return settled
+    assert r.state is RequestState.MIGRATING
     pages = {k: v for k, v in src.pools.resume_pages(r.seq).items() if v}
     got = {k: dst.pools.alloc(k, len(v)) for k, v in pages.items()}
     for kind, ids in pages.items():
@@ -38,6 +44,7 @@ def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> None:
     dst.admit_migrated(r.req, seq, list(r.tokens), r.detok.emitted, r.cached_tokens, extra)
     src.hand_off(rid)
     assert rid not in src.running
+    return settled
 
 
 # the production encoding in the CI subset; the others add ~20 s on a 2-core machine
@@ -69,7 +76,11 @@ def test_bounced_requests_equal_generate(model, kv_dtype):
             e = engines[where[rid]]
             if rid not in done and rid in e.running and e.running[rid].state is RequestState.DECODING \
                     and rng.random() < 0.3:
-                move(e, engines[1 - where[rid]], rid)
+                for chunk in move(e, engines[1 - where[rid]], rid):
+                    out[chunk.request_id].extend(chunk.token_ids)
+                    text[chunk.request_id] += chunk.text
+                    if chunk.finish_reason:
+                        done.add(chunk.request_id)
                 where[rid] = 1 - where[rid]
         assert step < 500
     tok = ByteTokenizer(model.cfg.vocab_size)
@@ -110,7 +121,10 @@ def test_long_prompts_bounced_between_engines_give_the_logits_of_generate():
         for i, e in enumerate(engines):
             for rid in (e.decoding() if step % 2 else []):
                 if rid != "g2":
-                    move(e, engines[1 - i], rid)
+                    for chunk in move(e, engines[1 - i], rid):
+                        got[chunk.request_id].extend(chunk.token_ids)
+                        if chunk.finish_reason:
+                            done.add(chunk.request_id)
                     moves += 1
         assert step < 200
     assert moves >= 4

@@ -48,7 +48,7 @@ def migrate_in(dst: DecodeSide, src: DecodeSide, req, num_tokens: int, lease_s: 
 async def migrate(src: DecodeSide, dst: DecodeSide, rid: str, between=None) -> dict:
     """The source's _migrate_one, both workers' loops running until the migration settles.
     between(migration, offer): called once after the ship (the client may leave, bytes may rot)."""
-    r = src.engine.pause(rid)
+    r = src.pause(rid)
     assert r is not None
     m = src.outbound.begin(r, f"{rid}>m1", dst.name, TargetActor(dst))
     offer = None
@@ -147,7 +147,7 @@ def test_a_migration_cancelled_by_its_client_frees_every_page(model, when):
     if when == "before_ship":  # the client left while the target was reserving
         async def go():
             rid = REQ.request_id
-            r = src.engine.pause(rid)
+            r = src.pause(rid)
             m = src.outbound.begin(r, f"{rid}>m1", dst.name, TargetActor(dst))
             # the source never loads the target, so nothing can answer the target's Ack: its
             # reservation is freed at the end of its lease

@@ -117,7 +117,8 @@ def test_prefilled_elsewhere_then_decoded_speculatively_and_migrated(model, n):
         if step == 2:
             for r in reqs:
                 if r.request_id in engines[0].decoding():
-                    move(engines[0], engines[1], r.request_id)
+                    for chunk in move(engines[0], engines[1], r.request_id):
+                        out[chunk.request_id].extend(chunk.token_ids)
         for e in engines:
             for chunk in e.step():
                 out[chunk.request_id].extend(chunk.token_ids)
