@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from decode_worker.running import Planned, Running
-from model.batch import ForwardBatch, Segment
+from model.batch import ForwardBatch, Segment, to_device
 from model.sampling import draw_rows
 from worker_runtime.wire import RequestState, TokenChunk
 
@@ -47,10 +47,8 @@ def launch(engine, planned: Planned, logits: torch.Tensor) -> list[TokenChunk]:
     runs = [r for r, _ in owners]
     ids = draw_rows(logits, [r.req.sampling for r in runs], [r.seq.num_tokens for r in runs])
     segments = tuple(Segment(r.seq, r.seq.num_tokens, 1, i) for i, r in enumerate(runs))
-    graph = engine.graphs.for_rows(len(runs)) if engine.graphs is not None else None
-    # a graph reads the positions from its staged inputs; the eager forward reads them on the device
-    positions = torch.tensor([s.start for s in segments], device="cpu" if graph is not None else ids.device)
-    batch = ForwardBatch(ids, positions, segments)
+    # (a graph reads the positions from its staged inputs, the eager forward from here)
+    batch = ForwardBatch(ids, to_device([s.start for s in segments], ids.device, torch.int64), segments)
     ahead_logits = engine._run(batch, None, owners)
     batch.commit()
     engine.ahead = (Planned(batch, owners), ahead_logits)

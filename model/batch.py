@@ -103,3 +103,12 @@ class ForwardBatch:
         """Mark the batch's tokens as cached in their requests' pools (after a forward)."""
         for s in self.segments:
             s.seq.num_tokens = s.end
+
+
+def to_device(values: list, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`; to a GPU through page-locked memory, so the copy
+    is queued on the stream rather than waiting for the work queued before it (a copy from
+    pageable memory waits for it)."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from model.batch import to_device
 from model.kernels.common.gumbel import gumbel_argmax, kept
 from model.penalties import MAX_LOGIT_BIAS, History, adjust
 
@@ -119,16 +120,9 @@ def draw_rows(logits: torch.Tensor, params: list[SamplingParams], positions: lis
         return _draw(logits, params, positions, impl)
     tokens = logits.argmax(-1)  # first maximum on every device: the greedy rows' answer
     if drawn:
-        tokens[_on(drawn, tokens.device)] = _draw(logits[drawn], [params[i] for i in drawn],
+        tokens[to_device(drawn, tokens.device)] = _draw(logits[drawn], [params[i] for i in drawn],
                                                   [positions[i] for i in drawn], impl)
     return tokens
-
-
-def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list as a tensor on `device`; to a GPU through page-locked memory, so the copy
-    is queued on the stream rather than waiting for the work queued before it."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -157,20 +151,20 @@ def _support(logits: torch.Tensor, params: list[SamplingParams]):
     top one's), then top-k, then top-p over what is left. Rows without any keep everything: when
     no row has top-k or top-p, nothing is sorted."""
     dev, (rows, vocab) = logits.device, logits.shape
-    temperature = _on([p.temperature for p in params], dev, torch.float32)
+    temperature = to_device([p.temperature for p in params], dev, torch.float32)
     scaled = logits.float() / temperature[:, None]
     # min_p's threshold on the scaled logits (-inf: off); log(min_p) is rounded once, on the host
-    floor = scaled.amax(-1) + _on([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], dev,
-                                  torch.float32)
+    floor = scaled.amax(-1) + to_device([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params],
+                                        dev, torch.float32)
     if all(p.top_p == 1 and not 0 < p.top_k < vocab for p in params):
         return scaled, floor, torch.full((rows,), vocab, device=dev)
     # A stable descending sort ranks ties by token id, so "the k best" names the same k tokens
     # in every batch, and the support is a prefix of the ranking in every row.
     ranked, order = scaled.sort(dim=-1, descending=True, stable=True)
-    k = _on([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dev, torch.int64)
+    k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dev, torch.int64)
     keep = (torch.arange(vocab, device=dev) < k[:, None]) & (ranked >= floor[:, None])
     if any(p.top_p < 1 for p in params):
-        top_p = _on([p.top_p for p in params], dev, torch.float32)
+        top_p = to_device([p.top_p for p in params], dev, torch.float32)
         # The smallest prefix whose mass reaches top_p, the token crossing it included. In fp64:
         # an fp32 cumsum over 129K tokens rounds differently on a GPU (a parallel scan) and a CPU,
         # enough to move the cut by a token; fp64 leaves only ulp-level ties to chance.
@@ -184,7 +178,7 @@ def _support(logits: torch.Tensor, params: list[SamplingParams]):
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int], impl: str) -> torch.Tensor:
     """Gumbel-max over each row's support: logits [R, V] → ids [R] (int64)."""
     scaled, thr_value, thr_id = _support(logits, params)
-    keys = _on([_row_key(p.seed, pos) for p, pos in zip(params, positions)], logits.device, torch.int64)
+    keys = to_device([_row_key(p.seed, pos) for p, pos in zip(params, positions)], logits.device, torch.int64)
     return gumbel_argmax(scaled, keys, thr_value, thr_id, impl)
 
 
