@@ -21,7 +21,8 @@
 #                          in its own session (it outlives this shell); MODE pd: prefill on GPUs 0-1,
 #                          decode on 2-3, each an expert-parallel group of 2; agg: two aggregated groups
 #                          of 2 on the same 4 GPUs; pd2: one prefill and one decode GPU; agg2: two
-#                          aggregated GPUs; smoke: one prefill and one decode worker sharing GPU 0.
+#                          aggregated GPUs; agg1: one aggregated GPU (c 1 latency); smoke: one prefill
+#                          and one decode worker sharing GPU 0.
 #                          LAYERS 0 or absent: all 43; UP-OPTIONS go to `up` as they are
 #   serve-bench LABEL GPUS OSL WARMUP C...  serve_bench.py against it (ISL 8192): $OUT/serve_LABEL.json;
 #                          closed-loop levels at concurrencies C; or, in place of C..., serve_bench.py's
@@ -103,8 +104,9 @@ serve-start)
     agg)   pools="--gpus-per-worker 1 --prefill 0 --decode 4 --decode-ep 2 --max-seqs 128" ;;
     pd2)   pools="--gpus-per-worker 1 --prefill 1 --decode 1 --max-seqs 128" ;;
     agg2)  pools="--gpus-per-worker 1 --prefill 0 --decode 2 --max-seqs 128" ;;
+    agg1)  pools="--gpus-per-worker 1 --prefill 0 --decode 1 --max-seqs 128" ;;
     smoke) pools="--gpus-per-worker 0.5 --prefill 1 --decode 1 --max-seqs 16" ;;
-    *) echo "serve-start MODE: pd, agg, pd2, agg2 or smoke" >&2; exit 2 ;;
+    *) echo "serve-start MODE: pd, agg, pd2, agg2, agg1 or smoke" >&2; exit 2 ;;
     esac
     layers=${2:-0}; shift $(( $# < 2 ? $# : 2 ))
     [ "$layers" = 0 ] && layers=

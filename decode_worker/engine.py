@@ -15,6 +15,10 @@ With speculation (`DecodeConfig.speculative_tokens` > 0) schedule drafts with th
 decoding request's segment verifies them; postprocess keeps the tokens the target agrees with
 (`decode_worker/speculative.py`). The tokens are those of decoding without it.
 
+Overlapped (`DecodeConfig.overlap`): a decode-only step queues the same requests' next step, fed
+with its ids on the device, before those ids reach the host (`decode_worker/overlap.py`); the
+next `step()` continues from it. The tokens are those of steps taken one at a time.
+
 Migration: `pause` takes a decoding request out of the batch at a token boundary (its pages stay
 put while they ship), then either `hand_off` (the target verified them: release here) or
 `resume` (the migration failed: it decodes here again). `admit_migrated` is the other side.
@@ -363,12 +367,9 @@ class DecodeEngine:
 
     def tokens_held(self, req: GenerateRequest) -> int:
         """Tokens a request's decode pages hold: its prompt and every output token but the last
-        (which is never fed; a request of max_tokens 0 still holds its prompt), and `lookahead`
-        more. With speculation N: every verify segment is then N+1 tokens long, up to the
-        request's last step, whose rows past max_tokens are computed and dropped, so a batch of
-        decoding requests always fits the verify graphs (shorter segments at the ends of
-        requests would send whole steps to the eager path). With overlapped steps one: the step
-        queued ahead feeds the last token too (`overlap.py`)."""
+        (never fed; a request of max_tokens 0 still holds its prompt), and `lookahead` more for
+        what a full-length verify step (speculative.py) or a step queued ahead (overlap.py)
+        feeds past its end."""
         return len(req.prompt_ids) + max(req.max_tokens, 1) - 1 + self.lookahead
 
     def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:

@@ -2,8 +2,10 @@
 `model/speculation.py`).
 
 * `draft`: at schedule time, every decoding request drafts N tokens with the MTP block, also
-  near its max_tokens (its pages hold N positions past it: `DecodeEngine.tokens_held`), and its
-  segment becomes the verify segment [last token, drafts...].
+  near its max_tokens (its pages hold N positions past it: `DecodeEngine.tokens_held`; the rows
+  past max_tokens are dropped), and its segment becomes the verify segment [last token,
+  drafts...]. A batch of decoding requests then always has the verify graphs' shape, where
+  shorter segments at the ends of requests would send whole steps to the eager path.
 * `verify`: the step's forward, with logits at every row of a verify segment and at the last row
   of the others: a CUDA graph of the batch's size when every segment verifies N drafts and the
   worker captured graphs of N+1 tokens a row (`DecodeGraphs.tokens_per_row`, the MTP extension
