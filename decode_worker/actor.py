@@ -89,7 +89,8 @@ class DecodeWorker:
         self.engine = DecodeEngine(model, self.pools, tokenizer, worker_id,
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs,
-                                                speculative_tokens=options.speculative_tokens), graphs)
+                                                speculative_tokens=options.speculative_tokens,
+                                                overlap=options.overlap), graphs)
         if options.decode_ep.size == 1:  # a group's ranks can only step together, once it has formed
             check_step_fits(model, self.pools, options.max_seqs * (1 + options.speculative_tokens)
                             + options.prefill_token_budget,

@@ -78,6 +78,9 @@ class WorkerOptions:
     # same bits whatever shares its step, and speculation is exact on the GPU too; the CPU's torch
     # reference is batch-invariant already (accepted there, changes nothing)
     deterministic: bool = False
+    # a decode worker queues each decode-only step before the last one's ids reach the host
+    # (decode_worker/overlap.py); off: one step at a time (the comparison's baseline)
+    overlap: bool = True
     prefill_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     decode_ep: ExpertParallelOptions = field(default_factory=ExpertParallelOptions)
     logs: LogOptions = field(default_factory=LogOptions)  # level, format, the periodic stats line
