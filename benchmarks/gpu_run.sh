@@ -28,6 +28,9 @@
 #                          closed-loop levels at concurrencies C; or, in place of C..., serve_bench.py's
 #                          own options (the first starting with --), e.g. --goodput interactive batch
 #   serve-stop             stop it (and what Ray and Valkey left running)
+#   serve-c1 [LAYERS]      the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL 8192 /
+#                          OSL 256, 8 requests each: overlapped steps, --no-overlap, --speculative-tokens 1 and 2
+#                          ($OUT/serve_c1_*.json; ~10 min)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
 #   pytest ARGS... | python ARGS...      anything else in the same environment
@@ -61,7 +64,7 @@ v4serve() { $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main(
 
 job=${1:-}
 case $job in
-setup|tests-a|tests-b|tests-c|tests|kernels|kv|ep|pd-slice|spec|serve-start|serve-bench|serve-stop|triton-cache|pytest|python)
+setup|tests-a|tests-b|tests-c|tests|kernels|kv|ep|pd-slice|spec|serve-start|serve-bench|serve-stop|serve-c1|triton-cache|pytest|python)
     shift; mkdir -p "$OUT" $RUN; install ;;
 *) usage ;;
 esac
@@ -138,6 +141,15 @@ serve-stop)
         kill -9 "$pid" 2>/dev/null
     fi
     pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f valkey-server; true ;;
+serve-c1)
+    layers=${1:-30}
+    for variant in overlap:"" plain:--no-overlap spec1:"--speculative-tokens 1" spec2:"--speculative-tokens 2"; do
+        name=${variant%%:*}
+        # shellcheck disable=SC2086  # the variant's options, one word each
+        bash "$0" serve-start agg1 "$layers" ${variant#*:} || { bash "$0" serve-stop; continue; }
+        bash "$0" serve-bench "c1_$name" 1 256 1 1 --rounds 8
+        bash "$0" serve-stop
+    done ;;
 triton-cache)
     tar -C $TRITON_CACHE_DIR -cf - . | xz -T0 > "$OUT/triton-cache.tar.xz" && du -h "$OUT/triton-cache.tar.xz" ;;
 pytest)
