@@ -22,6 +22,7 @@ from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams
 from model.tiny import flash_config
 from model.tokenizer import ByteTokenizer
+from tests.decode_worker.test_decode_engine import run_all
 from worker_runtime.model_loader import DecodeGraphs, load_replica
 from worker_runtime.options import WorkerOptions
 from worker_runtime.wire import GenerateRequest
@@ -149,14 +150,7 @@ def test_graph_speculation_drafts_and_emits_what_eager_speculation_does(tiny_off
                               DecodeConfig(max_running=4, speculative_tokens=spec), graphs)
         seen = []
         monkeypatch.setattr(speculation, "accepted", lambda d, t: seen.append((d, tuple(t))) or real(d, t))
-        for r in requests:
-            engine.submit(r)
-        tokens = {r.request_id: [] for r in requests}
-        while engine.has_work():
-            for chunk in engine.step():
-                assert chunk.error is None, chunk.error
-                tokens[chunk.request_id] += chunk.token_ids
-        return tokens, seen, graphs
+        return run_all(engine, requests, [0] * len(requests)), seen, graphs
 
     plain, _, _ = serve(0, False)
     eager, eager_seen, _ = serve(2, False)
