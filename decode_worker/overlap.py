@@ -3,8 +3,9 @@ this step's tokens reach the host, so the host's work between two steps (the ids
 checks, detokenising, streaming the chunks, scheduling) runs while the device computes, instead
 of leaving it idle.
 
-    run step k → draw its ids on the device → queue step k+1 fed with them → ids to the host → emit k
-    next call: draw k+1's ids → queue k+2 → ids to the host → emit k+1 ...
+    run step k → draw its ids on the device, queue their copy to the host → queue step k+1 fed
+    with them → wait for the copy (not for k+1) → emit k
+    next call: draw k+1's ids → queue k+2 → ... → emit k+1
 
 A step goes ahead only when nothing but the ids changes between the two steps (`eligible`): every
 request in the step is decoding and every running request is in it, none waits for admission,
@@ -46,13 +47,22 @@ def launch(engine, planned: Planned, logits: torch.Tensor) -> list[TokenChunk]:
     owners = planned.owners
     runs = [r for r, _ in owners]
     ids = draw_rows(logits, [r.req.sampling for r in runs], [r.seq.num_tokens for r in runs])
+    # the ids' copy to the host is queued now, before the next step: a copy queued after it would
+    # wait for it
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=ids.is_cuda)
+    host.copy_(ids, non_blocking=True)
+    copied = torch.cuda.Event() if ids.is_cuda else None
+    if copied is not None:
+        copied.record()
     segments = tuple(Segment(r.seq, r.seq.num_tokens, 1, i) for i, r in enumerate(runs))
     # (a graph reads the positions from its staged inputs, the eager forward from here)
     batch = ForwardBatch(ids, to_device([s.start for s in segments], ids.device, torch.int64), segments)
     ahead_logits = engine._run(batch, None, owners)
     batch.commit()
     engine.ahead = (Planned(batch, owners), ahead_logits)
-    return engine._postprocess(owners, logits, ids.tolist())
+    if copied is not None:
+        copied.synchronize()
+    return engine._postprocess(owners, logits, host.tolist())
 
 
 def advance(engine) -> list[TokenChunk]:
