@@ -20,9 +20,9 @@ only the token ids.
 
 A graph of `tokens_per_row` L > 1 is a speculative verify step (`model/speculation.py`): each row
 is one request's segment of L tokens (its last sampled token and L-1 drafts), with logits and
-main streams at every token. The MTP block's extension (`Transformer.extend_mtp`) is not in the
-graph too (`Transformer.extend_mtp` on the static batch: every row's MTP segment is its tokens one
-position back), so a verify step and its extension are one replay.
+main streams at every token, and the MTP block's extension is captured with it
+(`Transformer.extend_mtp` on the static batch: every row's MTP segment is its tokens one position
+back), so a verify step and its extension are one replay.
 
 A draft graph (`draft=True`) is one step of the MTP block and the head at one token a row
 (`Transformer.mtp_step`), beside the streams the caller puts in `streams_in`: a speculative step
