@@ -29,8 +29,8 @@
 #                          own options (the first starting with --), e.g. --goodput interactive batch
 #   serve-stop             stop it (and what Ray and Valkey left running)
 #   serve-c1 [LAYERS]      the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL 8192 /
-#                          OSL 256, 8 requests each: overlapped steps, --no-overlap, --speculative-tokens 1 and 2
-#                          ($OUT/serve_c1_*.json; ~10 min)
+#                          OSL 256, 8 requests each: overlapped steps, --no-overlap, --speculative-tokens 3
+#                          ($OUT/serve_c1_*.json; ~8 min)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
 #   pytest ARGS... | python ARGS...      anything else in the same environment
@@ -143,7 +143,7 @@ serve-stop)
     pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f valkey-server; true ;;
 serve-c1)
     layers=${1:-30}
-    for variant in overlap:"" plain:--no-overlap spec1:"--speculative-tokens 1" spec2:"--speculative-tokens 2"; do
+    for variant in overlap:"" plain:--no-overlap spec3:"--speculative-tokens 3"; do
         name=${variant%%:*}
         # shellcheck disable=SC2086  # the variant's options, one word each
         bash "$0" serve-start agg1 "$layers" ${variant#*:} || { bash "$0" serve-stop; continue; }

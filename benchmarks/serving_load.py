@@ -209,7 +209,7 @@ def records_from_columns(cols: dict[str, list]) -> list[dict]:
 
 def summarize(records: list[dict], start: float, isl: int, tiers: tuple[Tier, ...]) -> dict:
     """A level's figures: rates over (start → last token), TTFT / ITL (every gap of the level) /
-    E2E percentiles, the percentiles of the requests' own ITL p99, attainment per tier."""
+    E2E / TPOT percentiles, the percentiles of the requests' own ITL p99, attainment per tier."""
     ok = [r for r in records if r["error"] is None]
     span = max((r["done"] for r in records), default=start) - start
     span = span if span > 0 else float("nan")
@@ -221,6 +221,9 @@ def summarize(records: list[dict], start: float, isl: int, tiers: tuple[Tier, ..
              "ttft_ms": percentiles_ms([r["ttft"] for r in ok]),
              "itl_ms": percentiles_ms([g for r in ok for g in r["itl"]]),
              "e2e_ms": percentiles_ms([r["e2e"] for r in ok]),
+             # time per output token after the first: a speculative step's tokens arrive together,
+             # so its gaps (itl_ms) are bursts and pauses, and this is the figure to compare
+             "tpot_ms": percentiles_ms([(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]),
              "request_itl_p99_ms": percentiles_ms([r["itl_p99"] for r in ok if r["itl_p99"] is not None]),
              "attainment": {t.name: attainment(records, t) for t in tiers},
              "retried_429": sum(r["retries"] for r in records), "errors": errors[:5]}

@@ -30,9 +30,18 @@ import time
 import torch
 
 from model import speculation
+from model.batch import ForwardBatch
 from model.logprobs import token_logprobs
-from model.sampling import sample_rows
+from model.sampling import draw_rows, sample_rows
 from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
+
+
+def on_device(owners: list) -> bool:
+    """Whether a step of `owners` runs on the device from its drafts to its roll-back
+    (`model/speculation.py`): every row is a decoding request whose sampling needs nothing from
+    the host (no grammar, penalties or logprobs)."""
+    return all(yields and r.state is RequestState.DECODING and r.grammar is None and r.req.logprobs is None
+               and not r.req.sampling.adjusts for r, yields in owners)
 
 
 def draft(engine, owners: list, items: list) -> tuple:
@@ -40,10 +49,12 @@ def draft(engine, owners: list, items: list) -> tuple:
     → pending[i] per segment (None for a prefill chunk)."""
     spec = engine.config.speculative_tokens
     decoding = [i for i, (r, _) in enumerate(owners) if r.state is RequestState.DECODING]
+    if not decoding:
+        return (None,) * len(owners)
     runs = [owners[i][0] for i in decoding]
     graphs = engine.graphs
     drafted = speculation.draft(engine.model, engine.pools, [(r.seq, r.tokens[-1], spec, r.req.sampling) for r in runs],
-                                graphs.draft_for_rows if graphs is not None else None)
+                                graphs.draft_for_rows if graphs is not None else None, on_device=on_device(owners))
     # a grammar's row verifies N placeholder rows, never accepted (see the module docstring)
     drafted = [dataclasses.replace(p, binding=False) if r.grammar is not None else p for r, p in zip(runs, drafted)]
     pending: list = [None] * len(owners)
@@ -55,6 +66,8 @@ def draft(engine, owners: list, items: list) -> tuple:
 
 def verify(engine, planned) -> list[TokenChunk]:
     """Run → postprocess a step with verify segments (see the module docstring)."""
+    if planned.pending[0] is not None and planned.pending[0].chain is not None:
+        return verify_chain(engine, planned)
     batch, owners, pending = planned.batch, planned.owners, planned.pending
     # every row of a verify segment, and of a prompt chunk asking for prompt logprobs; else the last
     rows = [list(range(s.offset, s.offset + s.length)) if p is not None or r.wants_prompt_rows
@@ -118,6 +131,44 @@ def verify(engine, planned) -> list[TokenChunk]:
         r.state = RequestState.DECODING
         for token, lp in zip(targets, row_lps):
             out.append(engine._emit(r, token, lp))
+            if r.req.request_id not in engine.running:
+                break
+    return out
+
+
+def verify_chain(engine, planned) -> list[TokenChunk]:
+    """`verify` for a step drafted on the device (`on_device`): the verify reads the chain's ids,
+    the targets are drawn there and `speculation.settle_chain` rolls back there; the host waits
+    once, for the targets and the accepted counts, then emits."""
+    batch, owners, pending = planned.batch, planned.owners, planned.pending
+    L = len(pending[0].tokens)
+    batch = ForwardBatch(pending[0].chain.view(-1), batch.positions, batch.segments)  # the ids on the device
+    graphs = engine.graphs
+    graph = graphs.for_batch(batch) if graphs is not None else None
+    if graph is not None:
+        logits, streams = graph.run(batch), graph.streams
+        graphs.replays += 1
+    else:
+        logits, streams = engine.model(batch, engine.pools, return_streams=True, all_logits=True)
+    batch.commit()
+    runs = [r for r, _ in owners]
+    # row j of a segment samples the token at position n + 1 + j, as in `verify`
+    targets = draw_rows(logits[: len(runs) * L], [r.req.sampling for r in runs for _ in range(L)],
+                        [p.start + 1 + j for p in pending for j in range(L)]).view(len(runs), L)
+    accepted = speculation.settle_chain(engine.pools, list(pending), targets, streams)
+    host = torch.cat([targets, accepted[:, None]], dim=1).cpu().tolist()  # the step's one wait
+    out = []
+    for r, p, (*tokens, a) in zip(runs, pending, host):
+        r.seq.num_tokens = p.start + a + 1
+        engine.pools.trim_window(r.seq)
+        engine.spec_proposed += L - 1
+        engine.spec_accepted += a
+        engine.stats.speculated(L - 1, a)
+        if r.req.deadline is not None and time.time() > r.req.deadline:
+            out.append(engine._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
+            continue
+        for token in tokens[: a + 1]:
+            out.append(engine._emit(r, token))
             if r.req.request_id not in engine.running:
                 break
     return out

@@ -86,8 +86,10 @@ class ForwardBatch:
             ids.extend(tokens)
             pos.extend(range(seq.num_tokens, seq.num_tokens + len(tokens)))
             offset += len(tokens)
-        return cls(torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(pos, dtype=torch.long, device=device), tuple(segs), tuple(ids))
+        # through page-locked memory (`to_device`): a copy from pageable memory would wait for the
+        # work queued before it
+        flat = to_device(ids + pos, device, torch.long)
+        return cls(flat[:offset], flat[offset:], tuple(segs), tuple(ids))
 
     @cached_property
     def meta(self) -> BatchMeta:

@@ -21,6 +21,12 @@ A request at n cached tokens whose last sampled token x_n is fed next takes one 
 A chain writes the MTP layer at positions n-1..n+k-2 with drafted inputs; the verify's forward
 rewrites n-1..n+k-1 from the main streams (`Transformer.extend_mtp`), and the roll-back restores
 the MTP layer's rows from position n+a on, which it holds for n+a+1 cached tokens.
+
+A step can run on the device from end to end (`draft(on_device=True)`, `settle_chain`): each
+draft is drawn there and fed to the next MTP step, the verify reads its segments there, the
+accepted counts are compared there and the roll-back covers every request whatever it accepted.
+Nothing in the step waits for the host, which learns the targets and the counts in one copy at
+its end: the GPU runs the drafts, the verify and the roll-back back to back.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.batch import ForwardBatch
+from model.batch import ForwardBatch, to_device
 from model.kv_pool import KVPools, SeqKV
-from model.sampling import SamplingParams, sample_rows
+from model.sampling import SamplingParams, draw_rows, sample_rows
 from model.transformer import Transformer
 
 MAX_SPECULATIVE_TOKENS = 3
@@ -70,8 +76,8 @@ class Snapshot:
     def take(cls, pools: KVPools, seqs: list[SeqKV], width: int) -> Snapshot:
         kinds = [k for k in RING_KINDS if k in pools.kinds_for()]
         # one host → device copy for every index the step's drafting and roll-back need
-        flat = torch.tensor([s.num_tokens - 1 for s in seqs] + [s.pages[k][0] for k in (*kinds, "state_mtp")
-                                                                for s in seqs], device=pools.device)
+        flat = to_device([s.num_tokens - 1 for s in seqs] + [s.pages[k][0] for k in (*kinds, "state_mtp")
+                                                             for s in seqs], pools.device, torch.int64)
         first, *pages, slots = flat.split(len(seqs))
         positions = first[:, None] + torch.arange(width, device=flat.device)
         pages = dict(zip(kinds, pages))
@@ -83,8 +89,15 @@ class Snapshot:
         """Put back, for each snapshot row `rows[i]`, the entries of positions >= main_from[i] in
         the main layers and >= main_from[i] - 1 in the MTP layer (which lags by one), and set its
         MTP slot to the main streams `streams[slot_rows[i]]` (the last kept position's)."""
+        r, keep, at = to_device([*rows, *main_from, *slot_rows], self.positions.device).split(len(rows))
+        self.restore_rows(pools, r, keep, at, streams)
+
+    def restore_rows(self, pools: KVPools, r: torch.Tensor, keep: torch.Tensor, at: torch.Tensor,
+                     streams: torch.Tensor) -> None:
+        """`restore` from device tensors [n] (rows, main_from, slot_rows), without the host. A row
+        whose every draft was accepted may be restored too: the positions at and past its
+        main_from were not written by the step, so their saved bytes are the ones there."""
         device = self.positions.device
-        r, keep, at = torch.tensor([*rows, *main_from, *slot_rows], device=device).split(len(rows))
         positions = self.positions[r]
         for kind, saved in self.rows.items():
             layers = pools.specs[kind].layers
@@ -116,30 +129,47 @@ class Pending:
     seq: SeqKV
     start: int  # n: cached tokens before the step
     last: int  # x_n
-    drafts: tuple[int, ...]
+    drafts: tuple[int, ...]  # on the host (empty with `chain`)
     params: SamplingParams
     snapshot: Snapshot | None  # the step's ring rows (shared by the step's requests; None: nothing drafted)
-    row: int = -1  # this request's row in `snapshot`
+    row: int = -1  # this request's row in `snapshot` (and in `chain`)
     binding: bool = True  # False: the drafts are placeholders, never accepted (the verify keeps t_0 alone)
+    # the step's verify segments on the device, [R, N+1] int64 (x_n, then d_1..d_N; shared by the
+    # step's requests): drafts drawn there and never copied to the host (`draft(on_device=True)`)
+    chain: torch.Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:
-        """The verify segment: x_n and the drafts."""
-        return [self.last, *self.drafts]
+        """The verify segment: x_n and the drafts (with `chain`, zeros in the drafts' place: the
+        step's ids are the chain's)."""
+        if self.chain is None:
+            return [self.last, *self.drafts]
+        return [self.last] + [0] * (self.chain.shape[1] - 1)
 
 
 def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, int, SamplingParams]],
-          graph_for: Callable[[int], object | None] | None = None) -> list[Pending]:
+          graph_for: Callable[[int], object | None] | None = None, on_device: bool = False) -> list[Pending]:
     """Draft up to `depth` tokens for each (seq, last token, depth, sampling) with the MTP block,
     chained, all requests in one MTP step per draft. Every drafting request's ring rows for the
     step are saved first (one `Snapshot`), so that `settle` can undo what the drafts and the
     verify write. `graph_for(rows)`: a captured draft step (`model.cuda_graph.DecodeGraph` with
-    `draft=True`) of at least that many rows, or None to run the block eagerly."""
+    `draft=True`) of at least that many rows, or None to run the block eagerly.
+
+    `on_device` (every request at one depth N > 0): each draft is drawn on the device and fed to
+    the next MTP step there, and the verify segments stay there (`Pending.chain`): nothing waits
+    for the device, so the drafts, the verify and the roll-back (`settle_chain`) queue back to
+    back."""
     depths = [depth for _, _, depth, _ in requests]
+    if on_device and (len(set(depths)) != 1 or depths[0] == 0):
+        raise ValueError(f"drafting on the device takes requests of one depth > 0, got {depths}")
     drafting = [i for i, d in enumerate(depths) if d > 0]
     snapshot = Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2) if drafting else None
     row = {i: r for r, i in enumerate(drafting)}
     drafts: list[list[int]] = [[] for _ in requests]
+    chain = None
+    if on_device:
+        chain = torch.empty(len(requests), depths[0] + 1, dtype=torch.int64, device=pools.device)
+        chain[:, 0] = to_device([last for _, last, _, _ in requests], pools.device, torch.int64)
     live, streams = drafting, None
     for k in range(max(depths, default=0)):
         if k == 0:
@@ -148,25 +178,31 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
         seqs = [requests[i][0] for i in live]
         graph = graph_for(len(live)) if graph_for is not None else None
         # a graph reads the batch's segments and host ids only: no device copy of them
-        batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1 + k), [drafts[i][-1] if k else requests[i][1]])
-                                    for s, i in zip(seqs, live)], "cpu" if graph is not None else pools.device)
+        fed = [0] * len(live) if chain is not None else [drafts[i][-1] if k else requests[i][1] for i in live]
+        batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1 + k), [t]) for s, t in zip(seqs, fed)],
+                                   "cpu" if graph is not None else pools.device)
+        if chain is not None:  # the ids from the device (a graph copies them into its inputs there)
+            batch = ForwardBatch(chain[:, k], batch.positions, batch.segments)
         if graph is not None:
             graph.streams_in[: len(live)] = streams
             logits, out = graph.run(batch), graph.streams[: len(live)]
         else:
             logits, out = model.mtp_step(streams.to(model.embed.weight.dtype), batch, pools)
         # drafts are proposals: the verify applies a request's penalties exactly, so they draw without
-        tokens = sample_rows(logits, [requests[i][3].unadjusted for i in live],
-                             [s.num_tokens + 1 + k for s in seqs])
-        for i, t in zip(live, tokens):
-            drafts[i].append(t)
+        params, positions = [requests[i][3].unadjusted for i in live], [s.num_tokens + 1 + k for s in seqs]
+        if chain is not None:
+            chain[:, k + 1] = draw_rows(logits, params, positions)
+        else:
+            for i, t in zip(live, sample_rows(logits, params, positions)):
+                drafts[i].append(t)
         keep = [j for j, i in enumerate(live) if depths[i] > k + 1]
         if not keep:
             break
         # (a graph's output is copied into its input before the next replay rewrites it)
         streams = out if len(keep) == len(live) else out[torch.tensor(keep, device=out.device)]
         live = [live[j] for j in keep]
-    return [Pending(seq, seq.num_tokens, last, tuple(drafts[i]), params, snapshot if i in row else None, row.get(i, -1))
+    return [Pending(seq, seq.num_tokens, last, tuple(drafts[i]), params, snapshot if i in row else None, row.get(i, -1),
+                    chain=chain)
             for i, (seq, last, _, params) in enumerate(requests)]
 
 
@@ -200,3 +236,23 @@ def settle(pools: KVPools, pending: list[Pending], targets: list[list[int]], str
             raise ValueError("settle takes the requests of one draft step (one snapshot)")
         snapshot.restore(pools, [p.row for p in back], back_from, slot_rows, streams)
     return emitted
+
+
+def accept_counts(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`accepted` on the device: drafts [R, N], targets [R, N+1] → [R] int64."""
+    return (drafts == targets[:, :-1]).long().cumprod(1).sum(1)
+
+
+def settle_chain(pools: KVPools, pending: list[Pending], targets: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """`settle` for a step drafted on the device (`draft(on_device=True)`; its segments are the
+    batch's rows in order, N+1 each), queued without the host: targets [R, N+1] on the device →
+    the accepted counts a [R]. Every request's ring rows and MTP slot are rolled back to n + a + 1
+    tokens in one restore; the caller sets each `seq.num_tokens` to that once a reaches the host."""
+    chain, snapshot = pending[0].chain, pending[0].snapshot
+    if any(p.chain is not chain or not p.binding for p in pending):
+        raise ValueError("settle_chain takes every request of one draft step on the device, each binding")
+    a = accept_counts(chain[:, 1:], targets)
+    rows = torch.arange(len(pending), device=a.device)
+    kept = snapshot.positions[:, 0] + 2 + a  # n - 1 is the snapshot's first position
+    snapshot.restore_rows(pools, rows, kept, rows * chain.shape[1] + a, streams)
+    return a

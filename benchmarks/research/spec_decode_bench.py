@@ -3,7 +3,8 @@ without speculation: time per output token and per step at each concurrency (dum
 layers with the MTP block on one GPU; `--device cpu`: the tiny model on the reference path).
 
 Random weights accept no drafts, so acceptance is forced at the accept decision: each draft is
-accepted with probability p until the first one refused (`speculation.accepted` replaced), and the
+accepted with probability p until the first one refused (`speculation.accepted` and
+`accept_counts` replaced: `forced`), and the
 request emits the target's tokens of those rows as always. Forcing the drafts themselves to equal a
 plain run's tokens does not work on a GPU without batch invariance: a verify row's logits differ in
 the last bits from a one-token step's, random weights give near-ties everywhere, one flip makes the
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model import speculation
+from model.batch import to_device
 from model.dummy_weights import dummy_model
 from model.kv_pool import KVPools
 from model.tiny import flash_config, tiny_config
@@ -67,12 +69,40 @@ def forcing(p: float, rng: random.Random):
     """`speculation.accepted` with each leading draft accepted with probability p."""
 
     def accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
-        a = 0
-        while a < len(drafts) and rng.random() < p:
-            a += 1
-        return a
+        return accepted_count(len(drafts), p, rng)
 
     return accepted
+
+
+def forcing_counts(p: float, rng: random.Random):
+    """`speculation.accept_counts` (a step drafted on the device) with the same forcing: the counts
+    are drawn on the host and copied over without waiting."""
+
+    def accept_counts(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return to_device([accepted_count(drafts.shape[1], p, rng) for _ in range(drafts.shape[0])], drafts.device,
+                         torch.int64)
+
+    return accept_counts
+
+
+def accepted_count(n: int, p: float, rng: random.Random) -> int:
+    a = 0
+    while a < n and rng.random() < p:
+        a += 1
+    return a
+
+
+def forced(p: float, seed: int = 1):
+    """Replace both accept decisions of `model/speculation.py` by forced ones; → a function that
+    puts the real ones back."""
+    real = speculation.accepted, speculation.accept_counts
+    speculation.accepted = forcing(p, random.Random(seed))
+    speculation.accept_counts = forcing_counts(p, random.Random(seed))
+
+    def restore() -> None:
+        speculation.accepted, speculation.accept_counts = real
+
+    return restore
 
 
 def main() -> None:
@@ -93,7 +123,6 @@ def main() -> None:
     max_tokens = args.isl + args.new + 8
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = random.Random(0)
-    real_accepted = speculation.accepted
     for c in args.concurrency:
         requests = [GenerateRequest(f"r{i}", tuple(rng.randrange(2, 256) for _ in range(args.isl)),
                                     max_tokens=args.new, ignore_eos=True) for i in range(c)]
@@ -114,13 +143,13 @@ def main() -> None:
                           "tokens_per_step": emitted / steps / c}), flush=True)
         for n in args.n:
             for p in args.accept:
-                speculation.accepted = forcing(p, random.Random(1))
+                restore = forced(p)
                 try:
                     run(engine(n), warm, sync)
                     e = engine(n)
                     _, secs, steps, emitted = run(e, requests, sync)
                 finally:
-                    speculation.accepted = real_accepted
+                    restore()
                 print(json.dumps({"concurrency": c, "n": n, "accept": p, "tpot_ms": secs / emitted * 1e3 * c,
                                   "step_ms": secs / steps * 1e3, "tokens_per_step": emitted / steps / c,
                                   "measured_accept": e.spec_accepted / max(1, e.spec_proposed),

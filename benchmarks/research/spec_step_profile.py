@@ -1,11 +1,12 @@
 """Where a speculative decode step's time goes on the GPU: the decode engine with CUDA graphs at
 forced acceptance (as `spec_decode_bench.py`), each phase timed between device synchronisations
-(drafting, the verify replay with its MTP extension, sampling, the roll-back), against the plain
-step's replay. Synchronising adds a little to every phase; the sum is compared with the step.
+(drafting, the verify replay with its MTP extension, sampling, the roll-back; `--phases`), against
+the plain step's replay. Synchronising adds to every phase and stops the host from queueing ahead,
+so the step's own time is measured without `--phases`.
 The requests run twice through each engine and the second pass is timed: the first compiles the
 kernels its eager shapes need (a compilation inside the timed steps would read as ~10 ms a step).
 
-    python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 --out p.json
+    python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 [--phases] --out p.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.research.spec_decode_bench import forcing
+from benchmarks.research.spec_decode_bench import forced
 from decode_worker import speculative
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model import speculation
@@ -58,16 +59,22 @@ def main() -> None:
     ap.add_argument("--accept", type=float, default=0.8)
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--phases", action="store_true",
+                    help="time each phase between synchronisations (which adds to the step: without, the step alone)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = flash_config(args.layers)
     model = dummy_model(cfg, "triton", "cuda", act_fp8=True, with_mtp=True)
-    speculation.accepted = forcing(args.accept, random.Random(1))
-    speculation.draft = timed("draft", speculation.draft)
-    speculation.settle = timed("settle", speculation.settle)
-    speculative.sample_rows = timed("sample", speculative.sample_rows)
-    speculative.token_logprobs = timed("logprobs", speculative.token_logprobs)
-    DecodeGraph.run = timed(lambda a: "draft replay" if a[0].draft else f"replay of {a[0].L} a row", DecodeGraph.run)
+    forced(args.accept)
+    if args.phases:
+        speculation.draft = timed("draft", speculation.draft)
+        speculation.settle = timed("settle", speculation.settle)
+        speculation.settle_chain = timed("settle", speculation.settle_chain)
+        speculative.sample_rows = timed("sample", speculative.sample_rows)
+        speculative.draw_rows = timed("sample", speculative.draw_rows)
+        speculative.token_logprobs = timed("logprobs", speculative.token_logprobs)
+        DecodeGraph.run = timed(lambda a: "draft replay" if a[0].draft else f"replay of {a[0].L} a row",
+                                DecodeGraph.run)
     rows = []
     for c in args.concurrency:
         rng = random.Random(0)
@@ -84,25 +91,29 @@ def main() -> None:
             for rep in range(2):  # the first pass compiles what the step shapes need; the second is timed
                 for r in requests:
                     engine.submit(dataclasses.replace(r, request_id=f"{r.request_id}.{rep}"))
-                steps, total, emitted, counted = 0, 0.0, 0, 0
+                # from the first step of decoding rows alone to the last: the wall clock, synchronised
+                # at both ends only (with `--phases` around every step too)
+                steps, emitted, t = 0, 0, None
                 while engine.has_work():
-                    decoding = all(x.state is RequestState.DECODING for x in engine.running.values()) \
-                        and not engine.waiting
-                    torch.cuda.synchronize()
-                    if decoding and steps == 0:
+                    if t is None and not engine.waiting and all(x.state is RequestState.DECODING
+                                                                for x in engine.running.values()):
+                        torch.cuda.synchronize()
                         SPENT.clear()
-                    t = time.perf_counter()
+                        t = time.perf_counter()
                     chunks = engine.step()
-                    torch.cuda.synchronize()
-                    if decoding:
+                    if args.phases:
+                        torch.cuda.synchronize()
+                    if t is not None:
                         steps += 1
-                        total += time.perf_counter() - t
                         emitted += sum(len(ch.token_ids) for ch in chunks)
-                        counted += 1
-            row = {"concurrency": c, "n": n, "accept": args.accept, "step_ms": total / counted * 1e3,
-                   "tokens_per_step": emitted / counted / c,
-                   "phases_ms": {k: v / counted * 1e3 for k, v in sorted(SPENT.items())}}
-            row["other_ms"] = row["step_ms"] - sum(row["phases_ms"].values()) + row["phases_ms"].get("draft replay", 0)
+                torch.cuda.synchronize()
+                total = time.perf_counter() - t
+            row = {"concurrency": c, "n": n, "accept": args.accept, "step_ms": total / steps * 1e3,
+                   "tokens_per_step": emitted / steps / c, "ms_per_token": total / (emitted / c) * 1e3,
+                   "phases_ms": {k: v / steps * 1e3 for k, v in sorted(SPENT.items())}}
+            if args.phases:
+                row["other_ms"] = (row["step_ms"] - sum(row["phases_ms"].values())
+                                   + row["phases_ms"].get("draft replay", 0))
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

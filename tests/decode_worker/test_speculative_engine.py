@@ -69,15 +69,17 @@ def test_every_verify_segment_is_full_length_up_to_the_last_step(model):
     e = engine(model, 2)
     for r in reqs:
         e.submit(r)
-    got, lengths = {r.request_id: [] for r in reqs}, set()
+    got, lengths, on_device = {r.request_id: [] for r in reqs}, set(), set()
     while e.has_work():
         planned = e.plan()
         if planned is None:
             continue
         lengths |= {seg.length for seg, p in zip(planned.batch.segments, planned.pending) if p is not None}
+        # a step of decoding rows alone drafts on the device; one beside a prompt chunk on the host
+        on_device |= {p.chain is not None for p in planned.pending if p is not None}
         for chunk in e.run(planned):
             got[chunk.request_id] += chunk.token_ids
-    assert lengths == {3}
+    assert lengths == {3} and on_device == {True, False}
     for r in reqs:
         assert got[r.request_id] == reference(model, r), r.request_id
     assert e.pools.num_free() == e.pools.idle_free()
