@@ -111,6 +111,7 @@ def _worker_options(args: argparse.Namespace, model_dir: Path, router):
                                                           args.prefill_ep_timeout),
                          decode_ep=ExpertParallelOptions(args.decode_ep, timeout_s=args.decode_ep_timeout),
                          speculative_tokens=args.speculative_tokens, deterministic=args.deterministic,
+                         speculative_max_batch=args.speculative_max_batch,
                          overlap=not args.no_overlap,
                          logs=LogOptions(args.log_level, args.log_format, args.stats_interval),
                          metrics=MetricsOptions(args.worker_metrics_port, model_name=router.model_name or "v4serve",

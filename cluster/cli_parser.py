@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode workers draft N tokens per request and step with the MTP block and verify them "
                          "in the step (the tokens are those of N = 0, the default; --decode-graphs then capture "
                          "verify steps of N+1 tokens a request)")
+    up.add_argument("--speculative-max-batch", type=int, default=16, metavar="N",
+                    help="speculate while at most N requests decode on a worker, plain steps above (default 16; "
+                         "with --decode-graphs one of the buckets)")
     up.add_argument("--no-overlap", action="store_true",
                     help="decode workers take one step at a time instead of queuing each decode-only step before "
                          "the last one's tokens reach the host (docs/gpu.md, overlapped decode steps)")

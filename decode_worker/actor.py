@@ -82,7 +82,8 @@ class DecodeWorker:
         cfg, model, self.pools = load_replica(options, options.decode_ep.size > 1)
         # a rank of an expert-parallel group captures its graphs with its peers, once the group formed
         graphs = (DecodeGraphs(model, self.pools, options.decode_graphs, options.max_tokens,
-                               tokens_per_row=1 + options.speculative_tokens)
+                               tokens_per_row=1 + options.speculative_tokens,
+                               verify_max_rows=options.speculative_max_batch)
                   if options.decode_graphs and options.decode_ep.size == 1 else None)
         tokenizer = load_tokenizer(options.tokenizer_dir or options.model_dir, cfg.vocab_size, cfg.bos_token_id,
                                    cfg.eos_token_id)
@@ -90,6 +91,7 @@ class DecodeWorker:
                                    DecodeConfig(prefill_token_budget=options.prefill_token_budget,
                                                 max_running=options.max_seqs,
                                                 speculative_tokens=options.speculative_tokens,
+                                                speculative_max_batch=options.speculative_max_batch,
                                                 overlap=options.overlap), graphs)
         if options.decode_ep.size == 1:  # a group's ranks can only step together, once it has formed
             check_step_fits(model, self.pools, options.max_seqs * (1 + options.speculative_tokens)

@@ -65,10 +65,15 @@ class DecodeConfig:
     prefill_token_budget: int = 512  # prompt tokens prefilled locally per step
     max_running: int = 64
     speculative_tokens: int = 0  # drafts per request and step through the MTP block (0: off)
+    # speculate while at most this many requests decode; above, plain steps: a large batch keeps the
+    # GPU busy already, and a verify step of N+1 tokens a request costs more than it saves there
+    speculative_max_batch: int = 16
     overlap: bool = True  # queue the next decode step before this one's tokens reach the host (overlap.py)
 
     def __post_init__(self):
         speculation.check_depth(self.speculative_tokens)
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
 
 
 class DecodeEngine:
@@ -84,6 +89,10 @@ class DecodeEngine:
         if graphs is not None and graphs.tokens_per_row != 1 + spec:
             raise ValueError(f"decode graphs of {graphs.tokens_per_row} token(s) a request cannot run the steps of "
                              f"{spec} speculative token(s) ({1 + spec} a request)")
+        if graphs is not None and spec and any((g.L > 1) != (g.B <= config.speculative_max_batch)
+                                               for g in graphs.graphs):
+            raise ValueError(f"the decode graphs capture verify steps up to {graphs.verify_max_rows} requests, the "
+                             f"engine speculates up to {config.speculative_max_batch}: give both the same limit")
         self.graphs = graphs
         # positions a request's pages hold past its max_tokens: what a verify step or a step queued
         # ahead feeds there (`tokens_held`)
@@ -277,6 +286,10 @@ class DecodeEngine:
             self.graphs.for_rows(agreed.rows).run_padding()
             self.graphs.replays += 1
 
+    def speculates(self, decoding: int) -> bool:
+        """Whether a step of `decoding` decoding requests drafts (`DecodeConfig.speculative_max_batch`)."""
+        return 0 < decoding <= self.config.speculative_max_batch and self.config.speculative_tokens > 0
+
     def take_failed(self) -> list[TokenChunk]:
         out, self.failed = self.failed, []
         return out
@@ -300,7 +313,8 @@ class DecodeEngine:
                 owners.append((r, r.prefilled == len(prompt)))
         if not items:
             return None, [], ()
-        pending = speculative.draft(self, owners, items) if self.config.speculative_tokens else ()
+        decoding = sum(1 for r, _ in owners if r.state is RequestState.DECODING)
+        pending = speculative.draft(self, owners, items) if self.speculates(decoding) else ()
         return ForwardBatch.build(items, device=self.pools.device), owners, pending
 
     def _run(self, batch: ForwardBatch, agreed: StepShape | None = None, owners=()):

@@ -9,6 +9,7 @@ of leaving it idle.
 
 A step goes ahead only when nothing but the ids changes between the two steps (`eligible`): every
 request in the step is decoding and every running request is in it, none waits for admission,
+the step would not speculate (`DecodeEngine.speculates`),
 and no row needs the host between the forward and the draw (penalties and min_tokens read the
 output so far, a grammar its state, logprobs copy the logits' row). Otherwise the step in flight
 is settled the ordinary way (`DecodeEngine._postprocess`) and the next one is planned.
@@ -36,6 +37,7 @@ from worker_runtime.wire import RequestState, TokenChunk
 def eligible(engine, owners: list[tuple[Running, bool]]) -> bool:
     """Whether the step after the one of `owners` can be queued before its tokens are known."""
     return (engine.config.overlap and not engine.waiting and len(owners) == len(engine.running)
+            and not engine.speculates(len(owners))
             and all(yields and engine.running.get(r.req.request_id) is r and r.state is RequestState.DECODING
                     and r.grammar is None and r.req.logprobs is None and not r.req.sampling.adjusts
                     for r, yields in owners))

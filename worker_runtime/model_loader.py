@@ -109,7 +109,16 @@ class DecodeGraphs:
     request replays the agreed bucket's graph on padding rows alone, so its exchanges match."""
 
     def __init__(self, model: Transformer, pools: KVPools, buckets: tuple[int, ...], max_context: int,
-                 expert_parallel: bool = False, tokens_per_row: int = 1):
+                 expert_parallel: bool = False, tokens_per_row: int = 1, verify_max_rows: int | None = None):
+        """`tokens_per_row` L > 1: the buckets up to `verify_max_rows` (all by default; it must be
+        one of them or above them all) capture verify steps of L tokens a request and a draft step
+        each, the larger ones plain steps of one token: the engine speculates in batches up to
+        there only (`DecodeConfig.speculative_max_batch`)."""
+        if verify_max_rows is None or tokens_per_row == 1:
+            verify_max_rows = max(buckets, default=0) if tokens_per_row > 1 else 0
+        if tokens_per_row > 1 and verify_max_rows < max(buckets) and verify_max_rows not in buckets:
+            raise ValueError(f"the speculative batch limit {verify_max_rows} must be one of the graph buckets "
+                             f"{buckets} or above them all (a batch under it would find no verify graph)")
         # a verify row writes up to tokens_per_row - 1 positions past its request's last token, a
         # step queued ahead one (`DecodeEngine.tokens_held`)
         max_context += max(tokens_per_row - 1, 1)
@@ -120,22 +129,23 @@ class DecodeGraphs:
             if expert_parallel:
                 set_capacity(model, b)
             self.graphs.append(DecodeGraph(model, pools, b, max_context, scratch=self.scratch,
-                                           tokens_per_row=tokens_per_row))
+                                           tokens_per_row=tokens_per_row if b <= verify_max_rows else 1))
         if expert_parallel:
             set_capacity(model, 0)
         # with speculation, the draft step of each bucket (the MTP block at one token a row)
         self.drafts = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch, draft=True)
-                       for b in buckets] if tokens_per_row > 1 else []
+                       for b in buckets if b <= verify_max_rows] if tokens_per_row > 1 else []
         self.tokens_per_row = tokens_per_row  # > 1: speculative verify steps of that many tokens a request
+        self.verify_max_rows = verify_max_rows  # the largest batch captured as verify steps
         self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
 
     def for_batch(self, batch) -> DecodeGraph | None:
-        """The smallest graph that runs `batch`, or None (a prefill chunk in it, a verify segment of
-        fewer drafts, or too many rows)."""
+        """The smallest graph that runs `batch`, or None (a prefill chunk in it, segments of unequal
+        length or of no captured length, or too many rows)."""
         segs = batch.segments
-        if any(s.length != self.tokens_per_row for s in segs):
+        if not segs or any(s.length != segs[0].length for s in segs):
             return None
-        return self.for_rows(len(segs))
+        return next((g for g in self.graphs if g.L == segs[0].length and g.B >= len(segs)), None)
 
     def for_rows(self, rows: int) -> DecodeGraph | None:
         """The smallest graph of at least `rows` rows, or None."""

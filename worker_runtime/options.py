@@ -74,6 +74,9 @@ class WorkerOptions:
     # drafts per request and decode step through the checkpoint's MTP block, verified in the same
     # step (model/speculation.py; 0: off): every worker then loads the block and pools its layer
     speculative_tokens: int = 0
+    # speculate while at most this many requests decode (plain steps above: DecodeConfig's
+    # speculative_max_batch); with decode_graphs, one of the buckets or above them all
+    speculative_max_batch: int = 16
     # batch-invariant kernels (model/kernels/, `set_deterministic`): a request's logits are the
     # same bits whatever shares its step, and speculation is exact on the GPU too; the CPU's torch
     # reference is batch-invariant already (accepted there, changes nothing)
@@ -108,6 +111,12 @@ class WorkerOptions:
                 raise ValueError(f"decode_graphs must be increasing positive batch sizes, got {self.decode_graphs}")
         if not 0 <= self.speculative_tokens <= 3:
             raise ValueError(f"speculative_tokens must be in 0..3 (0: off), got {self.speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if (self.speculative_tokens and self.decode_graphs and self.speculative_max_batch < max(self.decode_graphs)
+                and self.speculative_max_batch not in self.decode_graphs):
+            raise ValueError(f"speculative_max_batch {self.speculative_max_batch} must be one of decode_graphs "
+                             f"{self.decode_graphs} or above them all (its batches need a verify graph)")
         if self.speculative_tokens and self.decode_ep.size > 1:
             raise ValueError("speculative_tokens is not supported with an expert-parallel decode pool (decode_ep)")
         if self.deterministic and max(self.prefill_ep.size, self.decode_ep.size) > 1:

@@ -130,9 +130,11 @@ def main() -> None:
         def engine(n: int, c: int = c) -> DecodeEngine:
             pools = KVPools(cfg, fmt, max_tokens=max_tokens, max_seqs=c + 1, device=args.device, with_mtp=True)
             buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= c) or (1,)
-            graphs = DecodeGraphs(model, pools, buckets, max_tokens, tokens_per_row=n + 1) if args.graphs else None
+            graphs = (DecodeGraphs(model, pools, buckets, max_tokens, tokens_per_row=n + 1, verify_max_rows=c)
+                      if args.graphs else None)
             return DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
-                                DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n),
+                                DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n,
+                                             speculative_max_batch=c),
                                 graphs)
 
         warm = [dataclasses.replace(r, request_id=f"w{r.request_id}") for r in requests]

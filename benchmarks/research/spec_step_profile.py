@@ -84,9 +84,11 @@ def main() -> None:
             pools = KVPools(cfg, "fp8_pack", max_tokens=args.isl + args.new + 8, max_seqs=c + 1, device="cuda",
                             with_mtp=True)
             buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= c) or (1,)
-            graphs = DecodeGraphs(model, pools, buckets, args.isl + args.new + 8, tokens_per_row=n + 1)
+            graphs = DecodeGraphs(model, pools, buckets, args.isl + args.new + 8, tokens_per_row=n + 1,
+                                  verify_max_rows=c)
             engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
-                                  DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n),
+                                  DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n,
+                                               speculative_max_batch=c),
                                   graphs)
             for rep in range(2):  # the first pass compiles what the step shapes need; the second is timed
                 for r in requests:

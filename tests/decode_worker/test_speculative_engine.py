@@ -21,7 +21,7 @@ from prefill_worker.prefix_store import PrefixStore
 from tests.decode_worker.test_decode_engine import run_all
 from tests.decode_worker.test_migration_engine import move
 from tests.model.test_speculation_fitted import PERIOD, fitted_model
-from worker_runtime.wire import GenerateRequest
+from worker_runtime.wire import GenerateRequest, RequestState
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,41 @@ def test_every_verify_segment_is_full_length_up_to_the_last_step(model):
     for r in reqs:
         assert got[r.request_id] == reference(model, r), r.request_id
     assert e.pools.num_free() == e.pools.idle_free()
+
+
+def test_speculation_stops_above_its_batch_limit(model):
+    """With speculative_max_batch 2, a step of three or four decoding requests is a plain step and
+    one of one or two drafts; the tokens are generate's either way, one step at a time and with
+    the plain steps overlapped."""
+    rng = random.Random(4)
+    reqs = [GenerateRequest(f"b{i}", tuple(rng.randrange(256) for _ in range(20 + 9 * i)), max_tokens=13 - 3 * i,
+                            ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+            for i in range(4)]
+    want = {r.request_id: reference(model, r) for r in reqs}
+
+    def limited(overlap: bool) -> DecodeEngine:
+        pools = KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=4, with_mtp=True)
+        return DecodeEngine(model, pools, ByteTokenizer(model.cfg.vocab_size), "d",
+                            DecodeConfig(prefill_token_budget=256, speculative_tokens=2, speculative_max_batch=2,
+                                         overlap=overlap))
+
+    e = limited(overlap=False)
+    for r in reqs:
+        e.submit(r)
+    got, steps = {r.request_id: [] for r in reqs}, set()
+    while e.has_work():
+        planned = e.plan()
+        if planned is None:
+            continue
+        if all(r.state is RequestState.DECODING for r, _ in planned.owners):
+            steps.add((len(planned.owners), any(planned.pending)))
+        for chunk in e.run(planned):
+            got[chunk.request_id] += chunk.token_ids
+    assert steps == {(4, False), (3, False), (2, True), (1, True)}
+    assert got == want
+    overlapped = limited(overlap=True)
+    assert run_all(overlapped, reqs, arrivals=[0] * 4) == want
+    assert overlapped.pools.num_free() == overlapped.pools.idle_free()
 
 
 def prefilled(model, pools: KVPools, req: GenerateRequest) -> tuple[SeqKV, int]:

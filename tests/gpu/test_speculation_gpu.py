@@ -82,17 +82,22 @@ def test_speculative_decode_engine_on_the_gpu_returns_every_page(tiny_official_c
     assert all(tokens[r][0] == want[r][0] for r in tokens)  # first tokens: the same prefill step
 
 
-def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt):
+@pytest.mark.parametrize("limit", [4, 2])
+def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt, limit):
     """Decode graphs captured as verify steps of N+1 = 3 tokens a request: every step whose
     requests all verify two drafts replays one (the MTP extension inside), the others
     run eagerly; every request gets its tokens, pages come back (the scratch request stays held),
-    and the tokens match an eager speculative replica up to near-ties."""
+    and the tokens match an eager speculative replica up to near-ties. With a batch limit of 2 the
+    bucket of 4 is a plain step, which the three requests' first steps replay."""
     options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
-                            device="cuda", kernels="triton", speculative_tokens=2, decode_graphs=(1, 2, 4))
+                            device="cuda", kernels="triton", speculative_tokens=2, decode_graphs=(1, 2, 4),
+                            speculative_max_batch=limit)
     cfg, model, pools = load_replica(options)
-    graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=3)
-    engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
-                          DecodeConfig(max_running=4, speculative_tokens=2), graphs)
+    graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=3,
+                          verify_max_rows=limit)
+    assert [(g.B, g.L) for g in graphs.graphs] == [(1, 3), (2, 3), (4, 3 if limit == 4 else 1)]
+    config = DecodeConfig(max_running=4, speculative_tokens=2, speculative_max_batch=limit)
+    engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d", config, graphs)
     g = torch.Generator().manual_seed(2)
     requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()), max_tokens=NEW,
                                 ignore_eos=True) for i, k in enumerate((150, 37, 90))]
@@ -107,8 +112,7 @@ def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt):
     assert graphs.replays > 0
     assert pools.num_free() == engine.idle_free() and engine.idle_free() != pools.idle_free()
     _, _, eager_pools = load_replica(dataclasses.replace(options, decode_graphs=()))
-    eager = DecodeEngine(model, eager_pools, ByteTokenizer(cfg.vocab_size), "e",
-                         DecodeConfig(max_running=4, speculative_tokens=2))
+    eager = DecodeEngine(model, eager_pools, ByteTokenizer(cfg.vocab_size), "e", config)
     for r in requests:
         eager.submit(r)
     want = {r.request_id: [] for r in requests}
