@@ -30,7 +30,7 @@
 #   serve-stop             stop it (and what Ray and Valkey left running)
 #   serve-c1 [LAYERS]      the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL 8192 /
 #                          OSL 256, 8 requests each: overlapped steps, --no-overlap, --speculative-tokens 3
-#                          ($OUT/serve_c1_*.json; ~8 min)
+#                          ($OUT/serve_c1_*.json, and up_c1_*.log with the worker's tracebacks if any; ~8 min)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
 #   pytest ARGS... | python ARGS...      anything else in the same environment
@@ -148,6 +148,9 @@ serve-c1)
         # shellcheck disable=SC2086  # the variant's options, one word each
         bash "$0" serve-start agg1 "$layers" ${variant#*:} || { bash "$0" serve-stop; continue; }
         bash "$0" serve-bench "c1_$name" 1 256 1 1 --rounds 8
+        # the worker's tracebacks, if any: a failed request's cause is only in its log
+        grep -v "NIXL INFO" $RUN/up_agg1.log | grep -B3 -A40 Traceback | head -400 > "$OUT/up_c1_$name.log"
+        [ -s "$OUT/up_c1_$name.log" ] || rm -f "$OUT/up_c1_$name.log"
         bash "$0" serve-stop
     done ;;
 triton-cache)
