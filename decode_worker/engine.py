@@ -184,10 +184,12 @@ class DecodeEngine:
                 self.waiting.remove(r)
                 self.stats.ended(request_id)
                 return True
+        if request_id not in self.running:  # ended already (a stream's cleanup): nothing to settle
+            return False
         overlap.settle(self)
         self.failed = [c for c in self.failed if c.request_id != request_id]
         r = self.running.pop(request_id, None)
-        if r is None:
+        if r is None:  # the settled step ended it
             return False
         r.state = RequestState.ABORTED
         self.pools.release(r.seq)
@@ -195,12 +197,14 @@ class DecodeEngine:
         return True
 
     def has_work(self) -> bool:
-        """Anything a step would do (a paused request waits for its migration, not for a step)."""
-        return (bool(self.waiting) or self.ahead is not None
+        """Anything a step would do (a paused request waits for its migration, not for a step),
+        chunks to return among it: a step settled outside `step` (`overlap.settle`) may have
+        ended the last request."""
+        return (bool(self.waiting) or self.ahead is not None or bool(self.failed)
                 or any(r.state is not RequestState.MIGRATING for r in self.running.values()))
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.ahead is None
+        return not self.waiting and not self.running and self.ahead is None and not self.failed
 
     def tokens_left(self) -> int:
         """Tokens the decoding requests may still generate (an upper bound: stops end them early)."""

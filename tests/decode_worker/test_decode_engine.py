@@ -114,6 +114,27 @@ def test_abort_at_random_points_leaves_pools_idle(model):
     assert pools.num_free() == pools.idle_free()
 
 
+def test_a_step_settled_between_steps_still_returns_its_chunks(model):
+    """A request's step in flight is settled outside `step` (a pause, an abort of another request)
+    and ends that request: its last chunk waits in the engine, which has work until it returns
+    it, so the owner's loop steps once more. An abort of a request that ended already (a stream's
+    cleanup) settles nothing."""
+    req = GenerateRequest("last", tuple(range(30)), max_tokens=5, ignore_eos=True)
+    e = DecodeEngine(model, KVPools(model.cfg, "fp32", max_tokens=512, max_seqs=2),
+                     ByteTokenizer(model.cfg.vocab_size), "d", DecodeConfig())
+    e.submit(req)
+    chunks = []
+    while e.has_work():
+        chunks += e.step()
+        if e.ahead is not None and len(e.running["last"].tokens) == req.max_tokens - 1:
+            assert not e.abort("ended-before") and e.ahead is not None  # nothing settled
+            e.pause("no-such-request")  # settles the step in flight, which ends the request
+            assert e.ahead is None and "last" not in e.running and e.has_work() and not e.idle()
+    assert [t for c in chunks for t in c.token_ids] == reference(model, req)
+    assert chunks[-1].finish_reason == "length" and e.idle()
+    assert e.pools.num_free() == e.pools.idle_free()
+
+
 def test_overlapped_steps_queue_the_next_step_and_change_no_token(model):
     """With overlap (the default) a decode-only step queues the next one before its ids reach the
     host: the engine holds a step in flight between calls while its requests decode. The tokens
