@@ -141,7 +141,7 @@ def verify_chain(engine, planned) -> list[TokenChunk]:
     the targets are drawn there and `speculation.settle_chain` rolls back there; the host waits
     once, for the targets and the accepted counts, then emits."""
     batch, owners, pending = planned.batch, planned.owners, planned.pending
-    L = len(pending[0].tokens)
+    L = pending[0].chain.shape[1]  # N+1 tokens a segment
     batch = ForwardBatch(pending[0].chain.view(-1), batch.positions, batch.segments)  # the ids on the device
     graphs = engine.graphs
     graph = graphs.for_batch(batch) if graphs is not None else None

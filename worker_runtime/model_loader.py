@@ -114,9 +114,11 @@ class DecodeGraphs:
         one of them or above them all) capture verify steps of L tokens a request and a draft step
         each, the larger ones plain steps of one token: the engine speculates in batches up to
         there only (`DecodeConfig.speculative_max_batch`)."""
-        if verify_max_rows is None or tokens_per_row == 1:
-            verify_max_rows = max(buckets, default=0) if tokens_per_row > 1 else 0
-        if tokens_per_row > 1 and verify_max_rows < max(buckets) and verify_max_rows not in buckets:
+        if tokens_per_row == 1:
+            verify_max_rows = 0
+        elif verify_max_rows is None:
+            verify_max_rows = max(buckets, default=0)
+        elif verify_max_rows < max(buckets, default=0) and verify_max_rows not in buckets:
             raise ValueError(f"the speculative batch limit {verify_max_rows} must be one of the graph buckets "
                              f"{buckets} or above them all (a batch under it would find no verify graph)")
         # a verify row writes up to tokens_per_row - 1 positions past its request's last token, a
