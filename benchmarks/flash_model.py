@@ -20,6 +20,7 @@ from model.config import ModelConfig
 from model.dummy_weights import dummy_block
 from model.kernels.mhc import mhc
 from model.kv_pool import STATE_KINDS, KVPools, SeqKV
+from model.side_stream import SideStreams
 from model.tiny import flash_config
 from model.transformer import Block
 
@@ -40,6 +41,7 @@ class LayerStack(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         g = torch.Generator(device=device).manual_seed(7)
         self.table = torch.randn(1024, cfg.hc_mult, cfg.hidden_size, device=device, generator=g).bfloat16()
+        self.streams = SideStreams.on(device)  # as the model's (`Transformer.side_streams`)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = True,
@@ -48,7 +50,7 @@ class LayerStack(nn.Module):
             raise ValueError("LayerStack has no LM head: it stands in for one-token decode graphs only")
         res = mhc.Residual(self.table[batch.input_ids % self.table.shape[0]])
         for block in self.blocks:
-            res = block(res, batch, pools)
+            res = block(res, batch, pools, self.streams)
         return mhc.settle(res, self.blocks[-1].impl)
 
 

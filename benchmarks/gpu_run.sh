@@ -28,8 +28,9 @@
 #                          closed-loop levels at concurrencies C; or, in place of C..., serve_bench.py's
 #                          own options (the first starting with --), e.g. --goodput interactive batch
 #   serve-stop             stop it (and what Ray and Valkey left running)
-#   serve-c1 [LAYERS]      the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL 8192 /
-#                          OSL 256, 8 requests each: overlapped steps, --no-overlap, --speculative-tokens 3
+#   serve-c1 [LAYERS [VARIANT...]]  the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL
+#                          8192 / OSL 256, 8 requests each: overlap (overlapped steps), plain (--no-overlap), spec3
+#                          (--speculative-tokens 3); all three unless named
 #                          ($OUT/serve_c1_*.json, and up_c1_*.log with the worker's tracebacks if any; ~8 min)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
@@ -142,9 +143,11 @@ serve-stop)
     fi
     pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f valkey-server; true ;;
 serve-c1)
-    layers=${1:-30}
+    layers=${1:-30}; shift
+    wanted=" ${*:-overlap plain spec3} "
     for variant in overlap:"" plain:--no-overlap spec3:"--speculative-tokens 3"; do
         name=${variant%%:*}
+        [[ $wanted == *" $name "* ]] || continue
         # shellcheck disable=SC2086  # the variant's options, one word each
         bash "$0" serve-start agg1 "$layers" ${variant#*:} || { bash "$0" serve-stop; continue; }
         bash "$0" serve-bench "c1_$name" 1 256 1 1 --rounds 8

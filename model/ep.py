@@ -70,8 +70,9 @@ class ExpertParallelMoE(nn.Module):
         else:
             self.experts = nn.ModuleList(list(moe.experts)[self.first:self.first + self.n_local])
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D] (T may be 0) → [T, D]; a collective: every rank of the group must call it."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """x [T, D] (T may be 0) → [T, D]; a collective: every rank of the group must call it. The
+        shared expert runs in order, between the exchanges (`side`, `MoE.forward`'s, is unused)."""
         if self.capacity:
             return self._forward_capped(x, input_ids)
         T, D = x.shape

@@ -163,15 +163,11 @@ class MoE(nn.Module):
         return (self.impl == "triton" and self.packed and not self.gate.hashed
                 and self.layer < self.cfg.num_hidden_layers and tokens <= self.fused_max_tokens)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D] → [T, D]."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """x [T, D] → [T, D]. `side`: the stream for the dense shared expert at decode sizes,
+        beside the routed kernels, where it is faster (docs/results.md, fused MoE): the model's
+        `SideStreams.shared`."""
         weights, ids = self.gate(x, input_ids)
-        # at decode sizes the dense shared expert runs on a side stream, beside the routed kernels:
-        # it is faster there (docs/results.md, fused MoE). torch hands out streams from per-device
-        # pools, one per priority: taking one per call costs no CUDA call, and the high-priority
-        # pool is one only the model's side work draws from (kvtransfer's copy streams come from
-        # the default one), so no other thread's work can share the stream, or join a graph
-        # captured on it
-        side = torch.cuda.Stream(x.device, priority=-1) if x.is_cuda and self.shared_on_side_stream else None
+        side = side if self.shared_on_side_stream else None
         return experts_forward(x, weights, ids, self.experts, self.shared_experts, self.cfg.swiglu_limit,
                                self.impl, self.uses_fused(x.shape[0]), side, self.deterministic)

@@ -17,22 +17,44 @@ import contextlib
 import torch
 
 
-class SideStream:
-    """One stream from torch's high-priority pool: taking one costs no CUDA call, and only the
-    model's side work (this, the MoE's shared expert) draws from that pool (kvtransfer's copy
-    streams come from the default one), so no other thread's work shares it or joins a graph
-    captured on it."""
+class SideStreams:
+    """A model's two side streams on one device, taken at its first step there and used by every
+    layer and step after: the blocks' (`SideStream`) and the MoE's shared expert. Both come from
+    torch's high-priority pool, which only the model's side work draws from (kvtransfer's copy
+    streams come from the default one), so no other thread's work shares them or joins a graph
+    captured on them.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device, priority=-1)
+    One pair, not a stream per call: the caching allocator keeps freed memory per stream, and a
+    stream per call (the pool has 32) would make each of them hold its own copy of a step's side
+    activations, which at prefill sizes no other stream could reuse (GiBs beyond what one step
+    needs, found only once load has cycled through the pool)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.block = torch.cuda.Stream(self.device, priority=-1)
+        self.shared = torch.cuda.Stream(self.device, priority=-1)
+
+    @classmethod
+    def on(cls, device: torch.device | str) -> "SideStreams | None":
+        """Side streams on a CUDA device, None elsewhere (the work then runs in order)."""
+        return cls(device) if torch.device(device).type == "cuda" else None
+
+    def __deepcopy__(self, memo) -> "SideStreams":
+        return self  # a copied model steps on the same device: it may share the streams
+
+
+class SideStream:
+    """A block's side work in one step, on `stream` (the model's `SideStreams.block`)."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream):
+        self.device, self.stream = device, stream
         self._pending = False  # side work launched since the last join
 
     @classmethod
     def beside(cls, device: torch.device | str) -> "SideStream | None":
-        """A side stream on a CUDA device, None elsewhere (the work then runs in order)."""
-        device = torch.device(device)
-        return cls(device) if device.type == "cuda" else None
+        """A side stream of its own on a CUDA device, None elsewhere (the work then runs in order)."""
+        streams = SideStreams.on(device)
+        return cls(streams.device, streams.block) if streams is not None else None
 
     def fork(self) -> contextlib.AbstractContextManager:
         """A context for side launches, queued after the work so far on the current stream (in

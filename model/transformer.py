@@ -23,7 +23,7 @@ from model.kernels.common.invariant import Linear
 from model.kernels.mhc import mhc
 from model.kv_pool import KVPools, SeqKV
 from model.moe import MoE
-from model.side_stream import SideStream
+from model.side_stream import SideStream, SideStreams
 
 
 class Block(nn.Module):
@@ -48,12 +48,14 @@ class Block(nn.Module):
         self.side_stream = True  # see `forward` (off: all in order, tests' and benchmarks' baseline)
         self.deterministic = False  # `kernels.set_deterministic`: the mHC entries on one path for every T
 
-    def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools) -> mhc.Residual:
+    def forward(self, res: mhc.Residual, batch: ForwardBatch, pools: KVPools,
+                streams: SideStreams | None = None) -> mhc.Residual:
         """Streams [T, hc, D] in, streams out, each sub-block's hc_post left pending for the next
-        entry's kernel to apply (`mhc.Residual`). On a GPU the block's side stream takes an entry's
-        post and comb (`mhc.EntryScratch`: joined before the next entry reads them) and the
-        attention's compressors (joined inside it)."""
-        side = SideStream.beside(self.hc_mixes.device) if self.side_stream else None
+        entry's kernel to apply (`mhc.Residual`). With `streams` (the model's, on a GPU) the blocks'
+        side stream takes an entry's post and comb (`mhc.EntryScratch`: joined before the next entry
+        reads them) and the attention's compressors (joined inside it), and the other the MoE's
+        shared expert; without, everything runs in order."""
+        side = SideStream(streams.device, streams.block) if streams is not None and self.side_stream else None
         scratch = mhc.EntryScratch(self.hc_mixes, side)
         x, h, post, comb = self._enter(res, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
                                        scratch)
@@ -61,7 +63,8 @@ class Block(nn.Module):
         scratch.join()
         x, h, post, comb = self._enter(res, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm,
                                        scratch)
-        res = mhc.Residual(x, self.ffn(h, batch.input_ids), post, comb)
+        res = mhc.Residual(x, self.ffn(h, batch.input_ids, streams.shared if streams is not None else None),
+                           post, comb)
         scratch.join()
         return res
 
@@ -126,6 +129,16 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
         set_deterministic(self, deterministic)
+        self._side_streams: SideStreams | None = None  # `side_streams`
+
+    def side_streams(self, device: torch.device) -> SideStreams | None:
+        """The side streams every layer and step on `device` shares (`SideStreams`), taken at the
+        first step there; None off the GPU."""
+        if device.type != "cuda":
+            return None
+        if self._side_streams is None or self._side_streams.device != device:
+            self._side_streams = SideStreams(device)
+        return self._side_streams
 
     def max_step_tokens(self) -> int | None:
         """The most tokens one `forward` may carry (`kernel_step_limit`), None for no limit: the torch
@@ -154,8 +167,9 @@ class Transformer(nn.Module):
         self.check_step_tokens(batch.input_ids.shape[0], "the batch")
         x = self.embed(batch.input_ids)
         res = mhc.Residual(x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous())
+        streams = self.side_streams(x.device)
         for layer in self.layers:
-            res = layer(res, batch, pools)
+            res = layer(res, batch, pools, streams)
         extend = bool(self.mtp) and pools.with_mtp
         # the head reads `res` as it would without the MTP block: its logits do not depend on it
         streams = mhc.settle(res, self.impl) if return_streams or extend else None
@@ -226,7 +240,7 @@ class Transformer(nn.Module):
         mtp = self.mtp[0]
         e = mtp.enorm(self.embed(batch.input_ids))
         x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
-        res = mtp(mhc.Residual(x), batch, pools)
+        res = mtp(mhc.Residual(x), batch, pools, self.side_streams(x.device))
         if not logits:
             return None
         res = mhc.Residual(mhc.settle(res, self.impl))

@@ -18,6 +18,7 @@ for (`--gpus-per-worker`).
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -34,6 +35,8 @@ from model.quantized import quantize_model
 from model.transformer import Transformer
 from worker_runtime.logging_setup import load_progress
 from worker_runtime.options import WorkerOptions
+
+log = logging.getLogger(__name__)
 
 
 def load_replica(options: WorkerOptions, expert_parallel: bool = False
@@ -87,6 +90,16 @@ def check_step_fits(model: Transformer, pools: KVPools, tokens: int, what: str) 
             f"lower --max-seqs or --max-model-len (the pools) or --prefill-token-budget (the step)") from None
     finally:
         pools.release(seq)
+    # what is left is all the room later allocations have (NIXL's and NCCL's buffers, the
+    # allocator's fragmentation): an operator reading a small figure here lowers the flags above
+    free, total = torch.cuda.mem_get_info()
+    log.info("%s%s = %d tokens in one step fits, leaving %.1f of %.1f GiB free", _prefix(), what, tokens,
+             free / 2**30, total / 2**30)
+
+
+def _prefix() -> str:
+    name = _actor_name()
+    return f"{name}: " if name else ""
 
 
 def _actor_name() -> str:

@@ -205,3 +205,29 @@ def test_side_streams_give_in_order_bits(models):
             g.close()
     finally:
         _side_streams(gpu, True)
+
+
+def test_prefill_steps_hold_no_more_memory_than_the_first():
+    """Every layer and step of a model shares one pair of side streams (`SideStreams`): torch's
+    allocator keeps freed memory per stream, so with a stream drawn per call (the pool has 32)
+    each stream came to hold its own copy of a step's side activations, and the memory reserved
+    grew over the first steps until load had cycled through the pool (a served worker then ran
+    out of memory on a prefill that had fit at start)."""
+    from model.dummy_weights import dummy_model
+    from model.tiny import flash_config
+
+    cfg = flash_config(4)
+    model = dummy_model(cfg, "triton", "cuda", act_fp8=True)
+    pools = KVPools(cfg, "fp8_pack", max_tokens=2048, max_seqs=2, device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(0)).tolist()
+    reserved = []
+    for _ in range(12):  # 12 steps of 4 layers would draw 96 streams per call
+        seq = SeqKV()
+        pools.reserve(seq, len(ids))
+        model(ForwardBatch.build([(seq, ids)], device="cuda"), pools)
+        torch.cuda.synchronize()  # every freed block's stream work done: reusable on its stream
+        pools.release(seq)
+        reserved.append(torch.cuda.memory_reserved())
+    assert model.side_streams(torch.device("cuda", torch.cuda.current_device())) is model.side_streams(
+        torch.device("cuda", torch.cuda.current_device()))
+    assert reserved[-1] == reserved[1], [f"{r / 2**20:.0f} MiB" for r in reserved]
