@@ -54,7 +54,8 @@ def draft(engine, owners: list, items: list) -> tuple:
     runs = [owners[i][0] for i in decoding]
     graphs = engine.graphs
     drafted = speculation.draft(engine.model, engine.pools, [(r.seq, r.tokens[-1], spec, r.req.sampling) for r in runs],
-                                graphs.draft_for_rows if graphs is not None else None, on_device=on_device(owners))
+                                graphs.draft_for_rows if graphs is not None else None, on_device=on_device(owners),
+                                chain_for=graphs.chain_for_rows if graphs is not None else None)
     # a grammar's row verifies N placeholder rows, never accepted (see the module docstring)
     drafted = [dataclasses.replace(p, binding=False) if r.grammar is not None else p for r, p in zip(runs, drafted)]
     pending: list = [None] * len(owners)

@@ -26,7 +26,10 @@ back), so a verify step and its extension are one replay.
 
 A draft graph (`draft=True`) is one step of the MTP block and the head at one token a row
 (`Transformer.mtp_step`), beside the streams the caller puts in `streams_in`: a speculative step
-drafts N tokens in N replays of it (`model/speculation.py`).
+drafts N tokens in N replays of it (`model/speculation.py`). A chain graph (`draft=True`,
+`chain=N`) drafts all N in one replay: each MTP step one position on from the last, on its output
+streams, fed the token drawn from its logits inside the graph (`model.sampling.DrawInputs`), so
+the host neither builds nor launches anything between the drafts.
 """
 
 from __future__ import annotations
@@ -36,20 +39,24 @@ import torch
 
 from model.batch import BatchMeta, ForwardBatch
 from model.kv_pool import ALL_KINDS, KVPools, SeqKV
+from model.sampling import DrawInputs, SamplingParams
 
 
 class DecodeGraph:
     """One captured decode step for up to `batch_size` requests of up to `max_context` tokens."""
 
     def __init__(self, model, pools: KVPools, batch_size: int, max_context: int, scratch: SeqKV | None = None,
-                 tokens_per_row: int = 1, draft: bool = False):
+                 tokens_per_row: int = 1, draft: bool = False, chain: int = 0):
         """`scratch`: a request reserved for `max_context` tokens that the padding rows decode
         (graphs of several buckets share one); by default this graph reserves its own.
         `tokens_per_row`: L tokens a row (L > 1: a verify step, logits and streams at every token).
         `draft`: a draft step of the MTP block (one token a row) on the streams in `streams_in`
-        [B, hc, D]; `run` returns its logits and its output streams are `streams`."""
+        [B, hc, D]; `run` returns its logits and its output streams are `streams`. With `chain`
+        N > 0, N draft steps drawn in the graph (`run_chain`)."""
         if draft and tokens_per_row != 1:
             raise ValueError("a draft graph takes one token a row")
+        if chain and not draft:
+            raise ValueError("a chain of drafts is a draft graph's (draft=True)")
         if pools.device == "cpu" or torch.device(pools.device).type != "cuda":
             raise ValueError("CUDA graphs need pools on a CUDA device")
         self.model, self.pools, self.B, self.max_context = model, pools, batch_size, max_context
@@ -89,6 +96,10 @@ class DecodeGraph:
             c = model.cfg
             self.streams_in = torch.zeros(B, c.hc_mult, c.hidden_size, dtype=model.embed.weight.dtype, device=device)
             self.all_rows = torch.arange(B, device=device)
+        self.chain = chain
+        if chain:  # row r: its last token, then its N drafts
+            self.draws = DrawInputs(B, chain, model.cfg.vocab_size, device)
+            self.chain_ids = torch.zeros(B, chain + 1, dtype=torch.int64, device=device)
         self.load_inputs(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
             self._step()
@@ -101,9 +112,34 @@ class DecodeGraph:
     def _step(self):
         """The captured work: widen the inputs, then the model's step (or the MTP block's)."""
         self._widen()
+        if self.chain:
+            return self._chain_step()
         if self.draft:
             return self.model.mtp_step(self.streams_in, self.batch, self.pools, rows=self.all_rows)
         return self.model(self.batch, self.pools, all_logits=True, return_streams=self.L > 1)
+
+    def _chain_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """N draft steps, the k-th k positions past the loaded one, each fed the token the one
+        before drew: → (chain ids [B, N+1], the last step's output streams)."""
+        streams, meta = self.streams_in, self.meta
+        self.chain_ids[:, 0] = self.ids
+        for k in range(self.chain):
+            batch = ForwardBatch(self.chain_ids[:, k].contiguous(), self.positions + k, ())
+            batch.__dict__["meta"] = BatchMeta(meta.token_seq, meta.positions + k, meta.seg_start + k,
+                                               meta.seg_end + k, meta.tables, meta.max_end)
+            logits, streams = self.model.mtp_step(streams, batch, self.pools, rows=self.all_rows)
+            self.chain_ids[:, k + 1] = self.draws.draw(logits, k, self.model.impl)
+        return self.chain_ids, streams
+
+    def run_chain(self, batch: ForwardBatch, params: list[SamplingParams], positions: list[list[int]]) -> torch.Tensor:
+        """A chain graph's drafts for `batch` (each segment its request's last token, one position
+        back, as a draft graph's first step; the streams there in `streams_in`), row r's k-th draft
+        drawn with params[r] at positions[r][k]: → the rows' chain ids [n, N+1] (a copy: the next
+        replay rewrites the graph's)."""
+        if any(s.end + self.chain - 1 > self.max_context for s in batch.segments):
+            raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
+        self.draws.load(params, positions)
+        return self.run(batch).clone()
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [n·L, vocab] of a batch of n segments of L tokens each (L = 1: a decode step); the

@@ -188,3 +188,58 @@ def support(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     drawn = torch.tensor([not p.greedy for p in params], device=logits.device)[:, None]
     keep = kept(*_support(logits, [p if not p.greedy else SamplingParams(1.0) for p in params]))
     return torch.where(drawn, keep, greedy)
+
+
+class DrawInputs:
+    """`draw_rows` of up to `rows` rows from device tensors a CUDA graph was captured on: it
+    draws `steps` tokens a row in one replay (the drafts of a speculative step,
+    `model.cuda_graph.DecodeGraph` with `chain`), each row's parameters and noise keys loaded
+    before the replay in two copies. The math is `draw_rows`' (temperature, min_p, Gumbel-max
+    keyed by seed and position; greedy rows take the argmax), so a row draws the same token here
+    as there. Only rows `capturable` can be loaded: top-k and top-p need a sort whose use depends
+    on the batch, and logit adjustments need the host."""
+
+    def __init__(self, rows: int, steps: int, vocab: int, device: torch.device):
+        self.rows, self.steps, self.vocab = rows, steps, vocab
+        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)  # greedy rows: 1
+        self.log_min_p = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)  # -inf: off
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.keys = torch.zeros(rows, steps, 3, dtype=torch.int64, device=device)
+        self.thr_id = torch.full((rows,), vocab, dtype=torch.int64, device=device)  # no top-k / top-p
+        pinned = torch.device(device).type == "cuda"  # page-locked: the copies read them asynchronously
+        self._floats = torch.empty(2, rows, dtype=torch.float32, pin_memory=pinned)
+        self._ints = torch.empty(rows, 1 + steps * 3, dtype=torch.int64, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the pinned buffers
+        if self._copied is not None:
+            self._copied.record()
+
+    def capturable(self, params: list[SamplingParams]) -> bool:
+        return len(params) <= self.rows and all(
+            not p.adjusts and p.top_p == 1 and not 0 < p.top_k < self.vocab for p in params)
+
+    def load(self, params: list[SamplingParams], positions: list[list[int]]) -> None:
+        """Row r draws its step k with params[r] at positions[r][k] (padding rows: greedy)."""
+        if not self.capturable(params) or any(len(p) != self.steps for p in positions):
+            raise ValueError(f"DrawInputs of {self.rows} rows × {self.steps} steps take rows without top-k, "
+                             f"top-p or logit adjustments, {self.steps} positions each")
+        pad = self.rows - len(params)
+        if self._copied is not None:  # the last copy has read the pinned buffers: they may be rewritten
+            self._copied.synchronize()
+        self._floats[0] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
+        self._floats[1] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
+                                       + [float("-inf")] * pad)
+        self._ints[:] = torch.tensor([[int(p.greedy)] + [w for pos in row for w in _row_key(p.seed, pos)]
+                                      for p, row in zip(params, positions)]
+                                     + [[1] + [0] * (3 * self.steps)] * pad)
+        self.temperature.copy_(self._floats[0], non_blocking=True)
+        self.log_min_p.copy_(self._floats[1], non_blocking=True)
+        self.greedy.copy_(self._ints[:, 0], non_blocking=True)
+        self.keys.view(self.rows, -1).copy_(self._ints[:, 1:], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def draw(self, logits: torch.Tensor, step: int, impl: str) -> torch.Tensor:
+        """Step `step`'s tokens [rows] int64 from logits [rows, V] (captured: no host work)."""
+        scaled = logits.float() / self.temperature[:, None]
+        drawn = gumbel_argmax(scaled, self.keys[:, step], scaled.amax(-1) + self.log_min_p, self.thr_id, impl)
+        return torch.where(self.greedy, logits.argmax(-1), drawn)

@@ -148,7 +148,8 @@ class Pending:
 
 
 def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, int, SamplingParams]],
-          graph_for: Callable[[int], object | None] | None = None, on_device: bool = False) -> list[Pending]:
+          graph_for: Callable[[int], object | None] | None = None, on_device: bool = False,
+          chain_for: Callable[[int], object | None] | None = None) -> list[Pending]:
     """Draft up to `depth` tokens for each (seq, last token, depth, sampling) with the MTP block,
     chained, all requests in one MTP step per draft. Every drafting request's ring rows for the
     step are saved first (one `Snapshot`), so that `settle` can undo what the drafts and the
@@ -158,12 +159,19 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
     `on_device` (every request at one depth N > 0): each draft is drawn on the device and fed to
     the next MTP step there, and the verify segments stay there (`Pending.chain`): nothing waits
     for the device, so the drafts, the verify and the roll-back (`settle_chain`) queue back to
-    back."""
+    back. `chain_for(rows)`: a captured chain of N drafts (`DecodeGraph.run_chain`) of at least
+    that many rows, or None: such a step drafts in one replay when its sampling fits the graph's
+    draws (`DrawInputs.capturable`), else in N."""
     depths = [depth for _, _, depth, _ in requests]
     if on_device and (len(set(depths)) != 1 or depths[0] == 0):
         raise ValueError(f"drafting on the device takes requests of one depth > 0, got {depths}")
     drafting = [i for i, d in enumerate(depths) if d > 0]
     snapshot = Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2) if drafting else None
+    chain_graph = chain_for(len(requests)) if on_device and chain_for is not None else None
+    params = [p.unadjusted for _, _, _, p in requests]
+    if (chain_graph is not None and chain_graph.chain == depths[0]
+            and chain_graph.draws.capturable(params)):
+        return _draft_in_one_replay(model, pools, requests, chain_graph, params, snapshot)
     row = {i: r for r, i in enumerate(drafting)}
     drafts: list[list[int]] = [[] for _ in requests]
     chain = None
@@ -204,6 +212,20 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
     return [Pending(seq, seq.num_tokens, last, tuple(drafts[i]), params, snapshot if i in row else None, row.get(i, -1),
                     chain=chain)
             for i, (seq, last, _, params) in enumerate(requests)]
+
+
+def _draft_in_one_replay(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, int, SamplingParams]],
+                         graph, params: list[SamplingParams], snapshot: Snapshot) -> list[Pending]:
+    """`draft(on_device=True)` through a chain graph: the drafts of every request, N each, in one
+    replay, drawn as the step-by-step chain draws them (same params, same positions)."""
+    n = len(requests)
+    graph.streams_in[:n] = pools.read_slots("state_mtp", snapshot.slots).view(n, model.cfg.hc_mult,
+                                                                             model.cfg.hidden_size)
+    batch = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1), [last]) for s, last, _, _ in requests], "cpu")
+    positions = [[s.num_tokens + 1 + k for k in range(graph.chain)] for s, _, _, _ in requests]
+    chain = graph.run_chain(batch, params, positions)
+    return [Pending(seq, seq.num_tokens, last, (), p, snapshot, r, chain=chain)
+            for r, (seq, last, _, p) in enumerate(requests)]
 
 
 def accepted(drafts: tuple[int, ...], targets: list[int]) -> int:

@@ -147,9 +147,13 @@ class DecodeGraphs:
                                            tokens_per_row=tokens_per_row if b <= verify_max_rows else 1))
         if expert_parallel:
             set_capacity(model, 0)
-        # with speculation, the draft step of each bucket (the MTP block at one token a row)
-        self.drafts = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch, draft=True)
-                       for b in buckets if b <= verify_max_rows] if tokens_per_row > 1 else []
+        # with speculation, the draft step of each bucket (the MTP block at one token a row), and
+        # its chain of N drafts drawn in the graph, for steps whose sampling needs nothing from
+        # the host (`speculation.draft(on_device=True)`)
+        drafting = [b for b in buckets if b <= verify_max_rows] if tokens_per_row > 1 else []
+        self.drafts = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch, draft=True) for b in drafting]
+        self.chains = [DecodeGraph(model, pools, b, max_context, scratch=self.scratch, draft=True,
+                                   chain=tokens_per_row - 1) for b in drafting]
         self.tokens_per_row = tokens_per_row  # > 1: speculative verify steps of that many tokens a request
         self.verify_max_rows = verify_max_rows  # the largest batch captured as verify steps
         self.replays = 0  # decode steps served by a graph (counted by the engine that replays them)
@@ -169,6 +173,10 @@ class DecodeGraphs:
     def draft_for_rows(self, rows: int) -> DecodeGraph | None:
         """The smallest draft graph of at least `rows` rows, or None (no speculation, too many rows)."""
         return next((g for g in self.drafts if g.B >= rows), None)
+
+    def chain_for_rows(self, rows: int) -> DecodeGraph | None:
+        """The smallest chain graph (`DecodeGraph.run_chain`) of at least `rows` rows, or None."""
+        return next((g for g in self.chains if g.B >= rows), None)
 
     def held_pages(self) -> dict[str, int]:
         """Pages the scratch request holds for good (not free when the worker is idle)."""

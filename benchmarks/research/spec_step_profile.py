@@ -7,6 +7,7 @@ The requests run twice through each engine and the second pass is timed: the fir
 kernels its eager shapes need (a compilation inside the timed steps would read as ~10 ms a step).
 
     python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 [--phases] --out p.json
+    python benchmarks/research/spec_step_profile.py --layers 8 --concurrency 16 64 --n 0 2 --max-batch 16 --isl 256
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--accept", type=float, default=0.8)
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="--speculative-max-batch (a graph bucket; 0: the concurrency, speculating at every step)")
     ap.add_argument("--phases", action="store_true",
                     help="time each phase between synchronisations (which adds to the step: without, the step alone)")
     ap.add_argument("--out", default="")
@@ -84,11 +87,12 @@ def main() -> None:
             pools = KVPools(cfg, "fp8_pack", max_tokens=args.isl + args.new + 8, max_seqs=c + 1, device="cuda",
                             with_mtp=True)
             buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= c) or (1,)
+            limit = args.max_batch or c
             graphs = DecodeGraphs(model, pools, buckets, args.isl + args.new + 8, tokens_per_row=n + 1,
-                                  verify_max_rows=c)
+                                  verify_max_rows=limit)
             engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
                                   DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n,
-                                               speculative_max_batch=c),
+                                               speculative_max_batch=limit),
                                   graphs)
             for rep in range(2):  # the first pass compiles what the step shapes need; the second is timed
                 for r in requests:
@@ -110,7 +114,7 @@ def main() -> None:
                         emitted += sum(len(ch.token_ids) for ch in chunks)
                 torch.cuda.synchronize()
                 total = time.perf_counter() - t
-            row = {"concurrency": c, "n": n, "accept": args.accept, "step_ms": total / steps * 1e3,
+            row = {"concurrency": c, "n": n, "max_batch": limit, "accept": args.accept, "step_ms": total / steps * 1e3,
                    "tokens_per_step": emitted / steps / c, "ms_per_token": total / (emitted / c) * 1e3,
                    "phases_ms": {k: v / steps * 1e3 for k, v in sorted(SPENT.items())}}
             if args.phases:

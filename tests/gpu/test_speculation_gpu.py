@@ -121,3 +121,44 @@ def test_verify_steps_replay_cuda_graphs(tiny_official_ckpt, limit):
             want[chunk.request_id] += chunk.token_ids
     assert all(tokens[r][0] == want[r][0] for r in tokens)  # first tokens: the same prefill step
     assert sum(tokens[r] == want[r] for r in tokens) >= 2
+
+
+def test_a_chain_graph_drafts_what_the_draft_graphs_draft(tiny_official_ckpt):
+    """A speculative step's N drafts in one replay of a chain graph (the draws inside it) equal
+    the same step drafted through N replays of the draft graph with a draw between them, bit for
+    bit, for greedy, seeded temperature and min_p rows, beside a padding row of the bucket. A row
+    with top-k is not one the chain graph draws (its step drafts step by step)."""
+    import copy
+
+    from model import speculation
+    from model.batch import ForwardBatch
+    from model.kv_pool import SeqKV
+
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
+                            device="cuda", kernels="triton", speculative_tokens=3, decode_graphs=(1, 4))
+    _, model, pools = load_replica(options)
+    graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=4)
+    g = torch.Generator().manual_seed(5)
+    seqs, lasts = [SeqKV() for _ in range(3)], []
+    for seq, k in zip(seqs, (150, 37, 90)):
+        prompt = torch.randint(0, 256, (k,), generator=g).tolist()
+        pools.reserve(seq, k + 8)
+        batch = ForwardBatch.build([(seq, prompt)], "cuda")
+        lasts.append(int(model(batch, pools).argmax(-1)))
+        batch.commit()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=4),
+              SamplingParams(temperature=1.2, seed=9, min_p=0.05)]
+    twin = copy.deepcopy(pools)  # the same contents for the second drafting
+
+    def chain(pools, **graph):
+        requests = [(s, t, 3, p) for s, t, p in zip(seqs, lasts, params)]
+        return speculation.draft(model, pools, requests, on_device=True, **graph)[0].chain
+
+    stepwise = chain(pools, graph_for=graphs.draft_for_rows)
+    graph = graphs.chain_for_rows(3)
+    assert graph.B == 4 and graph.chain == 3
+    graph.chain_ids.fill_(-1)
+    one = chain(twin, graph_for=graphs.draft_for_rows, chain_for=graphs.chain_for_rows)
+    assert torch.equal(graph.chain_ids[:3], one)  # drawn by the chain graph's replay
+    assert one.shape == (3, 4) and torch.equal(one, stepwise)
+    assert not graph.draws.capturable([SamplingParams(1.0, top_k=5)])

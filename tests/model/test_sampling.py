@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.kernels.common.gumbel import hash32, uniform_noise
-from model.sampling import SamplingParams, sample, sample_rows, support
+from model.sampling import DrawInputs, SamplingParams, draw_rows, sample, sample_rows, support
 
 
 def logits(seed=0, vocab=50):
@@ -101,6 +101,28 @@ def test_a_row_samples_the_same_in_any_batch():
     shuffled = sample_rows(x[perm], [params[i] for i in perm], [positions[i] for i in perm])
     assert shuffled == [batched[i] for i in perm]
     assert sample_rows(x[:1].bfloat16(), params[:1], positions[:1]) == [int(x[0].bfloat16().argmax())]
+
+
+def test_draw_inputs_draw_what_draw_rows_draws():
+    """A chain graph's draws (`DrawInputs`: parameters and keys loaded into static tensors) give
+    `draw_rows`' tokens at every step, for greedy, temperature and min_p rows beside padding rows;
+    rows with top-k, top-p or adjustments are refused."""
+    gen = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+              SamplingParams(temperature=1.5, seed=8, min_p=0.1), SamplingParams(temperature=1.0, seed=8)]
+    positions = [[40 + i + k for k in range(3)] for i in range(4)]
+    draws = DrawInputs(6, 3, 500, torch.device("cpu"))
+    draws.load(params, positions)
+    for k in range(3):
+        logits = torch.randn(6, 500, generator=gen) * 4
+        got = draws.draw(logits, k, "torch")
+        assert torch.equal(got[:4], draw_rows(logits[:4], params, [row[k] for row in positions], "torch"))
+        assert torch.equal(got[4:], logits[4:].argmax(-1))  # padding rows: greedy
+    for bad in (SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.9),
+                SamplingParams(1.0, logit_bias=((3, 1.0),))):
+        assert not draws.capturable([bad])
+        with pytest.raises(ValueError, match="top-k"):
+            draws.load([bad], [[1, 2, 3]])
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
