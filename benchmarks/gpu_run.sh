@@ -95,12 +95,12 @@ pd-slice)
     timeout 300 $PYTHON benchmarks/pd_gpu_slice.py --out "$OUT/pd_slice.json" 2>&1 | quiet | tee "$OUT/pd_slice.log" | tail -40 ;;
 spec)
     tests spec-tests tests/gpu/test_speculation_gpu.py tests/gpu/test_echo_min_p_cuda.py \
-        tests/gpu/test_deterministic_gpu.py -k "not 63"
-    timeout 150 $PYTHON benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 \
+        tests/gpu/test_deterministic_gpu.py
+    timeout 150 $PYTHON benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 3 --new 120 \
         --out "$OUT/spec_profile_c1.json" 2>&1 | grep "^{" | tee "$OUT/spec_profile.log"
     timeout 200 $PYTHON benchmarks/research/spec_step_profile.py --layers 8 --concurrency 16 64 --n 0 1 2 \
-        --new 24 --isl 256 --out "$OUT/spec_profile_c16_c64.json" 2>&1 | grep "^{" | tee -a "$OUT/spec_profile.log"
-    timeout 200 $PYTHON benchmarks/research/det_race_probe.py 2>&1 | tee "$OUT/det_race.log" ;;
+        --new 24 --isl 256 --max-batch 16 --out "$OUT/spec_profile_c16_c64.json" 2>&1 | grep "^{" \
+        | tee -a "$OUT/spec_profile.log" ;;
 serve-start)
     mode=$1
     case $mode in

@@ -97,11 +97,18 @@ class MTPBlock(Block):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
+def query_row_width(cfg: ModelConfig) -> int:
+    """Columns a token of the attention's fused query product (wq_b | the indexer's wq_b, `Attention
+    .fused_qr`) spans: the query [T, heads, head_dim] is a strided view of it, which the kernels
+    address row by row (64 × 512 + 64 × 128 = 40960 at V4 shapes)."""
+    return cfg.num_attention_heads * cfg.head_dim + cfg.index_n_heads * cfg.index_head_dim
+
+
 def kernel_step_limit(cfg: ModelConfig) -> int:
     """The most tokens in one step of the Triton kernels: they address a step's tensors with 32-bit
-    element offsets, and the widest per token is the attention query [T, heads, head_dim] (64 × 512
-    at V4 shapes: 65535 tokens)."""
-    return (2**31 - 1) // (cfg.num_attention_heads * cfg.head_dim)
+    element offsets, and the widest per token is the fused query product (`query_row_width`; 52428
+    tokens at V4 shapes). Past it an offset wraps and a kernel reads or writes out of bounds."""
+    return (2**31 - 1) // query_row_width(cfg)
 
 
 class Transformer(nn.Module):
@@ -150,8 +157,8 @@ class Transformer(nn.Module):
         limit = self.max_step_tokens()
         if limit is not None and tokens > limit:
             raise ValueError(f"{what} = {tokens} tokens in one step is more than the Triton kernels address with "
-                             f"32-bit offsets ({limit} tokens: {self.cfg.num_attention_heads} heads × "
-                             f"{self.cfg.head_dim} query columns each); chunk the prefill into smaller steps")
+                             f"32-bit offsets ({limit} tokens: {query_row_width(self.cfg)} query columns each); "
+                             "chunk the prefill into smaller steps")
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pools: KVPools, all_logits: bool = False,

@@ -53,7 +53,8 @@ def _target_logits(model, companions: int, chunk: int, verify: int = 1, seed: in
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed)
     target = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(123)).tolist()
-    others = [torch.randint(0, cfg.vocab_size, (int(torch.randint(1, 1500, (1,), generator=g)),),
+    # (63 companions up to 1,400 tokens: a first step of 41K tokens, within `kernel_step_limit`)
+    others = [torch.randint(0, cfg.vocab_size, (int(torch.randint(1, 1400, (1,), generator=g)),),
                             generator=g).tolist() for _ in range(companions)]
     prompts = others[:companions // 2] + [target] + others[companions // 2:]
     me = companions // 2

@@ -83,8 +83,9 @@ def test_modules_built_with_an_impl_all_take_it():
 
 def test_steps_the_kernels_cannot_address_are_refused():
     """The Triton kernels address a step's tensors with 32-bit offsets, the widest per token being
-    the query [T, heads, head_dim]: a step or an engine budget past that is refused with the limit
-    named (at V4-Flash's 64 × 512, 65535 tokens); the torch reference has no limit."""
+    the fused query product wq_b | indexer.wq_b: a step or an engine budget past that is refused
+    with the limit named (at V4-Flash's 64 × 512 + 64 × 128 columns, 52428 tokens); the torch
+    reference has no limit."""
     from decode_worker.engine import DecodeConfig, DecodeEngine
     from model.tiny import flash_config
     from model.transformer import kernel_step_limit
@@ -94,8 +95,10 @@ def test_steps_the_kernels_cannot_address_are_refused():
     assert Transformer(cfg, impl="torch").max_step_tokens() is None
     model = Transformer(cfg, impl="triton")
     limit = model.max_step_tokens()
-    assert limit == (2**31 - 1) // (cfg.num_attention_heads * cfg.head_dim)
-    assert kernel_step_limit(flash_config(num_layers=1)) == 65535
+    assert limit == (2**31 - 1) // (cfg.num_attention_heads * cfg.head_dim + cfg.index_n_heads * cfg.index_head_dim)
+    # the rope kernel reads the query as a view of wq_b | indexer.wq_b, 40960 columns a token: a
+    # step of 52,674 tokens (63 requests beside one) wrapped its offsets into an illegal access
+    assert kernel_step_limit(flash_config(num_layers=1)) == 52428
     model.check_step_tokens(limit, "a step")
     with pytest.raises(ValueError, match=rf"the prefill token budget = {limit + 1} tokens.*\({limit} tokens"):
         PrefillEngine(model, None, "p0", PrefillConfig(token_budget=limit + 1))
