@@ -42,8 +42,7 @@ from model.detokenizer import Detokenizer
 from model.ep import idle_step
 from model.grammar import GrammarError, Grammars, GrammarState
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
-from model.logprobs import TokenLogprobs, logit_rows, prompt_logprobs, token_logprobs
-from model.penalties import History
+from model.logprobs import TokenLogprobs, logit_rows, token_logprobs
 from model.sampling import sample_rows
 from model.transformer import Transformer
 from worker_runtime.engine_metrics import EngineStats
@@ -55,7 +54,6 @@ from worker_runtime.wire import (
     RequestState,
     StepShape,
     TokenChunk,
-    Usage,
     WorkerLoad,
 )
 
@@ -84,15 +82,7 @@ class DecodeEngine:
         spec = config.speculative_tokens
         model.check_step_tokens(config.max_running * (1 + spec) + config.prefill_token_budget,
                                 "max_running × (1 + speculative tokens) + the prefill token budget")
-        if spec:
-            speculation.check_model(model, pools)
-        if graphs is not None and graphs.tokens_per_row != 1 + spec:
-            raise ValueError(f"decode graphs of {graphs.tokens_per_row} token(s) a request cannot run the steps of "
-                             f"{spec} speculative token(s) ({1 + spec} a request)")
-        if graphs is not None and spec and any((g.L > 1) != (g.B <= config.speculative_max_batch)
-                                               for g in graphs.graphs):
-            raise ValueError(f"the decode graphs capture verify steps up to {graphs.verify_max_rows} requests, the "
-                             f"engine speculates up to {config.speculative_max_batch}: give both the same limit")
+        speculative.check(model, pools, spec, config.speculative_max_batch, graphs)
         self.graphs = graphs
         # positions a request's pages hold past its max_tokens: what a verify step or a step queued
         # ahead feeds there (`tokens_held`)
@@ -330,7 +320,7 @@ class DecodeEngine:
             logits = self.model(batch, self.pools, logit_rows=torch.tensor(wide, device=batch.input_ids.device))
             for i, ((r, _), seg) in enumerate(zip(owners, batch.segments)):
                 if r.wants_prompt_rows:
-                    self.add_prompt_logprobs(r, logits[last[i] - seg.length + 1:last[i] + 1], seg.start)
+                    r.add_prompt_logprobs(logits[last[i] - seg.length + 1:last[i] + 1], seg.start)
             return logits[last]
         if agreed is None:
             graph = self.graphs.for_batch(batch) if self.graphs else None
@@ -370,18 +360,13 @@ class DecodeEngine:
         else:
             logits = logits[rows] if len(rows) < len(owners) else logits
             tokens = sample_rows(logits, [r.req.sampling for r in sampled], [r.seq.num_tokens for r in sampled],
-                                 histories=[self.history(r) for r in sampled],
+                                 histories=[r.history(self.eos_id) for r in sampled],
                                  masks=self.grammars.bitmask([r.grammar for r in sampled], logits.device))
             lps = token_logprobs(logits, tokens, [r.req.logprobs for r in sampled])
         for r, token, lp in zip(sampled, tokens, lps):
             r.state = RequestState.DECODING
             out.append(self._emit(r, token, lp))
         return out
-
-    def add_prompt_logprobs(self, r: Running, logits, start: int) -> None:
-        """The logprobs of the prompt tokens that a prompt chunk's logits [n, V] at positions
-        start.. predict."""
-        r.prompt_lps += prompt_logprobs(logits, r.req.prompt_ids, start, r.req.prompt_logprobs)
 
     def tokens_held(self, req: GenerateRequest) -> int:
         """Tokens a request's decode pages hold: its prompt and every output token but the last
@@ -390,49 +375,22 @@ class DecodeEngine:
         feeds past its end."""
         return len(req.prompt_ids) + max(req.max_tokens, 1) - 1 + self.lookahead
 
-    def history(self, r: Running, drafts: tuple[int, ...] = ()) -> History | None:
-        """What its logit adjustments read (None when its sampling has none): its prompt, its output
-        so far (and the drafts before a verify row), and the ids min_tokens masks."""
-        req = r.req
-        if not req.sampling.adjusts:
-            return None
-        stops = req.stop_token_ids + (() if req.ignore_eos else (self.eos_id,))
-        return History(req.prompt_ids, tuple(r.tokens) + drafts, stops)
-
     # --- output ---------------------------------------------------------------------------
     def _emit(self, r: Running, token: int, lp: TokenLogprobs | None = None) -> TokenChunk:
-        req = r.req
-        prompt_lps = tuple(r.prompt_lps) if req.prompt_logprobs is not None and not r.tokens else None
-        if req.max_tokens == 0:  # the prompt scored (echo), nothing generated: the token sampled is dropped
-            self.stats.first_token(req.request_id)
+        if r.req.max_tokens == 0:  # the token sampled after an echoed prompt is dropped
+            self.stats.first_token(r.req.request_id)
             self._finish(r, RequestState.FINISHED)
-            return TokenChunk(req.request_id, (), "", finish_reason="length", prompt_logprobs=prompt_lps,
-                              usage=Usage(len(req.prompt_ids), 0, r.cached_tokens),
-                              logprobs=None if req.logprobs is None else ())
-        if r.grammar is not None:
-            try:
-                r.grammar.advance(token)
-            except GrammarError as e:  # a token its mask did not allow: never sampled so, but refused
-                return self._fail(r, ErrorCode.INTERNAL, str(e))
-        r.tokens.append(token)
+            return r.scored()
+        try:
+            chunk = r.keep(token, lp, self.eos_id)
+        except GrammarError as e:
+            return self._fail(r, ErrorCode.INTERNAL, str(e))
         self.stats.computed(generated=1)
         if len(r.tokens) == 1:
             self.stats.first_token(r.req.request_id)
-        text = r.detok.push(token)
-        finish = None
-        lps = (lp,) if lp is not None else None
-        if (token in req.stop_token_ids or (token == self.eos_id and not req.ignore_eos) or r.detok.stopped
-                or (r.grammar is not None and r.grammar.done)):  # a complete grammar allows nothing more
-            finish = "stop"
-        elif len(r.tokens) >= req.max_tokens:
-            finish = "length"
-        if finish is None:
-            return TokenChunk(req.request_id, (token,), text, logprobs=lps, prompt_logprobs=prompt_lps)
-        text += r.detok.flush()
-        self._finish(r, RequestState.FINISHED)
-        usage = Usage(len(req.prompt_ids), len(r.tokens), r.cached_tokens)
-        return TokenChunk(req.request_id, (token,), text, finish_reason=finish, usage=usage, logprobs=lps,
-                          prompt_logprobs=prompt_lps)
+        if chunk.finish_reason is not None:
+            self._finish(r, RequestState.FINISHED)
+        return chunk
 
     def _fail(self, r: Running, code: ErrorCode, message: str) -> TokenChunk:
         self._finish(r, RequestState.FAILED)

@@ -36,6 +36,19 @@ from model.sampling import draw_rows, sample_rows
 from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
 
 
+def check(model, pools, spec: int, max_batch: int, graphs) -> None:
+    """What an engine of `spec` speculative tokens a step, up to `max_batch` decoding requests,
+    needs of its model, pools and decode graphs (`worker_runtime.model_loader.DecodeGraphs`)."""
+    if spec:
+        speculation.check_model(model, pools)
+    if graphs is not None and graphs.tokens_per_row != 1 + spec:
+        raise ValueError(f"decode graphs of {graphs.tokens_per_row} token(s) a request cannot run the steps of "
+                         f"{spec} speculative token(s) ({1 + spec} a request)")
+    if graphs is not None and spec and any((g.L > 1) != (g.B <= max_batch) for g in graphs.graphs):
+        raise ValueError(f"the decode graphs capture verify steps up to {graphs.verify_max_rows} requests, the "
+                         f"engine speculates up to {max_batch}: give both the same limit")
+
+
 def on_device(owners: list) -> bool:
     """Whether a step of `owners` runs on the device from its drafts to its roll-back
     (`model/speculation.py`): every row is a decoding request whose sampling needs nothing from
@@ -91,7 +104,7 @@ def verify(engine, planned) -> list[TokenChunk]:
         if pending[i] is None:
             engine.pools.trim_window(r.seq)
             if r.wants_prompt_rows:
-                engine.add_prompt_logprobs(r, logits[first:first + n], batch.segments[i].start)
+                r.add_prompt_logprobs(logits[first:first + n], batch.segments[i].start)
             first, n = first + n - 1, 1  # a prompt chunk samples at its last row only
         if not yields or r.req.request_id not in engine.running:
             continue
@@ -103,7 +116,7 @@ def verify(engine, planned) -> list[TokenChunk]:
         grammars += [r.grammar] + [None] * (n - 1)  # a grammar's rows past the first are dropped
         # verify row j samples as if the drafts before it were accepted (it is used only then)
         drafts = pending[i].drafts if pending[i] is not None else ()
-        histories += [engine.history(r, tuple(drafts[:j])) for j in range(n)]
+        histories += [r.history(engine.eos_id, tuple(drafts[:j])) for j in range(n)]
         # row j of the segment feeds position num_tokens - n + j; its token sits one further
         positions += list(range(r.seq.num_tokens - n + 1, r.seq.num_tokens + 1))
     if not picked:
