@@ -52,7 +52,7 @@ from model.tokenizer import load_tokenizer
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, Seat
 from worker_runtime.in_process import InProcess
-from worker_runtime.model_loader import DecodeGraphs, check_step_fits, load_replica
+from worker_runtime.model_loader import DecodeGraphs, check_step_fits, load_replica, step_error
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import (
@@ -331,11 +331,11 @@ class DecodeWorker:
                     await asyncio.sleep(0.001)  # transfers in flight: keep polling them
                 else:
                     await self.commands.wait()
-            except Exception:  # a bug must not silently stall every stream: fail loudly per request
+            except Exception as e:  # a bug must not silently stall every stream: fail loudly per request
                 log.exception("decode loop error")
+                error = step_error("decode", e)
                 for s in self.streams.live():
-                    self._route([TokenChunk(s.request_id, (), error=ErrorInfo(ErrorCode.INTERNAL,
-                                                                              "decode worker error"))])
+                    self._route([TokenChunk(s.request_id, (), error=error)])
                     self._abort(s.request_id)
                 await asyncio.sleep(0.1)
 

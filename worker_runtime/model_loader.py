@@ -35,8 +35,10 @@ from model.quantized import quantize_model
 from model.transformer import Transformer
 from worker_runtime.logging_setup import load_progress
 from worker_runtime.options import WorkerOptions
+from worker_runtime.wire import ErrorCode, ErrorInfo
 
 log = logging.getLogger(__name__)
+MEMORY_FLAGS = "lower --max-seqs or --max-model-len (the pools) or --prefill-token-budget (the step)"
 
 
 def load_replica(options: WorkerOptions, expert_parallel: bool = False
@@ -87,7 +89,7 @@ def check_step_fits(model: Transformer, pools: KVPools, tokens: int, what: str) 
         raise RuntimeError(
             f"{what} = {tokens} tokens in one step does not fit in GPU memory beside the weights, the KV pools "
             f"and the decode graphs ({held:.1f} GiB held, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free): "
-            f"lower --max-seqs or --max-model-len (the pools) or --prefill-token-budget (the step)") from None
+            f"{MEMORY_FLAGS}") from None
     finally:
         pools.release(seq)
     # what is left is all the room later allocations have (NIXL's and NCCL's buffers, the
@@ -95,6 +97,16 @@ def check_step_fits(model: Transformer, pools: KVPools, tokens: int, what: str) 
     free, total = torch.cuda.mem_get_info()
     log.info("%s%s = %d tokens in one step fits, leaving %.1f of %.1f GiB free", _prefix(), what, tokens,
              free / 2**30, total / 2**30)
+
+
+def step_error(kind: str, e: Exception) -> ErrorInfo:
+    """What the requests of a `kind` worker's step that raised `e` are told. Out of GPU memory, the
+    allocator's cached blocks are handed back too, so the next steps start from unfragmented memory
+    (the step's own tensors are freed with its frames)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        torch.cuda.empty_cache()
+        return ErrorInfo(ErrorCode.INTERNAL, f"{kind} worker ran out of GPU memory in a step: {MEMORY_FLAGS}")
+    return ErrorInfo(ErrorCode.INTERNAL, f"{kind} worker error")
 
 
 def _prefix() -> str:

@@ -72,3 +72,45 @@ def test_http_router_prefill_decode_in_one_process(tiny_official_ckpt, registry_
     assert computed > 0 and d_acct["transfers"]["transfers"] == len(prompts) + 3, d_acct["transfers"]
     assert p_acct["free"] == p_acct["idle"], p_acct
     assert d_acct["free"] == d_acct["idle"], d_acct
+
+
+def test_a_step_out_of_gpu_memory_fails_its_requests_by_name_and_the_next_ones_serve(
+        tiny_official_ckpt, registry_url, monkeypatch):
+    """A decode step that runs out of GPU memory (raised here: a CPU cannot run out of it for
+    real) fails the requests it carried with an error naming the cause and the flags that size
+    a worker's memory, not an opaque one; the worker goes on and serves the next request."""
+    import torch
+
+    cfg, model = load_checkpoint(tiny_official_ckpt)
+    options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="oom", max_tokens=MAX_TOKENS,
+                            max_seqs=4, prefill_token_budget=96, heartbeat_s=0.2)
+    prompt = list(range(3, 60))
+
+    async def run():
+        tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        async with pd_in_process(options, tokenizer) as pd:
+            engine, real = pd.decode.engine, pd.decode.engine.step
+            raised = []
+
+            def step():
+                if not raised:
+                    raised.append(1)
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+                return real()
+
+            monkeypatch.setattr(engine, "step", step)
+
+            async def one(name):
+                errors, tokens = [], []
+                async for chunk in pd.backend.generate(GenerateRequest(name, tuple(prompt), max_tokens=6)):
+                    tokens += chunk.token_ids
+                    if chunk.error is not None:
+                        errors.append(chunk.error)
+                return errors, tokens
+
+            return await one("first"), await one("second")
+
+    (errors, _), (after, tokens) = asyncio.run(run())
+    assert len(errors) == 1 and errors[0].code.http_status == 500
+    assert "ran out of GPU memory" in errors[0].message and "--max-seqs" in errors[0].message
+    assert after == [] and tokens == reference(cfg, model, prompt, 6, SamplingParams())
