@@ -22,7 +22,9 @@ still prefilling or still shipping to the lost worker.
 A worker may be one rank of an expert-parallel group (`start(seat)`, worker_runtime/ep_group.py):
 its engine then steps in lockstep with its peers. When the group breaks, the worker fails every
 prefill it has not finished with `ep_group_failed: ...` (the decode side recomputes those), refuses
-new ones the same way, and leaves the registry; KV it already computed is still delivered.
+new ones the same way, and leaves the registry; KV it already computed is still delivered. A
+step that raises (out of GPU memory, say) fails every unfinished prefill the same way
+(`prefill_step_failed: ...`), since it may have left their KV half written.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from prefill_worker.shipping import Shipping
 from worker_runtime.commands import Commands
 from worker_runtime.ep_group import ExpertParallelGroup, GroupFailed, GroupState, Seat
 from worker_runtime.in_process import InProcess
-from worker_runtime.model_loader import check_step_fits, load_replica
+from worker_runtime.model_loader import check_step_fits, load_replica, step_error
 from worker_runtime.options import WorkerOptions
 from worker_runtime.shell import WorkerShell, serves_shell
 from worker_runtime.wire import GenerateRequest, TargetReply, WorkerLoad
@@ -301,7 +303,16 @@ class PrefillWorker:
             return
         stream = LayerStream.plan(planned.owners, self.deliveries, self.pools, self.sender,
                                   self.options.prefill_layer_stream, len(self.engine.model.layers))
-        self.shipping.computed(await asyncio.to_thread(self.engine.run, planned, None, stream), stream)
+        try:
+            finished = await asyncio.to_thread(self.engine.run, planned, None, stream)
+        except Exception as e:
+            # the step may have left its chunks' KV unwritten and their progress counted: a prompt
+            # it touched cannot go on here, so every unfinished one fails over to its decode
+            # worker, which recomputes it
+            log.exception("prefill step error")
+            self._fail_unfinished(f"prefill_step_failed: {step_error('prefill', e).message}")
+            return
+        self.shipping.computed(finished, stream)
 
     async def _group_step(self, group: ExpertParallelGroup) -> None:
         """One lockstep step of the expert-parallel group, planned here as `_step` plans its own

@@ -114,3 +114,40 @@ def test_a_step_out_of_gpu_memory_fails_its_requests_by_name_and_the_next_ones_s
     assert len(errors) == 1 and errors[0].code.http_status == 500
     assert "ran out of GPU memory" in errors[0].message and "--max-seqs" in errors[0].message
     assert after == [] and tokens == reference(cfg, model, prompt, 6, SamplingParams())
+
+
+def test_a_prefill_step_that_raises_fails_over_to_the_decode_worker(tiny_official_ckpt, registry_url, monkeypatch):
+    """A prefill step that raises (out of GPU memory, raised here) may leave its chunks' KV
+    unwritten, so the prompts it touched must not go on there: they fail over to their decode
+    worker at once, which recomputes them, and the tokens are still `generate`'s. (The worker used
+    to go on planning the prompt's next chunks on the progress the failed step had counted, three
+    more steps whose KV the decode side then dropped.)"""
+    import torch
+
+    cfg, model = load_checkpoint(tiny_official_ckpt)
+    options = WorkerOptions(str(tiny_official_ckpt), registry_url, cluster="pfail", max_tokens=MAX_TOKENS,
+                            max_seqs=4, prefill_token_budget=32, heartbeat_s=0.2)
+    prompt = [(7 * i) % 250 + 3 for i in range(150)]  # five chunks of 32: the second raises
+
+    async def run():
+        tokenizer = load_tokenizer(str(tiny_official_ckpt), cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        async with pd_in_process(options, tokenizer) as pd:
+            engine, real, calls = pd.prefill.engine, pd.prefill.engine.run, []
+
+            def run_step(*args):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+                return real(*args)
+
+            monkeypatch.setattr(engine, "run", run_step)
+            tokens, errors = [], []
+            async for chunk in pd.backend.generate(GenerateRequest("r", tuple(prompt), max_tokens=8)):
+                tokens += chunk.token_ids
+                errors += [chunk.error] if chunk.error is not None else []
+            return tokens, errors, len(calls), pd.decode.inbound.counts["fallbacks"]
+
+    tokens, errors, calls, fallbacks = asyncio.run(run())
+    assert calls == 2 and errors == []  # no chunk after the failed one ran on the prefill worker
+    assert fallbacks == 1  # recomputed on the decode worker
+    assert tokens == reference(cfg, model, prompt, 8, SamplingParams())
