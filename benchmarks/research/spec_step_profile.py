@@ -116,8 +116,12 @@ def main() -> None:
                 torch.cuda.synchronize()
                 total = time.perf_counter() - t
                 restore()
+            # a step costs the same whatever it accepts: at the forcing's expected 1 + p + ... + p^N
+            # tokens a step (where no request ends) the figure does not hang on one run's draws
+            expected = sum(args.accept ** i for i in range(n + 1)) if c <= limit else 1.0
             row = {"concurrency": c, "n": n, "max_batch": limit, "accept": args.accept, "step_ms": total / steps * 1e3,
                    "tokens_per_step": emitted / steps / c, "ms_per_token": total / (emitted / c) * 1e3,
+                   "ms_per_expected_token": total / steps / expected * 1e3,
                    "phases_ms": {k: v / steps * 1e3 for k, v in sorted(SPENT.items())}}
             if args.phases:
                 row["other_ms"] = (row["step_ms"] - sum(row["phases_ms"].values())
