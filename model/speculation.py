@@ -168,10 +168,10 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
     drafting = [i for i, d in enumerate(depths) if d > 0]
     snapshot = Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2) if drafting else None
     chain_graph = chain_for(len(requests)) if on_device and chain_for is not None else None
-    params = [p.unadjusted for _, _, _, p in requests]
-    if (chain_graph is not None and chain_graph.chain == depths[0]
-            and chain_graph.draws.capturable(params)):
-        return _draft_in_one_replay(model, pools, requests, chain_graph, params, snapshot)
+    if chain_graph is not None and chain_graph.chain == depths[0]:
+        unadjusted = [p.unadjusted for _, _, _, p in requests]
+        if chain_graph.draws.capturable(unadjusted):
+            return _draft_in_one_replay(model, pools, requests, chain_graph, unadjusted, snapshot)
     row = {i: r for r, i in enumerate(drafting)}
     drafts: list[list[int]] = [[] for _ in requests]
     chain = None
