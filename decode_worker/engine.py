@@ -43,7 +43,7 @@ from model.ep import idle_step
 from model.grammar import GrammarError, Grammars, GrammarState
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, logit_rows, token_logprobs
-from model.sampling import sample_rows
+from model.sampling import DrawInputs, sample_rows
 from model.transformer import Transformer
 from worker_runtime.engine_metrics import EngineStats
 from worker_runtime.model_loader import DecodeGraphs
@@ -85,8 +85,13 @@ class DecodeEngine:
         speculative.check(model, pools, spec, config.speculative_max_batch, graphs)
         self.graphs = graphs
         # positions a request's pages hold past its max_tokens: what a verify step or a step queued
-        # ahead feeds there (`tokens_held`)
-        self.lookahead = max(spec, int(config.overlap))
+        # ahead feeds there (`tokens_held`); a verify step queued ahead of one that kept every
+        # draft, N + 1 more
+        self.lookahead = 2 * spec + 1 if spec and config.overlap else max(spec, int(config.overlap))
+        # the target draws of a verify step queued ahead (`overlap.launch_speculative`)
+        self.verify_draws = (DrawInputs(graphs.verify_max_rows * (1 + spec), 1, model.cfg.vocab_size,
+                                        torch.device(pools.device), span=1 + spec)
+                             if spec and graphs is not None and config.overlap else None)
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
@@ -94,7 +99,9 @@ class DecodeEngine:
         self.waiting: deque[Running] = deque()
         self.running: dict[str, Running] = {}
         self.failed: list[TokenChunk] = []  # admission failures (and a settled step's chunks) not returned yet
-        self.ahead: tuple[Planned, torch.Tensor] | None = None  # a step queued before the last one's ids were known
+        # a step queued before the last one's ids were known: its logits, or a speculative step's
+        # targets and counts on their way to the host
+        self.ahead: tuple[Planned, torch.Tensor | speculative.Verified] | None = None
         self.stats = EngineStats()  # the worker's engine metrics (worker_runtime/engine_metrics.py)
 
     # --- admission ------------------------------------------------------------------------
@@ -253,7 +260,11 @@ class DecodeEngine:
         """run → postprocess; `agreed`: the step an expert-parallel group settled on (its graph
         bucket, or eager), else the graph is this engine's own choice."""
         if any(planned.pending):
-            out = self.take_failed() + speculative.verify(self, planned)
+            if agreed is None and overlap.speculative_eligible(self, planned):
+                out = self.take_failed() + overlap.launch_speculative(self, planned,
+                                                                      speculative.queue_chain(self, planned))
+            else:
+                out = self.take_failed() + speculative.verify(self, planned)
             self.stats.step_ended()
             return out
         logits = self._run(planned.batch, agreed, planned.owners)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -150,29 +151,79 @@ def verify(engine, planned) -> list[TokenChunk]:
     return out
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A step drafted on the device, queued through its roll-back (`queue_chain`): its targets
+    [R, N+1] and accepted counts [R] on the device, and their copy to the host, queued."""
+
+    targets: torch.Tensor
+    accepted: torch.Tensor
+    host: torch.Tensor  # [R, N+2]: the targets, then the count (page-locked on a GPU)
+    copied: torch.cuda.Event | None
+
+    def wait(self) -> list[list[int]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 def verify_chain(engine, planned) -> list[TokenChunk]:
     """`verify` for a step drafted on the device (`on_device`): the verify reads the chain's ids,
     the targets are drawn there and `speculation.settle_chain` rolls back there; the host waits
     once, for the targets and the accepted counts, then emits."""
+    return emit_chain(engine, planned, queue_chain(engine, planned))
+
+
+def queue_chain(engine, planned, shift: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> Verified:
+    """Queue a chain-drafted step's verify, target draws and roll-back, and the copy of the
+    targets and counts to the host, without waiting for anything. `shift`, `offsets`: a step
+    queued ahead (`overlap.launch_speculative`): each segment's true start is `shift` [R] (<= 0)
+    from the batch's, and its row j's target is drawn at the `offsets`-th of N+1 candidate
+    positions by `engine.verify_draws`."""
     batch, owners, pending = planned.batch, planned.owners, planned.pending
     L = pending[0].chain.shape[1]  # N+1 tokens a segment
     batch = ForwardBatch(pending[0].chain.view(-1), batch.positions, batch.segments)  # the ids on the device
     graphs = engine.graphs
     graph = graphs.for_batch(batch) if graphs is not None else None
     if graph is not None:
-        logits, streams = graph.run(batch), graph.streams
+        logits, streams = graph.run(batch, shift), graph.streams
         graphs.replays += 1
-    else:
+    elif shift is None:
         logits, streams = engine.model(batch, engine.pools, return_streams=True, all_logits=True)
+    else:
+        raise ValueError("a speculative step queued ahead needs a verify graph of its batch")
     batch.commit()
-    runs = [r for r, _ in owners]
-    # row j of a segment samples the token at position n + 1 + j, as in `verify`
-    targets = draw_rows(logits[: len(runs) * L], [r.req.sampling for r in runs for _ in range(L)],
-                        [p.start + 1 + j for p in pending for j in range(L)]).view(len(runs), L)
+    params = [r.req.sampling for r, _ in owners for _ in range(L)]
+    logits = logits[: len(owners) * L]
+    if shift is None:  # row j of a segment samples the token at position n + 1 + j, as in `verify`
+        targets = draw_rows(logits, params, [p.start + 1 + j for p in pending for j in range(L)])
+    else:
+        # the batch's start H is n + N + 1 (every draft of the step before kept); the true one is
+        # H + shift, shift = offset - N: row j's position H + 1 + j + shift, the offset-th candidate
+        # from H + 1 + j - N
+        engine.verify_draws.load(params, [[p.start + 2 - L + j + i for i in range(L)] for p in pending
+                                          for j in range(L)], offsets.repeat_interleave(L))
+        targets = engine.verify_draws.draw(logits, 0, engine.model.impl)
+    targets = targets.view(len(owners), L)
     accepted = speculation.settle_chain(engine.pools, list(pending), targets, streams)
-    host = torch.cat([targets, accepted[:, None]], dim=1).cpu().tolist()  # the step's one wait
+    ready = torch.cat([targets, accepted[:, None]], dim=1)
+    host = torch.empty(ready.shape, dtype=ready.dtype, pin_memory=ready.is_cuda)
+    host.copy_(ready, non_blocking=True)
+    copied = torch.cuda.Event() if ready.is_cuda else None
+    if copied is not None:
+        copied.record()
+    return Verified(targets, accepted, host, copied)
+
+
+def emit_chain(engine, planned, verified: Verified, host: list[list[int]] | None = None) -> list[TokenChunk]:
+    """The host's part of a chain-drafted step once its targets and counts arrive (`host`: already
+    waited for): each request keeps n + a + 1 tokens and emits t_0..t_a. A request that left the
+    batch since the step was queued (ended, aborted: a step queued ahead) is skipped."""
     out = []
-    for r, p, (*tokens, a) in zip(runs, pending, host):
+    L = planned.pending[0].chain.shape[1]
+    for (r, _), p, (*tokens, a) in zip(planned.owners, planned.pending, host or verified.wait()):
+        if engine.running.get(r.req.request_id) is not r or r.state is not RequestState.DECODING:
+            continue
         r.seq.num_tokens = p.start + a + 1
         engine.pools.trim_window(r.seq)
         engine.spec_proposed += L - 1

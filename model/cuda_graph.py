@@ -98,7 +98,8 @@ class DecodeGraph:
             self.all_rows = torch.arange(B, device=device)
         self.chain = chain
         if chain:  # row r: its last token, then its N drafts
-            self.draws = DrawInputs(B, chain, model.cfg.vocab_size, device)
+            # a step queued ahead draws at one of 2N candidate positions a row (`run_chain`'s offsets)
+            self.draws = DrawInputs(B, chain, model.cfg.vocab_size, device, span=2 * chain)
             self.chain_ids = torch.zeros(B, chain + 1, dtype=torch.int64, device=device)
         self.load_inputs(self.staging.rows([]), [])
         for _ in range(2):  # compile every kernel and settle allocations before capture
@@ -131,22 +132,29 @@ class DecodeGraph:
             self.chain_ids[:, k + 1] = self.draws.draw(logits, k, self.model.impl)
         return self.chain_ids, streams
 
-    def run_chain(self, batch: ForwardBatch, params: list[SamplingParams], positions: list[list[int]]) -> torch.Tensor:
+    def run_chain(self, batch: ForwardBatch, params: list[SamplingParams], positions: list[list[int]],
+                  shift: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """A chain graph's drafts for `batch` (each segment its request's last token, one position
         back, as a draft graph's first step; the streams there in `streams_in`), row r's k-th draft
         drawn with params[r] at positions[r][k]: → the rows' chain ids [n, N+1] (a copy: the next
-        replay rewrites the graph's)."""
+        replay rewrites the graph's). `shift`, `offsets`: the segments' true positions on the
+        device (see `run`), and the k-th draft at positions[r][offsets[r] + k] of 2N candidates."""
         if any(s.end + self.chain - 1 > self.max_context for s in batch.segments):
             raise ValueError(f"request longer than the graph's {self.max_context}-token capacity")
-        self.draws.load(params, positions)
-        return self.run(batch).clone()
+        self.draws.load(params, positions, offsets)
+        return self.run(batch, shift).clone()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, shift: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n·L, vocab] of a batch of n segments of L tokens each (L = 1: a decode step); the
         caller commits it. Without `host_ids` the batch's ids are read on the device, in stream
         order (an overlapped step's, `decode_worker/overlap.py`). With L > 1 the step's main
         streams are `streams[: n·L]` until the next replay (a draft graph's: the MTP block's
-        output streams)."""
+        output streams).
+
+        `shift` [n] int32 on the device (<= 0): each segment starts that many positions before the
+        host's `batch` says, which the host does not know yet (a speculative step queued before the
+        one ahead of it kept its drafts, `decode_worker/overlap.py`); the page tables must hold the
+        pages either way."""
         segs = batch.segments
         # (one pass over the rows: until the replay is queued the GPU waits on the host)
         if len(segs) > self.B or any(s.length != self.L or s.end > self.max_context for s in segs):
@@ -158,6 +166,10 @@ class DecodeGraph:
         staged = self.load_inputs(rows, list(batch.host_ids))
         if not batch.host_ids:  # ids still on the device (sampled by the step before): after the inputs' copy
             self.flat[: batch.input_ids.shape[0]].copy_(batch.input_ids)
+        if shift is not None:  # positions [B, L], then segment starts and ends [B]: the first n rows
+            n, B, L = len(segs), self.B, self.L
+            self.flat[B * L:2 * B * L].view(B, L)[:n] += shift[:, None]
+            self.flat[2 * B * L:2 * B * L + 2 * B].view(2, B)[:, :n] += shift
         self.graph.replay()
         self._stage_next(rows, staged)
         return self.logits[: len(segs) * self.L]

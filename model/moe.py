@@ -80,7 +80,7 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     Float experts run the torch path whatever `impl` (the kernels need packed weights); packed ones
     run the reference (impl "torch"), the fused decode path (`fused`), the FP4 prefill path (from
     `moe_prefill.MIN_TOKENS` tokens) or the grouped path, on the decode tiles up to
-    `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers and the MTP block decode there). `side`: a
+    `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers decode there). `side`: a
     stream for the dense shared expert at decode sizes (`moe_shared.split_shared`). `deterministic`:
     packed experts on the kernels take the fused path's one configuration at every size
     (`moe_fused.deterministic_moe`)."""
@@ -158,10 +158,11 @@ class MoE(nn.Module):
         return moe
 
     def uses_fused(self, tokens: int) -> bool:
-        """The fused decode path covers score-routed main layers up to `fused_max_tokens` tokens;
-        hash layers and the MTP block stay on the grouped path (as seed 000's MegaMoE excludes them)."""
+        """The fused decode path covers score-routed layers up to `fused_max_tokens` tokens, the MTP
+        block's too (a speculative step drafts through it at decode sizes); hash layers stay on the
+        grouped path (as seed 000's MegaMoE excludes them)."""
         return (self.impl == "triton" and self.packed and not self.gate.hashed
-                and self.layer < self.cfg.num_hidden_layers and tokens <= self.fused_max_tokens)
+                and tokens <= self.fused_max_tokens)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, side: torch.cuda.Stream | None = None) -> torch.Tensor:
         """x [T, D] → [T, D]. `side`: the stream for the dense shared expert at decode sizes,

@@ -197,18 +197,26 @@ class DrawInputs:
     before the replay in two copies. The math is `draw_rows`' (temperature, min_p, Gumbel-max
     keyed by seed and position; greedy rows take the argmax), so a row draws the same token here
     as there. Only rows `capturable` can be loaded: top-k and top-p need a sort whose use depends
-    on the batch, and logit adjustments need the host."""
+    on the batch, and logit adjustments need the host.
 
-    def __init__(self, rows: int, steps: int, vocab: int, device: torch.device):
+    `span` > `steps`: a row's positions may be known on the device only (a speculative step
+    queued before the host knows how many drafts the one before kept): `load` then takes `span`
+    candidate positions a row and, on the device, the offset of the first one each row draws at."""
+
+    def __init__(self, rows: int, steps: int, vocab: int, device: torch.device, span: int | None = None):
         self.rows, self.steps, self.vocab = rows, steps, vocab
+        self.span = span = steps if span is None else span
+        if span < steps:
+            raise ValueError(f"a draw of {steps} steps a row needs at least {steps} candidate positions, got {span}")
         self.temperature = torch.ones(rows, dtype=torch.float32, device=device)  # greedy rows: 1
         self.log_min_p = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)  # -inf: off
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
         self.keys = torch.zeros(rows, steps, 3, dtype=torch.int64, device=device)
+        self.candidates = torch.zeros(rows, span, 3, dtype=torch.int64, device=device) if span > steps else None
         self.thr_id = torch.full((rows,), vocab, dtype=torch.int64, device=device)  # no top-k / top-p
         pinned = torch.device(device).type == "cuda"  # page-locked: the copies read them asynchronously
         self._floats = torch.empty(2, rows, dtype=torch.float32, pin_memory=pinned)
-        self._ints = torch.empty(rows, 1 + steps * 3, dtype=torch.int64, pin_memory=pinned)
+        self._ints = torch.empty(rows, 1 + span * 3, dtype=torch.int64, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the pinned buffers
         if self._copied is not None:
             self._copied.record()
@@ -217,29 +225,45 @@ class DrawInputs:
         return len(params) <= self.rows and all(
             not p.adjusts and p.top_p == 1 and not 0 < p.top_k < self.vocab for p in params)
 
-    def load(self, params: list[SamplingParams], positions: list[list[int]]) -> None:
-        """Row r draws its step k with params[r] at positions[r][k] (padding rows: greedy)."""
-        if not self.capturable(params) or any(len(p) != self.steps for p in positions):
+    def load(self, params: list[SamplingParams], positions: list[list[int]], offsets: torch.Tensor | None = None
+             ) -> None:
+        """Row r draws its step k with params[r] at positions[r][k] (padding rows: greedy). With
+        `offsets` [len(params)] (int64, on the device): positions[r] holds `span` candidates and
+        step k draws at positions[r][offsets[r] + k] (offsets[r] + steps <= span)."""
+        width = self.steps if offsets is None else self.span
+        if not self.capturable(params) or any(len(p) != width for p in positions):
             raise ValueError(f"DrawInputs of {self.rows} rows × {self.steps} steps take rows without top-k, "
-                             f"top-p or logit adjustments, {self.steps} positions each")
+                             f"top-p or logit adjustments, {width} positions each")
         pad = self.rows - len(params)
         if self._copied is not None:  # the last copy has read the pinned buffers: they may be rewritten
             self._copied.synchronize()
         self._floats[0] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
         self._floats[1] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
                                        + [float("-inf")] * pad)
-        self._ints[:] = torch.tensor([[int(p.greedy)] + [w for pos in row for w in _row_key(p.seed, pos)]
-                                      for p, row in zip(params, positions)]
-                                     + [[1] + [0] * (3 * self.steps)] * pad)
+        ints = self._ints.view(-1)[: self.rows * (1 + 3 * width)].view(self.rows, 1 + 3 * width)  # contiguous
+        ints[:] = torch.tensor([[int(p.greedy)] + [w for pos in row for w in _row_key(p.seed, pos)]
+                                for p, row in zip(params, positions)]
+                               + [[1] + [0] * (3 * width)] * pad)
         self.temperature.copy_(self._floats[0], non_blocking=True)
         self.log_min_p.copy_(self._floats[1], non_blocking=True)
-        self.greedy.copy_(self._ints[:, 0], non_blocking=True)
-        self.keys.view(self.rows, -1).copy_(self._ints[:, 1:], non_blocking=True)
+        self.greedy.copy_(ints[:, 0], non_blocking=True)
+        if offsets is None:
+            self.keys.view(self.rows, -1).copy_(ints[:, 1:], non_blocking=True)
+        else:
+            if self.candidates is None:
+                raise ValueError("DrawInputs built without a span past its steps take no offsets")
+            self.candidates.view(self.rows, -1).copy_(ints[:, 1:], non_blocking=True)
+            at = torch.zeros(self.rows, dtype=torch.int64, device=self.keys.device)
+            at[: len(params)] = offsets
+            index = (at[:, None] + torch.arange(self.steps, device=at.device))[:, :, None].expand(-1, -1, 3)
+            torch.gather(self.candidates, 1, index, out=self.keys)
         if self._copied is not None:
             self._copied.record()
 
     def draw(self, logits: torch.Tensor, step: int, impl: str) -> torch.Tensor:
-        """Step `step`'s tokens [rows] int64 from logits [rows, V] (captured: no host work)."""
-        scaled = logits.float() / self.temperature[:, None]
-        drawn = gumbel_argmax(scaled, self.keys[:, step], scaled.amax(-1) + self.log_min_p, self.thr_id, impl)
-        return torch.where(self.greedy, logits.argmax(-1), drawn)
+        """Step `step`'s tokens [n] int64 from logits [n, V], n <= rows: the first n rows loaded
+        (captured: no host work)."""
+        n = logits.shape[0]
+        scaled = logits.float() / self.temperature[:n, None]
+        drawn = gumbel_argmax(scaled, self.keys[:n, step], scaled.amax(-1) + self.log_min_p[:n], self.thr_id[:n], impl)
+        return torch.where(self.greedy[:n], logits.argmax(-1), drawn)

@@ -73,12 +73,18 @@ class Snapshot:
     slots: torch.Tensor  # [R] each request's MTP slot page (`state_mtp`)
 
     @classmethod
-    def take(cls, pools: KVPools, seqs: list[SeqKV], width: int) -> Snapshot:
+    def take(cls, pools: KVPools, seqs: list[SeqKV], width: int, first: torch.Tensor | None = None) -> Snapshot:
+        """`first` [R] int64 on the device: the first positions when the host does not know them
+        (a step queued ahead, `draft_ahead`), else each seq's num_tokens - 1."""
         kinds = [k for k in RING_KINDS if k in pools.kinds_for()]
         # one host → device copy for every index the step's drafting and roll-back need
-        flat = to_device([s.num_tokens - 1 for s in seqs] + [s.pages[k][0] for k in (*kinds, "state_mtp")
-                                                             for s in seqs], pools.device, torch.int64)
-        first, *pages, slots = flat.split(len(seqs))
+        known = [] if first is not None else [s.num_tokens - 1 for s in seqs]
+        flat = to_device(known + [s.pages[k][0] for k in (*kinds, "state_mtp") for s in seqs], pools.device,
+                         torch.int64)
+        if first is None:
+            first, *pages, slots = flat.split(len(seqs))
+        else:
+            *pages, slots = flat.split(len(seqs))
         positions = first[:, None] + torch.arange(width, device=flat.device)
         pages = dict(zip(kinds, pages))
         rows = {k: _ring_view(pools, k)[_ring_index(pools, k, pages[k], positions)] for k in kinds}
@@ -226,6 +232,32 @@ def _draft_in_one_replay(model: Transformer, pools: KVPools, requests: list[tupl
     chain = graph.run_chain(batch, params, positions)
     return [Pending(seq, seq.num_tokens, last, (), p, snapshot, r, chain=chain)
             for r, (seq, last, _, p) in enumerate(requests)]
+
+
+def draft_ahead(model: Transformer, pools: KVPools, before: list[Pending], accepted: torch.Tensor,
+                targets: torch.Tensor, graph, params: list[SamplingParams]) -> list[Pending]:
+    """`draft(on_device=True)` through the chain graph `graph` for the requests of step `before`,
+    queued before the host knows what it kept: accepted [R] and targets [R, N+1] on the device.
+    Each request's seq holds the optimistic count H = n + N + 1 (the verify committed, nothing
+    rolled back yet); its true count is n + a + 1, which the graph's inputs take from the device
+    (`DecodeGraph.run`'s shift, a + 1 - (N+1) <= 0), as do its first token t_a, its snapshot's
+    positions and its draws' keys. The pages must hold positions up to H + N. The Pendings' start
+    is H: the caller sets the true one once `accepted` reaches the host."""
+    n, L = len(before), targets.shape[1]
+    snapshot = before[0].snapshot
+    seqs = [p.seq for p in before]
+    first = snapshot.positions[:, 0] + accepted + 1  # n' - 1 = (n - 1) + a + 1
+    taken = Snapshot.take(pools, seqs, L + 1, first=first)
+    graph.streams_in[:n] = pools.read_slots("state_mtp", taken.slots).view(n, model.cfg.hc_mult,
+                                                                          model.cfg.hidden_size)
+    last = targets.gather(1, accepted[:, None]).squeeze(1)
+    optimistic = ForwardBatch.build([(SeqKV(s.pages, s.num_tokens - 1), [0]) for s in seqs], "cpu")
+    batch = ForwardBatch(last, optimistic.positions, optimistic.segments)
+    # the k-th draft's true position n' + 1 + k = (n + 2) + a + k: candidates from n + 2, offset a
+    candidates = [[p.start + 2 + i for i in range(2 * graph.chain)] for p in before]
+    chain = graph.run_chain(batch, params, candidates, shift=(accepted + 1 - L).int(), offsets=accepted)
+    return [Pending(p.seq, p.seq.num_tokens, 0, (), q, taken, r, chain=chain)
+            for r, (p, q) in enumerate(zip(before, params))]
 
 
 def accepted(drafts: tuple[int, ...], targets: list[int]) -> int:

@@ -147,8 +147,9 @@ class DecodeGraphs:
             raise ValueError(f"the speculative batch limit {verify_max_rows} must be one of the graph buckets "
                              f"{buckets} or above them all (a batch under it would find no verify graph)")
         # a verify row writes up to tokens_per_row - 1 positions past its request's last token, a
-        # step queued ahead one (`DecodeEngine.tokens_held`)
-        max_context += max(tokens_per_row - 1, 1)
+        # step queued ahead one; a verify step queued ahead is placed as if every draft of the one
+        # before was kept, up to 2·tokens_per_row past (`DecodeEngine.tokens_held`)
+        max_context += 2 * tokens_per_row if tokens_per_row > 1 else 1
         self.scratch = SeqKV()
         pools.reserve(self.scratch, max_context)
         self.graphs = []

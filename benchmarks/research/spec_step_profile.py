@@ -2,11 +2,14 @@
 forced acceptance (as `spec_decode_bench.py`), each phase timed between device synchronisations
 (drafting, the verify replay with its MTP extension, sampling, the roll-back; `--phases`), against
 the plain step's replay. Synchronising adds to every phase and stops the host from queueing ahead,
-so the step's own time is measured without `--phases`.
+so the step's own time is measured without `--phases`. `--busy` profiles the timed pass instead:
+the GPU's busy and idle time a step (idle: waiting for the host), its longest kernels, and the
+kernels the longest idle gaps came before.
 The requests run twice through each engine and the second pass is timed: the first compiles the
 kernels its eager shapes need (a compilation inside the timed steps would read as ~10 ms a step).
 
     python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 [--phases] --out p.json
+    python benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 3 --busy
     python benchmarks/research/spec_step_profile.py --layers 8 --concurrency 16 64 --n 0 2 --max-batch 16 --isl 256
 """
 
@@ -14,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.research.spec_decode_bench import forced
+from benchmarks.research.step_timeline import merged
 from decode_worker import speculative
 from decode_worker.engine import DecodeConfig, DecodeEngine
 from model import speculation
@@ -52,6 +58,34 @@ def timed(name, fn):
     return wrapper
 
 
+def gpu_split(prof, steps: int, top: int = 12) -> dict:
+    """The profiled pass's device work a step, ms: busy (a kernel, copy or memset running), idle
+    (none: the device waits for the host), the longest kernels, and the idle time summed by the
+    kernel it came before (what the device was waiting to be given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+    events = sorted(((e["name"][:70], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                     for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e[1])
+    if not events:
+        raise RuntimeError("the profiler saw no device work")
+    busy = sum(b - a for a, b in merged([(a, b) for _, a, b in events]))
+    wall = max(b for _, _, b in events) - events[0][1]
+    kernels: dict[str, float] = collections.defaultdict(float)
+    waits: dict[str, float] = collections.defaultdict(float)
+    end = events[0][2]
+    for name, a, b in events:
+        kernels[name] += b - a
+        if a > end:
+            waits[name] += a - end
+        end = max(end, b)
+    per_step = lambda us: round(us / steps / 1e3, 4)  # noqa: E731
+    return {"wall_ms": per_step(wall), "busy_ms": per_step(busy), "idle_ms": per_step(wall - busy),
+            "kernels_ms": {k: per_step(v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]},
+            "idle_before_ms": {k: per_step(v) for k, v in sorted(waits.items(), key=lambda kv: -kv[1])[:top]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=30)
@@ -64,6 +98,10 @@ def main() -> None:
                     help="--speculative-max-batch (a graph bucket; 0: the concurrency, speculating at every step)")
     ap.add_argument("--phases", action="store_true",
                     help="time each phase between synchronisations (which adds to the step: without, the step alone)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="take steps one at a time (DecodeConfig.overlap off): the host's time between steps shows")
+    ap.add_argument("--busy", action="store_true",
+                    help="profile the timed pass: the GPU's busy / idle time a step and its longest kernels")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = flash_config(args.layers)
@@ -91,7 +129,7 @@ def main() -> None:
                                   verify_max_rows=limit)
             engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), f"d{n}",
                                   DecodeConfig(prefill_token_budget=args.isl * c, max_running=c, speculative_tokens=n,
-                                               speculative_max_batch=limit),
+                                               speculative_max_batch=limit, overlap=not args.no_overlap),
                                   graphs)
             for rep in range(2):  # the first pass compiles what the step shapes need; the second is timed
                 # the forced decisions from one seed a pass: every depth's timed pass draws the same stream
@@ -101,11 +139,14 @@ def main() -> None:
                 # from the first step of decoding rows alone to the last: the wall clock, synchronised
                 # at both ends only (with `--phases` around every step too)
                 steps, emitted, t = 0, 0, None
+                prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                        if args.busy and rep == 1 else contextlib.nullcontext())
                 while engine.has_work():
                     if t is None and not engine.waiting and all(x.state is RequestState.DECODING
                                                                 for x in engine.running.values()):
                         torch.cuda.synchronize()
                         SPENT.clear()
+                        prof.__enter__()
                         t = time.perf_counter()
                     chunks = engine.step()
                     if args.phases:
@@ -115,14 +156,18 @@ def main() -> None:
                         emitted += sum(len(ch.token_ids) for ch in chunks)
                 torch.cuda.synchronize()
                 total = time.perf_counter() - t
+                prof.__exit__(None, None, None)
                 restore()
             # a step costs the same whatever it accepts: at the forcing's expected 1 + p + ... + p^N
             # tokens a step (where no request ends) the figure does not hang on one run's draws
             expected = sum(args.accept ** i for i in range(n + 1)) if c <= limit else 1.0
-            row = {"concurrency": c, "n": n, "max_batch": limit, "accept": args.accept, "step_ms": total / steps * 1e3,
+            row = {"concurrency": c, "n": n, "max_batch": limit, "overlap": not args.no_overlap,
+                   "accept": args.accept, "step_ms": total / steps * 1e3,
                    "tokens_per_step": emitted / steps / c, "ms_per_token": total / (emitted / c) * 1e3,
                    "ms_per_expected_token": total / steps / expected * 1e3,
                    "phases_ms": {k: v / steps * 1e3 for k, v in sorted(SPENT.items())}}
+            if args.busy:
+                row["gpu"] = gpu_split(prof, steps)
             if args.phases:
                 row["other_ms"] = (row["step_ms"] - sum(row["phases_ms"].values())
                                    + row["phases_ms"].get("draft replay", 0))

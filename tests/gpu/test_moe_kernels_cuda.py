@@ -47,7 +47,7 @@ def run(moe, path, x, weights, ids, **kw):
         return moe_fused.fused_moe(*args, **kw)
     if path == "prefill":
         return moe_prefill.prefill_moe(*args, **kw)
-    if path == "grouped_decode_tiles":  # hash layers and the MTP block at decode sizes
+    if path == "grouped_decode_tiles":  # hash layers at decode sizes
         return moe_grouped.grouped_moe(*args, "triton", *moe_fused.decode_tiles(x.shape[0]), **kw)
     return moe_grouped.grouped_moe(*args, "triton", **kw)
 
@@ -104,7 +104,7 @@ def test_decode_configurations_repeat_bit_for_bit(poisoned, flash_fp4, T, in_ker
 
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_grouped_split_gateup_repeats_bit_for_bit(poisoned, flash_fp4, T):
-    """The grouped path at a few tokens (hash layers, the MTP block) splits its gate/up K loop like
+    """The grouped path at a few tokens (hash layers) splits its gate/up K loop like
     the fused path (`moe_fused.decode_tiles`), its arrival counters zeroed by the counting sort:
     the reference's result, and the first call's bits on 1000 calls (a counter left unzeroed or
     summed out of split order shows as a changed row)."""

@@ -162,3 +162,53 @@ def test_a_chain_graph_drafts_what_the_draft_graphs_draft(tiny_official_ckpt):
     assert torch.equal(graph.chain_ids[:3], one)  # drawn by the chain graph's replay
     assert one.shape == (3, 4) and torch.equal(one, stepwise)
     assert not graph.draws.capturable([SamplingParams(1.0, top_k=5)])
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=7)])
+def test_speculative_steps_queued_ahead_emit_what_steps_one_at_a_time_emit(tiny_official_ckpt, monkeypatch,
+                                                                          sampling):
+    """Overlapped speculative steps (`overlap.launch_speculative`: the next step queued on the
+    device before the host learns how many drafts this one kept, placed by the device) against
+    the same engine without overlap, both replaying the same graphs of one row: with the accepted
+    counts forced (every count from 0 to N, from one seeded stream in both runs), the same
+    tokens bit for bit, most steps queued ahead, and every page back."""
+    import random
+
+    from model import speculation
+    from model.batch import to_device
+
+    options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=2,
+                            device="cuda", kernels="triton", speculative_tokens=3, decode_graphs=(1,))
+    g = torch.Generator().manual_seed(6)
+    request = GenerateRequest("r", tuple(torch.randint(0, 256, (120,), generator=g).tolist()), max_tokens=40,
+                              ignore_eos=True, sampling=sampling)
+
+    def serve(overlap: bool):
+        rng, counts = random.Random(11), []
+
+        def accept_counts(drafts, targets):  # each leading draft kept with probability 0.6
+            a = [next(k for k in range(drafts.shape[1] + 1) if k == drafts.shape[1] or rng.random() >= 0.6)
+                 for _ in range(drafts.shape[0])]
+            counts.extend(a)
+            return to_device(a, drafts.device, torch.int64)
+
+        monkeypatch.setattr(speculation, "accept_counts", accept_counts)
+        cfg, model, pools = load_replica(options)
+        graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=4)
+        engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
+                              DecodeConfig(max_running=2, speculative_tokens=3, overlap=overlap), graphs)
+        engine.submit(request)
+        tokens, ahead = [], 0
+        while engine.has_work():
+            for chunk in engine.step():
+                assert chunk.error is None, chunk.error
+                tokens += chunk.token_ids
+            ahead += engine.ahead is not None
+        assert pools.num_free() == engine.idle_free()
+        return tokens, ahead, counts
+
+    want, none_ahead, counts = serve(False)
+    got, ahead, _ = serve(True)
+    assert none_ahead == 0 and ahead >= 5
+    assert set(counts) == {0, 1, 2, 3}
+    assert len(got) == 40 and got == want

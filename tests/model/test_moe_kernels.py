@@ -169,7 +169,7 @@ def test_sort_by_expert_is_stable_and_counts():
 
 
 def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
-    """Fused: score-routed main layers up to fused_max_tokens; grouped: hash layers, MTP, larger T,
+    """Fused: score-routed layers (the MTP block's too) up to fused_max_tokens; grouped: hash layers, larger T,
     on the decode tiles up to DECODE_MAX_TOKENS tokens and on its own (prefill) tiles past them."""
     calls = []
     monkeypatch.setattr(moe_fused, "fused_moe", lambda *a, **k: calls.append("fused") or moe_grouped.reference(*a))
@@ -179,7 +179,7 @@ def test_model_picks_fused_only_where_seed_000_allows(monkeypatch):
     cfg = tiny_config()
     big = moe_fused.DECODE_MAX_TOKENS + 1
     for layer, T, want in ((3, 4, "fused"), (0, 4, ("grouped", moe_fused.decode_tiles(4))),
-                           (cfg.num_hidden_layers, 4, ("grouped", moe_fused.decode_tiles(4))),
+                           (cfg.num_hidden_layers, 4, "fused"),
                            (3, 9, ("grouped", moe_fused.decode_tiles(9))), (0, big, ("grouped", ()))):
         moe = MoE.random_packed(cfg, layer=layer, impl="triton", seed=layer, device=DEVICE)
         moe.fused_max_tokens = 8
@@ -362,7 +362,7 @@ def test_split_k_tiles_fit_and_need_their_arrival_counters(monkeypatch):
                             device=DEVICE)
     x, weights, ids = routed(moe, T=2, seed=16)
     split = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
-    # the grouped path (hash layers, MTP) takes the small-step tiles with gate/up split, down unsplit
+    # the grouped path (hash layers) takes the small-step tiles with gate/up split, down unsplit
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     check(moe_grouped.grouped_moe(*args, "triton", split, split), x, weights, ids, moe)
     with pytest.raises(ValueError, match="split down product needs the fused path"):

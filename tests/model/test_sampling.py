@@ -125,6 +125,33 @@ def test_draw_inputs_draw_what_draw_rows_draws():
             draws.load([bad], [[1, 2, 3]])
 
 
+def test_draw_inputs_at_device_offsets_draw_at_the_offset_positions():
+    """Loaded with candidate positions and per-row offsets on the device (a step queued before the
+    host knows its rows' positions), row r's step k draws as `draw_rows` at candidate offset_r + k;
+    a load without offsets afterwards draws at its own positions again, fewer rows than loaded
+    draw as the first rows."""
+    gen = torch.Generator().manual_seed(5)
+    params = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, seed=11, min_p=0.05)]
+    candidates = [[100 + 7 * i + j for j in range(6)] for i in range(3)]
+    offsets = [2, 0, 3]
+    draws = DrawInputs(4, 3, 300, torch.device("cpu"), span=6)
+    draws.load(params, candidates, torch.tensor(offsets))
+    for k in range(3):
+        logits = torch.randn(4, 300, generator=gen) * 3
+        want = draw_rows(logits[:3], params, [row[o + k] for row, o in zip(candidates, offsets)], "torch")
+        assert torch.equal(draws.draw(logits, k, "torch")[:3], want)
+        assert torch.equal(draws.draw(logits[:2], k, "torch"), want[:2])
+    draws.load(params, [row[:3] for row in candidates])
+    logits = torch.randn(4, 300, generator=gen) * 3
+    assert torch.equal(draws.draw(logits, 1, "torch")[:3],
+                       draw_rows(logits[:3], params, [row[1] for row in candidates], "torch"))
+    with pytest.raises(ValueError, match="6 positions each"):
+        draws.load(params, [row[:3] for row in candidates], torch.tensor(offsets))
+    with pytest.raises(ValueError, match="no offsets"):
+        DrawInputs(4, 3, 300, torch.device("cpu")).load(params, [row[:3] for row in candidates], torch.tensor(offsets))
+
+
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
 def test_bad_parameters_rejected(kwargs):
     with pytest.raises(ValueError):
