@@ -17,12 +17,14 @@ from torch import nn
 
 from model.attention import Attention, RMSNorm
 from model.batch import BatchMeta, ForwardBatch
+from model import low_precision
 from model.config import ModelConfig
 from model.kernels import arrival_counter, set_deterministic, set_impl
 from model.kernels.common.invariant import Linear
 from model.kernels.mhc import mhc
 from model.kv_pool import KVPools, SeqKV
 from model.moe import MoE
+from model.quantized import Fp8Linear
 from model.side_stream import SideStream, SideStreams
 
 
@@ -134,6 +136,7 @@ class Transformer(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.register_buffer("hc_arrivals", arrival_counter(), persistent=False)
         self.mtp = nn.ModuleList([MTPBlock(cfg, impl)]) if with_mtp and cfg.num_nextn_predict_layers else nn.ModuleList()
+        self.draft_head: Fp8Linear | None = None  # `quantize_draft_head`
         set_impl(self, impl)  # norms and other leaf modules take the model's kernels too
         set_deterministic(self, deterministic)
         self._side_streams: SideStreams | None = None  # `side_streams`
@@ -237,13 +240,23 @@ class Transformer(nn.Module):
         self.mtp_step(torch.cat([prev, x[:, :-1]], dim=1).flatten(0, 1), shifted, pools, logits=False)
 
     @torch.no_grad()
+    def quantize_draft_head(self) -> None:
+        """Draft through an FP8 copy of the head (128×128 block scales, `Fp8Linear`): each draft
+        reads half the head's bytes, a quarter of a draft step's time at batch 1. A draft is a
+        proposal the verify checks with the exact head, so this moves how often drafts are
+        accepted, never a token; `mtp_step(exact=True)` keeps the exact head."""
+        q, scale = low_precision.fp8_quantize_weight(self.head.weight.float())
+        self.draft_head = Fp8Linear(q, scale, self.impl, persistent=False)
+
+    @torch.no_grad()
     def mtp_step(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools, logits: bool = True,
-                 rows: torch.Tensor | None = None):
+                 rows: torch.Tensor | None = None, exact: bool = False):
         """The MTP block over `batch` (its tokens are those at t+1, its positions t) beside the
         streams at t [T, hc, D]: writes its KV into `pools` (the caller commits) and returns
         (draft logits [rows, vocab] for position t+2 of each segment's last token (`rows`: these
         token rows), the block's output streams [T, hc, D], which stand in for the main streams
-        when drafts are chained), or nothing with `logits=False`."""
+        when drafts are chained), or nothing with `logits=False`. The logits come from the draft
+        head when there is one (`quantize_draft_head`), unless `exact`."""
         mtp = self.mtp[0]
         e = mtp.enorm(self.embed(batch.input_ids))
         x = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))
@@ -253,11 +266,12 @@ class Transformer(nn.Module):
         res = mhc.Residual(mhc.settle(res, self.impl))
         picked = res.rows(batch.last_rows if rows is None else rows)
         h = mtp.head(picked, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
-        return self.head(h).float(), res.x
+        head = self.head if exact or self.draft_head is None else self.draft_head
+        return head(h).float(), res.x
 
     @torch.no_grad()
     def forward_mtp(self, streams: torch.Tensor, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
         """Draft logits [T, vocab] for position t+2 from the main streams at t [T, hc, D] and the
         batch's tokens (which must be the tokens at t+1)."""
-        logits, _ = self.mtp_step(streams, batch, pools, rows=torch.arange(batch.input_ids.shape[0]))
+        logits, _ = self.mtp_step(streams, batch, pools, rows=torch.arange(batch.input_ids.shape[0]), exact=True)
         return logits

@@ -62,6 +62,8 @@ def load_replica(options: WorkerOptions, expert_parallel: bool = False
         cfg, model = load_checkpoint(options.model_dir, device=options.device, with_mtp=with_mtp, progress=progress)
         if options.device == "cuda":
             quantize_model(model, options.kernels, act_fp8=fp8_activations(options.model_dir))
+    if with_mtp and options.device == "cuda":  # drafts read an FP8 head (a proposal's precision moves no token)
+        model.quantize_draft_head()
     set_deterministic(model, options.deterministic)  # after quantize_model, which makes new modules
     pools = KVPools(cfg, options.kv_dtype, page_size=options.page_size, max_tokens=options.max_tokens,
                     max_seqs=options.max_seqs + (1 if options.decode_graphs else 0), device=options.device,

@@ -58,6 +58,18 @@ def timed(name, fn):
     return wrapper
 
 
+def head_agreement(model, rows: int = 4096) -> float:
+    """How often the FP8 draft head's argmax is the exact head's, on unit-RMS inputs (the head's
+    input is normed). Random weights give flat logits, whose top two are close: a pessimistic
+    figure for a trained model's peaked ones."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(rows, model.cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    agree = 0
+    for part in h.split(256):
+        agree += int((model.head(part).argmax(-1) == model.draft_head(part).argmax(-1)).sum())
+    return agree / rows
+
+
 def gpu_split(prof, steps: int, top: int = 12) -> dict:
     """The profiled pass's device work a step, ms: busy (a kernel, copy or memset running), idle
     (none: the device waits for the host), the longest kernels, and the idle time summed by the
@@ -98,6 +110,8 @@ def main() -> None:
                     help="--speculative-max-batch (a graph bucket; 0: the concurrency, speculating at every step)")
     ap.add_argument("--phases", action="store_true",
                     help="time each phase between synchronisations (which adds to the step: without, the step alone)")
+    ap.add_argument("--draft-head", choices=("fp8", "bf16"), default="fp8",
+                    help="the head the drafts read (fp8: as workers draft, `Transformer.quantize_draft_head`)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="take steps one at a time (DecodeConfig.overlap off): the host's time between steps shows")
     ap.add_argument("--busy", action="store_true",
@@ -106,6 +120,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = flash_config(args.layers)
     model = dummy_model(cfg, "triton", "cuda", act_fp8=True, with_mtp=True)
+    if args.draft_head == "fp8":
+        model.quantize_draft_head()
+        print(json.dumps({"draft_head_agreement": head_agreement(model)}), flush=True)
     if args.phases:
         speculation.draft = timed("draft", speculation.draft)
         speculation.settle = timed("settle", speculation.settle)
@@ -162,6 +179,7 @@ def main() -> None:
             # tokens a step (where no request ends) the figure does not hang on one run's draws
             expected = sum(args.accept ** i for i in range(n + 1)) if c <= limit else 1.0
             row = {"concurrency": c, "n": n, "max_batch": limit, "overlap": not args.no_overlap,
+                   "draft_head": args.draft_head,
                    "accept": args.accept, "step_ms": total / steps * 1e3,
                    "tokens_per_step": emitted / steps / c, "ms_per_token": total / (emitted / c) * 1e3,
                    "ms_per_expected_token": total / steps / expected * 1e3,

@@ -83,3 +83,28 @@ def test_a_fitted_draft_is_mostly_accepted_and_changes_no_token(fitted, params):
                    params, speculative_tokens=3)
     assert got.token_ids == plain.token_ids
     assert got.proposed >= 15 and got.accepted / got.proposed > 0.8, (got.accepted, got.proposed)
+
+
+def test_an_fp8_draft_head_keeps_the_tokens_and_the_acceptance(fitted):
+    """Drafts through the FP8 copy of the head (`Transformer.quantize_draft_head`, as GPU workers
+    draft): its logits are not the exact head's, the tokens are still plain decoding's, and the
+    fitted drafts are still mostly accepted."""
+    import copy
+
+    model, pattern = fitted
+    model = copy.deepcopy(model)
+    model.quantize_draft_head()
+    cfg = model.cfg
+    h = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(model.draft_head(h), model.head(h))
+    assert torch.allclose(model.draft_head(h), model.head(h), atol=0.1 * float(model.head(h).abs().max()))
+    prompt = pattern * 3 + pattern[:4]
+    params = SamplingParams(temperature=0.8, seed=2)
+    plain = generate(model, KVPools(cfg, "fp32", page_size=128, max_tokens=128, max_seqs=1), prompt, 24, params)
+    drafts = []
+    model.draft_head.register_forward_hook(lambda _m, _args, out: drafts.append(out.shape[0]))
+    got = generate(model, KVPools(cfg, "fp32", page_size=128, max_tokens=128, max_seqs=1, with_mtp=True), prompt, 24,
+                   params, speculative_tokens=3)
+    assert got.token_ids == plain.token_ids
+    assert got.proposed >= 15 and got.accepted / got.proposed > 0.8, (got.accepted, got.proposed)
+    assert sum(drafts) >= got.proposed  # every draft came through it
