@@ -131,31 +131,43 @@ def test_speculation_on_full_width_layers_is_plain_decoding_bit_for_bit():
 
 def test_graph_speculation_drafts_and_emits_what_eager_speculation_does(tiny_official_ckpt, monkeypatch):
     """Speculative steps replaying CUDA graphs (verify steps with the MTP extension inside, drafts
-    through the draft graphs, batched ring roll-back) against the same engine run eagerly and
-    against plain decoding, under --deterministic: the same drafts at every step, bit for bit (so
-    the MTP layer's KV and slots are the same), and plain decoding's tokens."""
+    in one chain replay, batched ring roll-back) against the same engine run eagerly and against
+    plain decoding, under --deterministic: the same drafts and targets at every step, bit for bit
+    (so the MTP layer's KV and slots are the same), and plain decoding's tokens; and with the
+    steps queued ahead (`overlap.launch_speculative`, the default), plain decoding's tokens too,
+    at real acceptance, with requests ending at different steps."""
+    from decode_worker import overlap
+
     options = WorkerOptions(str(tiny_official_ckpt), "", kv_dtype="fp8_pack", max_tokens=512, max_seqs=4,
                             device="cuda", kernels="triton", speculative_tokens=2, decode_graphs=(1, 2, 4),
                             deterministic=True)
     g = torch.Generator().manual_seed(3)
-    requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()), max_tokens=20,
-                                ignore_eos=True, sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
+    requests = [GenerateRequest(f"r{i}", tuple(torch.randint(0, 256, (k,), generator=g).tolist()),
+                                max_tokens=20 + 3 * i, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i))
                 for i, k in enumerate((150, 37, 90))]
-    real = speculation.accepted
+    real, real_launch = speculation.accept_counts, overlap.launch_speculative
 
-    def serve(spec: int, graphed: bool):
+    def serve(spec: int, graphed: bool, ahead: bool = False):
         cfg, model, pools = load_replica(dataclasses.replace(options, speculative_tokens=spec))
         graphs = DecodeGraphs(model, pools, options.decode_graphs, options.max_tokens, tokens_per_row=spec + 1) \
             if graphed else None
         engine = DecodeEngine(model, pools, ByteTokenizer(cfg.vocab_size), "d",
-                              DecodeConfig(max_running=4, speculative_tokens=spec), graphs)
-        seen = []
-        monkeypatch.setattr(speculation, "accepted", lambda d, t: seen.append((d, tuple(t))) or real(d, t))
-        return run_all(engine, requests, [0] * len(requests)), seen, graphs
+                              DecodeConfig(max_running=4, speculative_tokens=spec, overlap=ahead), graphs)
+        seen, launched = [], []
+        monkeypatch.setattr(speculation, "accept_counts",
+                            lambda d, t: seen.append((d.tolist(), t.tolist())) or real(d, t))
+        monkeypatch.setattr(overlap, "launch_speculative", lambda *a: launched.append(1) or real_launch(*a))
+        return run_all(engine, requests, [0] * len(requests)), seen, graphs, len(launched)
 
-    plain, _, _ = serve(0, False)
-    eager, eager_seen, _ = serve(2, False)
-    graphed, graph_seen, graphs = serve(2, True)
-    assert graphs.replays > 0 and len(graph_seen) > 0
+    plain, _, _, _ = serve(0, False)
+    eager, eager_seen, _, _ = serve(2, False)
+    graphed, graph_seen, graphs, _ = serve(2, True)
+    assert graphs.replays > 0 and len(graph_seen) > 5
     assert graph_seen == eager_seen
+    assert any(a != b for drafts, targets in graph_seen for row_d, row_t in zip(drafts, targets)
+               for a, b in zip(row_d, row_t))  # some drafts were rejected
     assert graphed == eager == plain
+    queued_ahead, _, _, launched = serve(2, True, ahead=True)
+    assert launched > 3
+    assert queued_ahead == plain
