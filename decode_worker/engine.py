@@ -16,8 +16,9 @@ decoding request's segment verifies them; postprocess keeps the tokens the targe
 (`decode_worker/speculative.py`). The tokens are those of decoding without it.
 
 Overlapped (`DecodeConfig.overlap`): a decode-only step queues the same requests' next step, fed
-with its ids on the device, before those ids reach the host (`decode_worker/overlap.py`); the
-next `step()` continues from it. The tokens are those of steps taken one at a time.
+with its ids on the device, before those ids reach the host (`decode_worker/overlap.py`); so does
+a speculative step drafted on the device, placed there by its accepted counts; the next `step()`
+continues from it. The tokens are those of steps taken one at a time.
 
 Migration: `pause` takes a decoding request out of the batch at a token boundary (its pages stay
 put while they ship), then either `hand_off` (the target verified them: release here) or
@@ -43,7 +44,7 @@ from model.ep import idle_step
 from model.grammar import GrammarError, Grammars, GrammarState
 from model.kv_pool import KVPools, PoolExhausted, SeqKV
 from model.logprobs import TokenLogprobs, logit_rows, token_logprobs
-from model.sampling import DrawInputs, sample_rows
+from model.sampling import sample_rows
 from model.transformer import Transformer
 from worker_runtime.engine_metrics import EngineStats
 from worker_runtime.model_loader import DecodeGraphs
@@ -88,10 +89,7 @@ class DecodeEngine:
         # ahead feeds there (`tokens_held`); a verify step queued ahead of one that kept every
         # draft, N + 1 more
         self.lookahead = 2 * spec + 1 if spec and config.overlap else max(spec, int(config.overlap))
-        # the target draws of a verify step queued ahead (`overlap.launch_speculative`)
-        self.verify_draws = (DrawInputs(graphs.verify_max_rows * (1 + spec), 1, model.cfg.vocab_size,
-                                        torch.device(pools.device), span=1 + spec)
-                             if spec and graphs is not None and config.overlap else None)
+        self.verify_draws = speculative.ahead_draws(model, pools, spec, graphs) if config.overlap else None
         self.spec_proposed = 0  # drafts verified, over the engine's life
         self.spec_accepted = 0  # of which equal to the target's own token
         self.eos_id = model.cfg.eos_token_id
@@ -260,9 +258,9 @@ class DecodeEngine:
         """run → postprocess; `agreed`: the step an expert-parallel group settled on (its graph
         bucket, or eager), else the graph is this engine's own choice."""
         if any(planned.pending):
-            if agreed is None and overlap.speculative_eligible(self, planned):
-                out = self.take_failed() + overlap.launch_speculative(self, planned,
-                                                                      speculative.queue_chain(self, planned))
+            if agreed is None and overlap.speculative_eligible(self, planned):  # the next step goes ahead
+                queued = speculative.queue_chain(self, planned)
+                out = self.take_failed() + overlap.launch_speculative(self, planned, queued)
             else:
                 out = self.take_failed() + speculative.verify(self, planned)
             self.stats.step_ended()

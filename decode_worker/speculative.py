@@ -15,6 +15,10 @@
   back past it. Tokens are emitted one by one through the engine's stop checks: a stop or
   max_tokens inside an accepted run ends the request there, as it would without speculation.
 
+A step drafted on the device is queued through its roll-back (`queue_chain`) and its tokens are
+emitted once its targets and counts reach the host (`emit_chain`); in between, the same requests'
+next step may be queued from those counts on the device (`decode_worker/overlap.py`).
+
 A request with a grammar (`model/grammar.py`) accepts no drafts: its mask depends on the tokens
 before it, so a draft row would need the grammar advanced over unverified drafts and rolled back.
 Its segment still has N+1 rows (the MTP's drafts as placeholders, `Pending.binding` False), so a
@@ -33,7 +37,7 @@ import torch
 from model import speculation
 from model.batch import ForwardBatch
 from model.logprobs import token_logprobs
-from model.sampling import draw_rows, sample_rows
+from model.sampling import DrawInputs, draw_rows, sample_rows
 from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
 
 
@@ -48,6 +52,16 @@ def check(model, pools, spec: int, max_batch: int, graphs) -> None:
     if graphs is not None and spec and any((g.L > 1) != (g.B <= max_batch) for g in graphs.graphs):
         raise ValueError(f"the decode graphs capture verify steps up to {graphs.verify_max_rows} requests, the "
                          f"engine speculates up to {max_batch}: give both the same limit")
+
+
+def ahead_draws(model, pools, spec: int, graphs) -> DrawInputs | None:
+    """The target draws of verify steps queued ahead (`overlap.launch_speculative`): one row per
+    verify row of the largest verify graph, N+1 candidate positions each; None where no step can
+    go ahead (no speculation, or no graphs)."""
+    if not spec or graphs is None:
+        return None
+    return DrawInputs(graphs.verify_max_rows * (1 + spec), 1, model.cfg.vocab_size, torch.device(pools.device),
+                      span=1 + spec)
 
 
 def on_device(owners: list) -> bool:
