@@ -15,8 +15,9 @@
 #                          IPC and UCX, and the streaming shapes (2 GPUs)
 #   ep                     expert parallelism over 2 GPUs (tests/gpu/test_moe_ep.py)
 #   pd-slice               pd_gpu_slice.py: prefill on GPU0, decode on GPU1 (2 GPUs)
-#   spec                   speculation and --deterministic on one GPU (~9 min): their GPU tests, the speculative
-#                          step's phases (30 layers at c 1; 8 layers at c 16, 64), the deterministic race probe
+#   spec                   speculation and --deterministic on one GPU: their GPU tests (~8 min)
+#   spec-bench             the speculative step at 30 layers, forced acceptance 0.8 (~7 min): c 1, c 4 and 16,
+#                          and the c 1 N = 3 step's device timeline (--busy)
 #   serve-start MODE [LAYERS [UP-OPTIONS...]]   `v4serve up` with V4-Flash's shape and dummy weights,
 #                          in its own session (it outlives this shell); MODE pd: prefill on GPUs 0-1,
 #                          decode on 2-3, each an expert-parallel group of 2; agg: two aggregated groups
@@ -65,7 +66,7 @@ v4serve() { $PYTHON -c "import sys; from cluster.cli import main; sys.exit(main(
 
 job=${1:-}
 case $job in
-setup|tests-a|tests-b|tests-c|tests|kernels|kv|ep|pd-slice|spec|serve-start|serve-bench|serve-stop|serve-c1|triton-cache|pytest|python)
+setup|tests-a|tests-b|tests-c|tests|kernels|kv|ep|pd-slice|spec|spec-bench|serve-start|serve-bench|serve-stop|serve-c1|triton-cache|pytest|python)
     shift; mkdir -p "$OUT" $RUN; install ;;
 *) usage ;;
 esac
@@ -95,12 +96,14 @@ pd-slice)
     timeout 300 $PYTHON benchmarks/pd_gpu_slice.py --out "$OUT/pd_slice.json" 2>&1 | quiet | tee "$OUT/pd_slice.log" | tail -40 ;;
 spec)
     tests spec-tests tests/gpu/test_speculation_gpu.py tests/gpu/test_echo_min_p_cuda.py \
-        tests/gpu/test_deterministic_gpu.py
+        tests/gpu/test_deterministic_gpu.py ;;
+spec-bench)
     timeout 150 $PYTHON benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 0 1 2 3 --new 120 \
         --out "$OUT/spec_profile_c1.json" 2>&1 | grep "^{" | tee "$OUT/spec_profile.log"
-    timeout 200 $PYTHON benchmarks/research/spec_step_profile.py --layers 8 --concurrency 16 64 --n 0 1 2 \
-        --new 24 --isl 256 --max-batch 16 --out "$OUT/spec_profile_c16_c64.json" 2>&1 | grep "^{" \
-        | tee -a "$OUT/spec_profile.log" ;;
+    timeout 200 $PYTHON benchmarks/research/spec_step_profile.py --layers 30 --concurrency 4 16 --n 0 3 --new 48 \
+        --isl 256 --out "$OUT/spec_profile_c4_c16.json" 2>&1 | grep "^{" | tee -a "$OUT/spec_profile.log"
+    timeout 120 $PYTHON benchmarks/research/spec_step_profile.py --layers 30 --concurrency 1 --n 3 --new 120 --busy \
+        --out "$OUT/spec_profile_c1_busy.json" 2>&1 | grep "^{" | tee -a "$OUT/spec_profile.log" ;;
 serve-start)
     mode=$1
     case $mode in
