@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import ForwardBatch, to_device
+from model.kernels.attention import ring_rows
 from model.kv_pool import KVPools, SeqKV
 from model.sampling import SamplingParams, draw_rows, sample_rows
 from model.transformer import Transformer
@@ -65,15 +66,18 @@ def check_model(model: Transformer, pools: KVPools) -> None:
 class Snapshot:
     """The compress-state ring rows of a step's drafting requests at positions [n_r - 1,
     n_r - 1 + width) (n_r: request r's cached tokens), every layer: one gather per kind to take,
-    one scatter per kind to restore, whatever the batch."""
+    one scatter per kind to restore, whatever the batch (`kernels/attention/ring_rows.py`, on
+    the model's kernels `impl`)."""
 
     pages: dict[str, torch.Tensor]  # kind → [R] each request's ring page
     positions: torch.Tensor  # [R, width] int64
-    rows: dict[str, torch.Tensor]  # kind → [R, layers, width, entry_bytes] uint8
+    rows: dict[str, torch.Tensor]  # kind → [R, layers, width, words] (`ring_rows.words`)
     slots: torch.Tensor  # [R] each request's MTP slot page (`state_mtp`)
+    impl: str = "torch"
 
     @classmethod
-    def take(cls, pools: KVPools, seqs: list[SeqKV], width: int, first: torch.Tensor | None = None) -> Snapshot:
+    def take(cls, pools: KVPools, seqs: list[SeqKV], width: int, first: torch.Tensor | None = None,
+             impl: str = "torch") -> Snapshot:
         """`first` [R] int64 on the device: the first positions when the host does not know them
         (a step queued ahead, `draft_ahead`), else each seq's num_tokens - 1."""
         kinds = [k for k in RING_KINDS if k in pools.kinds_for()]
@@ -87,8 +91,8 @@ class Snapshot:
             *pages, slots = flat.split(len(seqs))
         positions = first[:, None] + torch.arange(width, device=flat.device)
         pages = dict(zip(kinds, pages))
-        rows = {k: _ring_view(pools, k)[_ring_index(pools, k, pages[k], positions)] for k in kinds}
-        return cls(pages, positions, rows, slots)
+        rows = {k: ring_rows.take(_ring_view(pools, k), pages[k], positions, impl) for k in kinds}
+        return cls(pages, positions, rows, slots, impl)
 
     def restore(self, pools: KVPools, rows: list[int], main_from: list[int], slot_rows: list[int],
                 streams: torch.Tensor) -> None:
@@ -103,29 +107,17 @@ class Snapshot:
         """`restore` from device tensors [n] (rows, main_from, slot_rows), without the host. A row
         whose every draft was accepted may be restored too: the positions at and past its
         main_from were not written by the step, so their saved bytes are the ones there."""
-        device = self.positions.device
-        positions = self.positions[r]
         for kind, saved in self.rows.items():
             layers = pools.specs[kind].layers
             mtp = layers.index(pools.mtp_layer) if pools.mtp_layer in layers else -1
-            first = keep[:, None] - (torch.arange(len(layers), device=device) == mtp).long()[None, :]  # [n, layers]
-            back = (positions[:, None, :] >= first[:, :, None])[..., None]  # [n, layers, width, 1]
-            view, index = _ring_view(pools, kind), _ring_index(pools, kind, self.pages[kind][r], positions)
-            view[index] = torch.where(back, saved[r], view[index])
+            ring_rows.restore(_ring_view(pools, kind), self.pages[kind], self.positions, saved, r, keep, mtp, self.impl)
         pools.write_slots("state_mtp", self.slots[r], streams[at.to(streams.device)])
 
 
 def _ring_view(pools: KVPools, kind: str) -> torch.Tensor:
-    """The ring pool `kind` as [pages, layers, entries_per_page, entry_bytes] uint8."""
+    """The ring pool `kind` as [pages, layers, entries_per_page, words] (`ring_rows.words`)."""
     spec = pools.specs[kind]
-    return pools.buffers[kind].view(-1, len(spec.layers), spec.entries_per_page, spec.entry_bytes)
-
-
-def _ring_index(pools: KVPools, kind: str, pages: torch.Tensor, positions: torch.Tensor) -> tuple:
-    """Advanced index of `_ring_view` for pages [R] at positions [R, W], every layer: → [R, layers, W, bytes]."""
-    spec = pools.specs[kind]
-    layers = torch.arange(len(spec.layers), device=pages.device)
-    return pages[:, None, None], layers[None, :, None], (positions % spec.entries_per_page)[:, None, :]
+    return ring_rows.words(pools.buffers[kind].view(-1, len(spec.layers), spec.entries_per_page, spec.entry_bytes))
 
 
 @dataclass(frozen=True)
@@ -172,7 +164,8 @@ def draft(model: Transformer, pools: KVPools, requests: list[tuple[SeqKV, int, i
     if on_device and (len(set(depths)) != 1 or depths[0] == 0):
         raise ValueError(f"drafting on the device takes requests of one depth > 0, got {depths}")
     drafting = [i for i, d in enumerate(depths) if d > 0]
-    snapshot = Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2) if drafting else None
+    snapshot = (Snapshot.take(pools, [requests[i][0] for i in drafting], max(depths) + 2, impl=model.impl)
+                if drafting else None)
     chain_graph = chain_for(len(requests)) if on_device and chain_for is not None else None
     if chain_graph is not None and chain_graph.chain == depths[0]:
         unadjusted = [p.unadjusted for _, _, _, p in requests]
@@ -247,7 +240,7 @@ def draft_ahead(model: Transformer, pools: KVPools, before: list[Pending], accep
     snapshot = before[0].snapshot
     seqs = [p.seq for p in before]
     first = snapshot.positions[:, 0] + accepted + 1  # n' - 1 = (n - 1) + a + 1
-    taken = Snapshot.take(pools, seqs, L + 1, first=first)
+    taken = Snapshot.take(pools, seqs, L + 1, first=first, impl=model.impl)
     graph.streams_in[:n] = pools.read_slots("state_mtp", taken.slots).view(n, model.cfg.hc_mult,
                                                                           model.cfg.hidden_size)
     last = targets.gather(1, accepted[:, None]).squeeze(1)
