@@ -208,18 +208,34 @@ class DrawInputs:
         self.span = span = steps if span is None else span
         if span < steps:
             raise ValueError(f"a draw of {steps} steps a row needs at least {steps} candidate positions, got {span}")
-        self.temperature = torch.ones(rows, dtype=torch.float32, device=device)  # greedy rows: 1
-        self.log_min_p = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)  # -inf: off
-        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
-        self.keys = torch.zeros(rows, steps, 3, dtype=torch.int64, device=device)
-        self.candidates = torch.zeros(rows, span, 3, dtype=torch.int64, device=device) if span > steps else None
+        # every per-row input in one buffer, so a load is one copy: the noise keys of the candidate
+        # positions (int64 [rows, span, 3]), then temperature and log(min_p) (fp32 [rows] each),
+        # then greedy (bool [rows]); the same layout in page-locked host memory, which the copy
+        # reads asynchronously
+        self._parts = ((torch.int64, (rows, span, 3)), (torch.float32, (rows,)), (torch.float32, (rows,)),
+                       (torch.bool, (rows,)))
+        size = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self._parts)
+        pinned = torch.device(device).type == "cuda"
+        self._host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        self._device = torch.empty(size, dtype=torch.uint8, device=device)
+        self._host_views = self._views(self._host)
+        self.candidates, self.temperature, self.log_min_p, self.greedy = self._views(self._device)
+        # the keys the draws read: the first `steps` candidates, or those from a row's offset on
+        self.keys = self.candidates if span == steps else torch.zeros(rows, steps, 3, dtype=torch.int64, device=device)
+        self._steps = torch.arange(steps, device=device)
         self.thr_id = torch.full((rows,), vocab, dtype=torch.int64, device=device)  # no top-k / top-p
-        pinned = torch.device(device).type == "cuda"  # page-locked: the copies read them asynchronously
-        self._floats = torch.empty(2, rows, dtype=torch.float32, pin_memory=pinned)
-        self._ints = torch.empty(rows, 1 + span * 3, dtype=torch.int64, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the pinned buffers
+        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the host buffer
         if self._copied is not None:
             self._copied.record()
+        self.load([], [])  # padding rows everywhere: greedy, temperature 1, min_p off
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        out, at = [], 0
+        for dtype, shape in self._parts:
+            n = dtype.itemsize * math.prod(shape)
+            out.append(buffer[at:at + n].view(dtype).view(shape))
+            at += n
+        return out
 
     def capturable(self, params: list[SamplingParams]) -> bool:
         return len(params) <= self.rows and all(
@@ -234,31 +250,31 @@ class DrawInputs:
         if not self.capturable(params) or any(len(p) != width for p in positions):
             raise ValueError(f"DrawInputs of {self.rows} rows × {self.steps} steps take rows without top-k, "
                              f"top-p or logit adjustments, {width} positions each")
+        if offsets is not None and self.span == self.steps:
+            raise ValueError("DrawInputs built without a span past its steps take no offsets")
         pad = self.rows - len(params)
-        if self._copied is not None:  # the last copy has read the pinned buffers: they may be rewritten
+        if self._copied is not None:  # the last copy has read the host buffer: it may be rewritten
             self._copied.synchronize()
-        self._floats[0] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
-        self._floats[1] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
-                                       + [float("-inf")] * pad)
-        ints = self._ints.view(-1)[: self.rows * (1 + 3 * width)].view(self.rows, 1 + 3 * width)  # contiguous
-        ints[:] = torch.tensor([[int(p.greedy)] + [w for pos in row for w in _row_key(p.seed, pos)]
-                                for p, row in zip(params, positions)]
-                               + [[1] + [0] * (3 * width)] * pad)
-        self.temperature.copy_(self._floats[0], non_blocking=True)
-        self.log_min_p.copy_(self._floats[1], non_blocking=True)
-        self.greedy.copy_(ints[:, 0], non_blocking=True)
-        if offsets is None:
-            self.keys.view(self.rows, -1).copy_(ints[:, 1:], non_blocking=True)
-        else:
-            if self.candidates is None:
-                raise ValueError("DrawInputs built without a span past its steps take no offsets")
-            self.candidates.view(self.rows, -1).copy_(ints[:, 1:], non_blocking=True)
-            at = torch.zeros(self.rows, dtype=torch.int64, device=self.keys.device)
-            at[: len(params)] = offsets
-            index = (at[:, None] + torch.arange(self.steps, device=at.device))[:, :, None].expand(-1, -1, 3)
-            torch.gather(self.candidates, 1, index, out=self.keys)
+        candidates, temperature, log_min_p, greedy = self._host_views
+        if params:
+            candidates[: len(params), :width] = torch.tensor(
+                [[_row_key(p.seed, pos) for pos in row] for p, row in zip(params, positions)])
+        temperature[:] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
+        log_min_p[:] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
+                                    + [float("-inf")] * pad)
+        greedy[:] = torch.tensor([p.greedy for p in params] + [True] * pad)
+        self._device.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if self.keys is self.candidates:
+            return
+        if offsets is None:
+            self.keys.copy_(self.candidates[:, : self.steps])
+            return
+        at = torch.zeros(self.rows, dtype=torch.int64, device=self.keys.device)
+        at[: len(params)] = offsets
+        index = (at[:, None] + self._steps)[:, :, None].expand(-1, -1, 3)
+        torch.gather(self.candidates, 1, index, out=self.keys)
 
     def draw(self, logits: torch.Tensor, step: int, impl: str) -> torch.Tensor:
         """Step `step`'s tokens [n] int64 from logits [n, V], n <= rows: the first n rows loaded
