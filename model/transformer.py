@@ -242,7 +242,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def quantize_draft_head(self) -> None:
         """Draft through an FP8 copy of the head (128×128 block scales, `Fp8Linear`): each draft
-        reads half the head's bytes, a quarter of a draft step's time at batch 1. A draft is a
+        reads half the head's bytes, which are most of what a draft reads at batch 1. A draft is a
         proposal the verify checks with the exact head, so this moves how often drafts are
         accepted, never a token; `mtp_step(exact=True)` keeps the exact head."""
         q, scale = low_precision.fp8_quantize_weight(self.head.weight.float())
