@@ -42,7 +42,7 @@ import torch
 from decode_worker import speculative
 from decode_worker.running import Planned, Running
 from model import speculation
-from model.batch import ForwardBatch, Segment, to_device
+from model.batch import ForwardBatch, HostCopy, Segment, to_device
 from model.sampling import draw_rows
 from worker_runtime.wire import RequestState, TokenChunk
 
@@ -64,20 +64,14 @@ def launch(engine, planned: Planned, logits: torch.Tensor) -> list[TokenChunk]:
     ids = draw_rows(logits, [r.req.sampling for r in runs], [r.seq.num_tokens for r in runs])
     # the ids' copy to the host is queued now, before the next step: a copy queued after it would
     # wait for it
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=ids.is_cuda)
-    host.copy_(ids, non_blocking=True)
-    copied = torch.cuda.Event() if ids.is_cuda else None
-    if copied is not None:
-        copied.record()
+    copy = HostCopy.queue(ids)
     segments = tuple(Segment(r.seq, r.seq.num_tokens, 1, i) for i, r in enumerate(runs))
     # (a graph reads the positions from its staged inputs, the eager forward from here)
     batch = ForwardBatch(ids, to_device([s.start for s in segments], ids.device, torch.int64), segments)
     ahead_logits = engine._run(batch, None, owners)
     batch.commit()
     engine.ahead = (Planned(batch, owners), ahead_logits)
-    if copied is not None:
-        copied.synchronize()
-    return engine._postprocess(owners, logits, host.tolist())
+    return engine._postprocess(owners, logits, copy.wait())
 
 
 def speculative_eligible(engine, planned: Planned) -> bool:

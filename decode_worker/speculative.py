@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 
 from model import speculation
-from model.batch import ForwardBatch
+from model.batch import ForwardBatch, HostCopy
 from model.logprobs import token_logprobs
 from model.sampling import DrawInputs, draw_rows, sample_rows
 from worker_runtime.wire import ErrorCode, RequestState, TokenChunk
@@ -165,20 +164,17 @@ def verify(engine, planned) -> list[TokenChunk]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Verified:
     """A step drafted on the device, queued through its roll-back (`queue_chain`): its targets
     [R, N+1] and accepted counts [R] on the device, and their copy to the host, queued."""
 
     targets: torch.Tensor
     accepted: torch.Tensor
-    host: torch.Tensor  # [R, N+2]: the targets, then the count (page-locked on a GPU)
-    copied: torch.cuda.Event | None
+    copy: HostCopy  # [R, N+2]: the targets, then the count
 
     def wait(self) -> list[list[int]]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host.tolist()
+        return self.copy.wait()
 
 
 def verify_chain(engine, planned) -> list[TokenChunk]:
@@ -220,13 +216,7 @@ def queue_chain(engine, planned, shift: torch.Tensor | None = None, offsets: tor
         targets = engine.verify_draws.draw(logits, 0, engine.model.impl)
     targets = targets.view(len(owners), L)
     accepted = speculation.settle_chain(engine.pools, list(pending), targets, streams)
-    ready = torch.cat([targets, accepted[:, None]], dim=1)
-    host = torch.empty(ready.shape, dtype=ready.dtype, pin_memory=ready.is_cuda)
-    host.copy_(ready, non_blocking=True)
-    copied = torch.cuda.Event() if ready.is_cuda else None
-    if copied is not None:
-        copied.record()
-    return Verified(targets, accepted, host, copied)
+    return Verified(targets, accepted, HostCopy.queue(torch.cat([targets, accepted[:, None]], dim=1)))
 
 
 def emit_chain(engine, planned, verified: Verified, host: list[list[int]] | None = None) -> list[TokenChunk]:

@@ -114,3 +114,28 @@ def to_device(values: list, device: torch.device | str, dtype: torch.dtype | Non
     t = torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A device tensor's copy to the host, queued on the stream (into page-locked memory on a GPU,
+    which the copy fills asynchronously): work queued after it does not delay it, and `wait`
+    waits for the copy alone."""
+
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def queue(cls, t: torch.Tensor) -> "HostCopy":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event() if t.is_cuda else None
+        if copied is not None:
+            copied.record()
+        return cls(host, copied)
+
+    def wait(self) -> list:
+        """The values, as `tolist` gives them, once the copy has run."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()

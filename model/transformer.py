@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model import low_precision
 from model.attention import Attention, RMSNorm
 from model.batch import BatchMeta, ForwardBatch
-from model import low_precision
 from model.config import ModelConfig
 from model.kernels import arrival_counter, set_deterministic, set_impl
 from model.kernels.common.invariant import Linear
