@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from model.batch import to_device
+from model.kernels.common import gumbel
 from model.kernels.common.gumbel import gumbel_argmax, kept
 from model.penalties import MAX_LOGIT_BIAS, History, adjust
 
@@ -115,6 +116,8 @@ def draw_rows(logits: torch.Tensor, params: list[SamplingParams], positions: lis
     logits = adjust(logits, params, histories if histories is not None else [None] * rows)
     if masks is not None:
         logits = apply_bitmask(logits, masks)
+    if all(p.top_p == 1 and not 0 < p.top_k < logits.shape[-1] for p in params):
+        return _draw_unfiltered(logits, params, positions, impl)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if len(drawn) == rows:
         return _draw(logits, params, positions, impl)
@@ -182,6 +185,53 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[in
     return gumbel_argmax(scaled, keys, thr_value, thr_id, impl)
 
 
+def _draw_unfiltered(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                     impl: str) -> torch.Tensor:
+    """Rows without top-k or top-p, greedy or not, in one `gumbel.draw`, their inputs in one copy."""
+    parts = _input_parts(len(params), 1)
+    host = torch.empty(_nbytes(parts), dtype=torch.uint8)
+    _fill(_split(host, parts), params, [[pos] for pos in positions], 0)
+    inputs = host.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else host
+    keys, temperature, log_min_p, greedy = _split(inputs, parts)
+    return gumbel.draw(logits, temperature, log_min_p, greedy, keys[:, 0], impl)
+
+
+def _input_parts(rows: int, span: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    """The per-row draw inputs in one byte buffer, so that loading them is one copy: the noise keys
+    of `span` positions (int64 [rows, span, 3]), temperature and log(min_p) (fp32 [rows] each),
+    greedy (bool [rows]); each part aligned for its dtype."""
+    return ((torch.int64, (rows, span, 3)), (torch.float32, (rows,)), (torch.float32, (rows,)),
+            (torch.bool, (rows,)))
+
+
+def _nbytes(parts) -> int:
+    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in parts)
+
+
+def _split(buffer: torch.Tensor, parts) -> list[torch.Tensor]:
+    """Typed views of `buffer` (uint8) laid out as `parts`."""
+    out, at = [], 0
+    for dtype, shape in parts:
+        n = dtype.itemsize * math.prod(shape)
+        out.append(buffer[at:at + n].view(dtype).view(shape))
+        at += n
+    return out
+
+
+def _fill(views: list[torch.Tensor], params: list[SamplingParams], positions: list[list[int]], pad: int) -> None:
+    """Host `views` (`_split` of `_input_parts`) for rows drawing with params[r] at positions[r],
+    then `pad` greedy padding rows (temperature 1, min_p off). A greedy row's temperature is 1, so
+    the draw's scaled logits are its logits."""
+    keys, temperature, log_min_p, greedy = views
+    if params:
+        keys[: len(params), : len(positions[0])] = torch.tensor(
+            [[_row_key(p.seed, pos) for pos in row] for p, row in zip(params, positions)])
+    temperature[:] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
+    log_min_p[:] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
+                                + [float("-inf")] * pad)
+    greedy[:] = torch.tensor([p.greedy for p in params] + [True] * pad)
+
+
 def support(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Bool [R, V]: the tokens `sample_rows` may draw from logits [R, V] (a greedy row: its argmax)."""
     greedy = torch.arange(logits.shape[-1], device=logits.device) == logits.argmax(-1, keepdim=True)
@@ -194,7 +244,7 @@ class DrawInputs:
     """`draw_rows` of up to `rows` rows from device tensors a CUDA graph was captured on: it
     draws `steps` tokens a row in one replay (the drafts of a speculative step,
     `model.cuda_graph.DecodeGraph` with `chain`), each row's parameters and noise keys loaded
-    before the replay in two copies. The math is `draw_rows`' (temperature, min_p, Gumbel-max
+    before the replay in one copy. The math is `draw_rows`' (temperature, min_p, Gumbel-max
     keyed by seed and position; greedy rows take the argmax), so a row draws the same token here
     as there. Only rows `capturable` can be loaded: top-k and top-p need a sort whose use depends
     on the batch, and logit adjustments need the host.
@@ -208,34 +258,22 @@ class DrawInputs:
         self.span = span = steps if span is None else span
         if span < steps:
             raise ValueError(f"a draw of {steps} steps a row needs at least {steps} candidate positions, got {span}")
-        # every per-row input in one buffer, so a load is one copy: the noise keys of the candidate
-        # positions (int64 [rows, span, 3]), then temperature and log(min_p) (fp32 [rows] each),
-        # then greedy (bool [rows]); the same layout in page-locked host memory, which the copy
-        # reads asynchronously
-        self._parts = ((torch.int64, (rows, span, 3)), (torch.float32, (rows,)), (torch.float32, (rows,)),
-                       (torch.bool, (rows,)))
-        size = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self._parts)
+        # every per-row input in one buffer (`_input_parts`, keys of the candidate positions), so a
+        # load is one copy; the same layout in page-locked host memory, which the copy reads
+        # asynchronously
+        parts = _input_parts(rows, span)
         pinned = torch.device(device).type == "cuda"
-        self._host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        self._device = torch.empty(size, dtype=torch.uint8, device=device)
-        self._host_views = self._views(self._host)
-        self.candidates, self.temperature, self.log_min_p, self.greedy = self._views(self._device)
+        self._host = torch.empty(_nbytes(parts), dtype=torch.uint8, pin_memory=pinned)
+        self._device = torch.empty(_nbytes(parts), dtype=torch.uint8, device=device)
+        self._host_views = _split(self._host, parts)
+        self.candidates, self.temperature, self.log_min_p, self.greedy = _split(self._device, parts)
         # the keys the draws read: the first `steps` candidates, or those from a row's offset on
         self.keys = self.candidates if span == steps else torch.zeros(rows, steps, 3, dtype=torch.int64, device=device)
         self._steps = torch.arange(steps, device=device)
-        self.thr_id = torch.full((rows,), vocab, dtype=torch.int64, device=device)  # no top-k / top-p
         self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the host buffer
         if self._copied is not None:
             self._copied.record()
         self.load([], [])  # padding rows everywhere: greedy, temperature 1, min_p off
-
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        out, at = [], 0
-        for dtype, shape in self._parts:
-            n = dtype.itemsize * math.prod(shape)
-            out.append(buffer[at:at + n].view(dtype).view(shape))
-            at += n
-        return out
 
     def capturable(self, params: list[SamplingParams]) -> bool:
         return len(params) <= self.rows and all(
@@ -255,14 +293,7 @@ class DrawInputs:
         pad = self.rows - len(params)
         if self._copied is not None:  # the last copy has read the host buffer: it may be rewritten
             self._copied.synchronize()
-        candidates, temperature, log_min_p, greedy = self._host_views
-        if params:
-            candidates[: len(params), :width] = torch.tensor(
-                [[_row_key(p.seed, pos) for pos in row] for p, row in zip(params, positions)])
-        temperature[:] = torch.tensor([1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad)
-        log_min_p[:] = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params]
-                                    + [float("-inf")] * pad)
-        greedy[:] = torch.tensor([p.greedy for p in params] + [True] * pad)
+        _fill(self._host_views, params, positions, pad)
         self._device.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -280,6 +311,5 @@ class DrawInputs:
         """Step `step`'s tokens [n] int64 from logits [n, V], n <= rows: the first n rows loaded
         (captured: no host work)."""
         n = logits.shape[0]
-        scaled = logits.float() / self.temperature[:n, None]
-        drawn = gumbel_argmax(scaled, self.keys[:n, step], scaled.amax(-1) + self.log_min_p[:n], self.thr_id[:n], impl)
-        return torch.where(self.greedy[:n], logits.argmax(-1), drawn)
+        return gumbel.draw(logits, self.temperature[:n], self.log_min_p[:n], self.greedy[:n], self.keys[:n, step],
+                           impl)

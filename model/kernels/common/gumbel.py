@@ -10,6 +10,11 @@ how a top-k / top-p prefix of a stable sort reads without the sort's permutation
 The reference is ~35 elementwise passes over [R, V] (the hash alone is 20 int64 ops); the kernel
 is one pass that reads the fp32 logits once. Both compute the same fp64 score in the same order
 of operations, and both break ties towards the lowest id.
+
+`draw` is the whole draw of rows without top-k or top-p (temperature, min_p, greedy rows) in one
+launch over the raw logits, where the unfused draw takes a cast, a division, two reductions over
+the vocabulary and a select: the draws of a speculative step (three drafts and the verify's) and
+of a plain decode step are latency-bound launches of one to a few rows.
 """
 
 from __future__ import annotations
@@ -79,6 +84,36 @@ def gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor, thr_value: torch.Ten
     return best_id.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
 
 
+def draw_reference(logits: torch.Tensor, temperature: torch.Tensor, log_min_p: torch.Tensor, greedy: torch.Tensor,
+                   keys: torch.Tensor) -> torch.Tensor:
+    """`draw`'s semantics: a greedy row takes its logits' first maximum; another draws Gumbel-max
+    from logits / temperature over the tokens whose scaled logit is at least the row's largest +
+    log_min_p (min_p's support; -inf keeps every token)."""
+    scaled = logits.float() / temperature[:, None]
+    thr_id = torch.full_like(greedy, logits.shape[-1], dtype=torch.int64)
+    drawn = reference(scaled, keys, scaled.amax(-1) + log_min_p, thr_id)
+    return torch.where(greedy, logits.argmax(-1), drawn)
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, log_min_p: torch.Tensor, greedy: torch.Tensor,
+         keys: torch.Tensor, impl: str) -> torch.Tensor:
+    """logits [R, V] (bf16 or fp32), temperature [R] fp32 (1 on greedy rows), log_min_p [R] fp32,
+    greedy [R] bool, keys [R, 3] int64 (rows may be strided) → token ids [R] int64, as
+    `draw_reference`. The kernel reads each logit once, and a min_p row once more for its maximum."""
+    if check_impl(impl) == "torch":
+        return draw_reference(logits, temperature, log_min_p, greedy, keys)
+    R, V = logits.shape
+    if logits.stride(-1) != 1 or keys.stride(-1) != 1:
+        raise ValueError("gumbel.draw needs logits and keys with unit stride along their last dimension")
+    chunks = triton.cdiv(V, BLOCK)
+    best = torch.empty(R, chunks, dtype=torch.float64, device=logits.device)
+    best_id = torch.empty(R, chunks, dtype=torch.int64, device=logits.device)
+    _draw_kernel[(R, chunks)](logits, temperature, log_min_p, greedy, keys, best, best_id, V, chunks,
+                              logits.stride(0), keys.stride(0), BLOCK=BLOCK, num_warps=8,
+                              **launch_options(logits))
+    return best_id.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+
+
 @triton.jit
 def _hash32(x):
     x = x ^ (x >> 16)
@@ -107,6 +142,45 @@ def _gumbel_argmax_kernel(scaled_ptr, keys_ptr, thr_value_ptr, thr_id_ptr, best_
     u = ((a >> 6).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64) + 0.5) * (2.0 ** -52)
     score = s.to(tl.float64) + -tl.log(-tl.log(u))
     keep = inside & ((s > thr_value) | ((s == thr_value) & (ids <= thr_id)))
+    score = tl.where(keep, score, float("-inf"))
+    pick = tl.argmax(score, axis=0, tie_break_left=True)
+    tl.store(best_ptr + row * chunks + chunk, tl.max(score, axis=0))
+    tl.store(best_id_ptr + row * chunks + chunk, chunk * BLOCK + pick)
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, temperature_ptr, log_min_p_ptr, greedy_ptr, keys_ptr, best_ptr, best_id_ptr, V, chunks,
+                 stride_logits, stride_keys, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One (row, BLOCK tokens) program of `draw`: the chunk's best score and its first id."""
+    wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
+    inside = ids < V
+    row_logits = logits_ptr + row * stride_logits
+    t = tl.load(temperature_ptr + row)
+    # IEEE division, as torch divides (Triton's `/` on fp32 is the approximate one)
+    s = tl.math.div_rn(tl.load(row_logits + ids, mask=inside, other=float("-inf")).to(tl.float32), t)
+    log_min_p = tl.load(log_min_p_ptr + row)
+    thr = log_min_p  # -inf: every token kept
+    if log_min_p > float("-inf"):  # min_p's floor needs the row's largest scaled logit
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for lo in range(0, V, BLOCK):
+            at = lo + tl.arange(0, BLOCK)
+            x = tl.load(row_logits + at, mask=at < V, other=float("-inf")).to(tl.float32)
+            top = tl.maximum(top, tl.math.div_rn(x, t))
+        thr = tl.max(top, axis=0) + log_min_p
+    greedy = tl.load(greedy_ptr + row) != 0
+    k0 = tl.load(keys_ptr + row * stride_keys).to(tl.uint32)
+    k1 = tl.load(keys_ptr + row * stride_keys + 1).to(tl.uint32)
+    k2 = tl.load(keys_ptr + row * stride_keys + 2).to(tl.uint32)
+    a = _hash32(_hash32(ids.to(tl.uint32) ^ k0) ^ k1)
+    b = _hash32(a ^ k2)
+    u = ((a >> 6).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64) + 0.5) * (2.0 ** -52)
+    s64 = s.to(tl.float64)
+    # a greedy row's temperature is 1, so its s is its logit: the argmax of s is the logits' argmax
+    score = tl.where(greedy, s64, s64 + -tl.log(-tl.log(u)))
+    keep = inside & (greedy | (s >= thr))
     score = tl.where(keep, score, float("-inf"))
     pick = tl.argmax(score, axis=0, tie_break_left=True)
     tl.store(best_ptr + row * chunks + chunk, tl.max(score, axis=0))
