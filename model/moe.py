@@ -82,13 +82,13 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     `moe_prefill.MIN_TOKENS` tokens) or the grouped path, on the decode tiles up to
     `moe_fused.DECODE_MAX_TOKENS` tokens (hash layers decode there). `side`: a
     stream for the dense shared expert at decode sizes (`moe_shared.split_shared`). `deterministic`:
-    packed experts on the kernels take the fused path's one configuration at every size
+    packed experts on the kernels take the fused path's tiles of one K order at every size
     (`moe_fused.deterministic_moe`)."""
     if not isinstance(experts, PackedExperts):
         y = moe_grouped.expert_outputs(x, ids, lambda e, rows: experts[e](rows))
         return moe_grouped.combine(y, weights, shared(x) if shared is not None else None)
     if check_impl(impl) == "triton" and deterministic:
-        return moe_fused.deterministic_moe(x, weights, ids, experts, shared, limit)
+        return moe_fused.deterministic_moe(x, weights, ids, experts, shared, limit, side)
     if impl == "triton" and fused:
         return moe_fused.fused_moe(x, weights, ids, experts, shared, limit, side=side)
     if impl == "triton" and experts.fmt == "fp4" and x.shape[0] >= moe_prefill.MIN_TOKENS:

@@ -353,6 +353,28 @@ def test_split_k_small_steps(poisoned, fmt, T):
     assert torch.equal(out, again)  # the split order, not the arrival order, sets the sums
 
 
+def test_k_ranges_walked_in_one_program_give_the_split_bits(poisoned):
+    """`Tiles.k_ranges` walks the K ranges of `split_k` in one program, each summed from zero and
+    added in order: the same bits as the split over programs (gate/up 4 ranges, down 2, the shared
+    expert among the assignments), at another weight-row tile too. The deterministic mode's steps
+    above `SMALL_T` tokens rely on it (`moe_fused.decode_tiles`)."""
+    moe = MoE.random_packed(tiny_config(hidden_size=512, moe_intermediate_size=256), layer=3, fmt="fp4", seed=96,
+                            device=DEVICE)
+    x, weights, ids = routed(moe, T=1, seed=18)
+    args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
+    gateup = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=4)
+    down = moe_grouped.Tiles(BT=16, BN=64, BK=128, swap_ab=True, split_k=2)
+    split = moe_fused.fused_moe(*args, gateup, down, shared_dense=False)
+    walked = moe_fused.fused_moe(*args, dataclasses.replace(gateup, split_k=1, k_ranges=4),
+                                 dataclasses.replace(down, BN=128, split_k=1, k_ranges=2), shared_dense=False)
+    assert torch.equal(split, walked)
+    whole = moe_fused.fused_moe(*args, dataclasses.replace(gateup, split_k=1), dataclasses.replace(down, split_k=1),
+                                shared_dense=False)
+    assert not torch.equal(whole, walked) and rel(whole, walked) < 1e-5  # another order, the same sums
+    with pytest.raises(ValueError, match="k_ranges=2 K ranges"):
+        moe_fused.fused_moe(*args, gateup, dataclasses.replace(down, k_ranges=2))
+
+
 @pytest.mark.exhaustive  # ~21 s under the interpreter; tests/gpu runs the split-K tiles compiled
 def test_split_k_tiles_fit_and_need_their_arrival_counters(monkeypatch):
     small, _ = moe_fused.decode_tiles(1)
@@ -365,7 +387,7 @@ def test_split_k_tiles_fit_and_need_their_arrival_counters(monkeypatch):
     # the grouped path (hash layers) takes the small-step tiles with gate/up split, down unsplit
     args = (x, weights, ids, moe.experts, moe.shared_experts, moe.cfg.swiglu_limit)
     check(moe_grouped.grouped_moe(*args, "triton", split, split), x, weights, ids, moe)
-    with pytest.raises(ValueError, match="split down product needs the fused path"):
+    with pytest.raises(ValueError, match="down product in K ranges needs the fused path"):
         moe_grouped.plan_kernels(x, weights, ids, moe.experts, moe.shared_experts, 10.0, split, split,
                                  fuse_combine=False)
     unsplit = dataclasses.replace(split, split_k=1)

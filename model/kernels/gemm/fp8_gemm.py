@@ -123,22 +123,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, impl:
 
 
 def deterministic_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                          arrivals: torch.Tensor | None, act_fp8: bool) -> torch.Tensor:
+                          arrivals: torch.Tensor | None, act_fp8: bool,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`fp8_linear` under `--deterministic`: x3 [M, G, K] (unit stride along K) through one decode
     kernel and one configuration for every M (`decode_config(..., deterministic=True)`: its K split
     follows the weight's shape alone), in slices of `KERNEL_MAX_M` rows (the arrival counters' and
     split partials' size; a row's products do not depend on its slice). No cuBLAS and no in-kernel
-    quantisation: W8A8 inputs are quantised by `act_quant` for every M (the same codes)."""
+    quantisation: W8A8 inputs are quantised by `act_quant` for every M (the same codes). The output
+    in `out_dtype` (default x3's)."""
     M, groups, K = x3.shape
+    out_dtype = out_dtype or x3.dtype
     N = weight.shape[0] // groups
     cfg = decode_config(M, N, K, groups, a8=act_fp8, deterministic=True)
     codes, x_scale = act_quant.quantize(x3, "triton") if act_fp8 and M else (x3, None)
     if M <= KERNEL_MAX_M:
-        return decode_product(codes, weight, scale, arrivals, cfg, out_dtype=x3.dtype, x_scale=x_scale)
-    out = torch.empty(M, groups, N, device=x3.device, dtype=x3.dtype)
+        return decode_product(codes, weight, scale, arrivals, cfg, out_dtype=out_dtype, x_scale=x_scale)
+    out = torch.empty(M, groups, N, device=x3.device, dtype=out_dtype)
     for lo in range(0, M, KERNEL_MAX_M):
         hi = min(M, lo + KERNEL_MAX_M)
-        out[lo:hi] = decode_product(codes[lo:hi], weight, scale, arrivals, cfg, out_dtype=x3.dtype,
+        out[lo:hi] = decode_product(codes[lo:hi], weight, scale, arrivals, cfg, out_dtype=out_dtype,
                                     x_scale=None if x_scale is None else x_scale[lo:hi])
     return out
 

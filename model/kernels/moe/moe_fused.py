@@ -75,18 +75,21 @@ FEW_DOWN = replace(SMALL_DOWN, split_k=1)
 DECODE_MAX_TOKENS = 256
 
 
-# `--deterministic`: every step, of any size, on the one-token tiles (`deterministic_moe`): their K
-# split is a fixed count, its partials summed in split order, so a token's sums run in one order
-# at every step size, and the latency-bound steps of a few tokens (speculation's verify steps at
-# low concurrency) keep the split that fills the GPU there
-DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN = SMALL_GATEUP, SMALL_DOWN
+# `--deterministic` (`deterministic_moe`): a token's sums run in one order at every step size. Up
+# to `SMALL_T` tokens on the one-token tiles, whose K is split over programs in a fixed count of
+# ranges, summed in split order; above, on the decode tiles walking the same ranges in one program
+# (`Tiles.k_ranges`), which gives the same bits: a row's sums do not depend on the tile's other
+# rows or its shape, only on its K order. So the steps of a few tokens keep the split that fills
+# the GPU there and larger ones the tiles that fill it without.
+DETERMINISTIC_GATEUP = replace(DECODE_GATEUP, k_ranges=SMALL_GATEUP.split_k)
+DETERMINISTIC_DOWN = replace(DECODE_DOWN, k_ranges=SMALL_DOWN.split_k)
 
 
 def decode_tiles(tokens: int, deterministic: bool = False) -> tuple[Tiles, Tiles]:
     """(gate/up, down) tiles for a step of `tokens` tokens (a graph captures one size, so the
-    choice is fixed per captured step); `deterministic`: the same tiles for every size."""
+    choice is fixed per captured step); `deterministic`: tiles of one K order for every size."""
     if deterministic:
-        return DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN
+        return (SMALL_GATEUP, SMALL_DOWN) if tokens <= SMALL_T else (DETERMINISTIC_GATEUP, DETERMINISTIC_DOWN)
     if tokens <= 1:
         return SMALL_GATEUP, SMALL_DOWN
     return (FEW_GATEUP, FEW_DOWN) if tokens <= SMALL_T else (DECODE_GATEUP, DECODE_DOWN)
@@ -95,17 +98,18 @@ def decode_tiles(tokens: int, deterministic: bool = False) -> tuple[Tiles, Tiles
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "PackedExperts",
               shared: "PackedExperts | None", limit: float, gateup: Tiles | None = None,
               down: Tiles | None = None, shared_dense: bool | None = None,
-              side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+              side: "torch.cuda.Stream | None" = None, deterministic: bool = False) -> torch.Tensor:
     """x [T, D], routing weights/ids [T, k] → [T, D] in x.dtype; semantics of `moe_grouped.reference`.
     Tiles default to `decode_tiles(T)`; the shared expert runs as dense products outside the
     kernels (`shared_dense`) from `moe_shared.DENSE_MIN_TOKENS` tokens by default, on stream
-    `side` when given, beside the sort and gate/up kernels (the down kernel waits for it)."""
+    `side` when given, beside the sort and gate/up kernels (the down kernel waits for it);
+    `deterministic`: those products at one configuration for every T."""
     default_gateup, default_down = decode_tiles(x.shape[0])
     gateup, down = gateup or default_gateup, down or default_down
     # FP4 on SWAP tiles: the routed experts read a `preorder` copy of x (activation tiles without
     # in-register permutes, which cost more than the copy)
     preordered = experts.fmt == "fp4" and gateup.swap_ab and down.swap_ab
-    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side)
+    shared, add, join = moe_shared.split_shared(x, shared, limit, shared_dense, side, deterministic)
     launches, result = plan_kernels(x, weights, ids, experts, shared, limit, fit(gateup, experts.inter, experts.dim),
                                     fit(down, experts.dim, experts.inter), fuse_combine=True,
                                     preordered=preordered, add=add)
@@ -118,19 +122,20 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
 
 
 def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: PackedExperts,
-                      shared: PackedExperts | None, limit: float) -> torch.Tensor:
-    """`fused_moe` under `--deterministic`, for every step size and layer kind: the same tiles and
-    K split for every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
+                      shared: PackedExperts | None, limit: float,
+                      side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+    """`fused_moe` under `--deterministic`, for every step size and layer kind: tiles of one K order
+    for every T (`decode_tiles(T, deterministic=True)`; a token tile's rows are computed
     independently, so a token's products do not depend on which others share its expert), the
-    shared expert always among the assignments (never the dense products, which round
-    differently), the combine in slot order. Steps above `DECODE_MAX_TOKENS` run in slices of that
-    many tokens (the counting sort's one program holds a step's assignments)."""
+    shared expert always as dense products at one configuration for every T (on `side` when
+    given, as `fused_moe` runs it), the combine in slot order. Steps above `DECODE_MAX_TOKENS` run
+    in slices of that many tokens (the counting sort's one program holds a step's assignments)."""
     gateup, down = decode_tiles(x.shape[0], deterministic=True)
     if x.shape[0] <= DECODE_MAX_TOKENS:
-        return fused_moe(x, weights, ids, experts, shared, limit, gateup, down, shared_dense=False)
+        return fused_moe(x, weights, ids, experts, shared, limit, gateup, down, True, side, deterministic=True)
     out = torch.empty_like(x)
     for lo in range(0, x.shape[0], DECODE_MAX_TOKENS):
         rows = slice(lo, lo + DECODE_MAX_TOKENS)
-        out[rows] = fused_moe(x[rows], weights[rows], ids[rows], experts, shared, limit, gateup, down,
-                              shared_dense=False)
+        out[rows] = fused_moe(x[rows], weights[rows], ids[rows], experts, shared, limit, gateup, down, True, side,
+                              deterministic=True)
     return out

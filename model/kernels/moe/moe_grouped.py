@@ -94,7 +94,9 @@ class Tiles:
     over that many programs whose partial sums the last one to finish adds up in split order
     (deterministic; for steps of a few tokens whose programs are too few to keep the memory
     system busy: the fused path's two products, the grouped path's gate/up where the counting sort
-    zeroes its arrival counters)."""
+    zeroes its arrival counters). `k_ranges`: K walked in one program as that many ranges, each
+    summed from zero and added in order, which gives the bits of `split_k` = k_ranges (the
+    deterministic mode's tiles for steps that fill the GPU unsplit; fused path only)."""
 
     BT: int
     BN: int
@@ -103,6 +105,7 @@ class Tiles:
     num_stages: int = 3
     swap_ab: bool = False
     split_k: int = 1
+    k_ranges: int = 1
     maxnreg: int | None = None  # a cap on registers per thread (ptxas), for more programs per SM
     settle: bool = False  # wgmma tiles: each K step's products finish before the next step (`moe_gemm._settled`)
 
@@ -169,6 +172,9 @@ def check_tiles(t: Tiles, n: int, k: int, fmt: str, what: str) -> None:
         raise ValueError(f"{what}: BK={t.BK} must divide K={k}")
     if t.split_k < 1 or k % (t.split_k * t.BK):
         raise ValueError(f"{what}: split_k={t.split_k} K ranges of whole BK={t.BK} steps must cover K={k}")
+    if t.k_ranges < 1 or k % (t.k_ranges * t.BK) or (t.k_ranges > 1 and t.split_k > 1):
+        raise ValueError(f"{what}: k_ranges={t.k_ranges} K ranges of whole BK={t.BK} steps must cover K={k}, "
+                         f"with split_k 1 (got {t.split_k})")
     (check_fp4_block if fmt == "fp4" else check_fp8_block)(t.BK)
 
 
@@ -206,8 +212,8 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
                          f"{tuple(add.shape)} on {add.device}")
     T, k = ids.shape
     count_sort = counting_sort_runs(T * (k + (shared is not None)), fuse_combine)
-    if not fuse_combine and down.split_k > 1:
-        raise ValueError("a split down product needs the fused path's arrival counters (fuse_combine)")
+    if not fuse_combine and (down.split_k > 1 or down.k_ranges > 1):
+        raise ValueError("a down product in K ranges needs the fused path's arrival counters (fuse_combine)")
     if not count_sort and gateup.split_k > 1:
         raise ValueError(f"a split gate/up product needs the arrival counters the counting sort zeroes (up to "
                          f"{COUNT_SORT_MAX} assignments)")
@@ -230,6 +236,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     launches = []
     tiles13 = max_tiles(A, E + has_shared, gateup.BT)
     ks13, ks2 = gateup.split_k, down.split_k
+    ranges2 = ks2 * down.k_ranges  # a slot's rows in the fused combine: one per K range
     # split gate/up: partial sums [KS, A, 2I] and an arrival counter per program tile, zeroed by the sort
     part13 = torch.empty(ks13 * A * 2 * I if ks13 > 1 else 1, dtype=torch.float32, device=x.device)
     cnt13 = torch.empty(tiles13 * (I // gateup.BN) if ks13 > 1 else 1, dtype=torch.int32, device=x.device)
@@ -259,7 +266,7 @@ def plan_kernels(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expe
     h = torch.empty(A, I, dtype=torch.bfloat16, device=x.device)
     n_cnt = D // down.BN
     if fuse_combine:
-        y = torch.empty(T * kp1 * ks2, D, dtype=torch.float32, device=x.device)
+        y = torch.empty(T * kp1 * ranges2, D, dtype=torch.float32, device=x.device)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)
         cnt = torch.empty(T, n_cnt, dtype=torch.int32, device=x.device)  # zeroed by _gateup_kernel
     else:
@@ -325,7 +332,7 @@ def _tile_meta(t: Tiles, hopper: bool) -> dict:
     mma.sync, which `_operand_checked` does not vouch for, and convert through explicit words."""
     wgmma = hopper and t.swap_ab and t.BN % (16 * t.num_warps) == 0
     cap = {} if t.maxnreg is None else {"maxnreg": t.maxnreg}
-    return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, SETTLE=t.settle,
+    return dict(SWAP=t.swap_ab, MMA=wgmma, BT=t.BT, BN=t.BN, BK=t.BK, KS=t.split_k, KR=t.k_ranges, SETTLE=t.settle,
                 num_warps=t.num_warps, num_stages=t.num_stages, **cap)
 
 
@@ -385,7 +392,9 @@ def fit(t: Tiles, n: int, k: int) -> Tiles:
     while n % bn and bn > 16:
         bn //= 2
     bk = min(t.BK, math.gcd(k, 2 * FP4_K_BLOCK))
-    ks = t.split_k
+    ks, kr = t.split_k, t.k_ranges  # cut down alike, so that walked ranges keep the split's bits
     while ks > 1 and k % (ks * bk):
         ks //= 2
-    return replace(t, BN=bn, BK=bk, split_k=ks)
+    while kr > 1 and k % (kr * bk):
+        kr //= 2
+    return replace(t, BN=bn, BK=bk, split_k=ks, k_ranges=kr)

@@ -39,21 +39,22 @@ DENSE_MIN_TOKENS_BESIDE = 1
 
 
 def split_shared(x: torch.Tensor, shared: "PackedExperts | None", limit: float, dense: bool | None,
-                 side: "torch.cuda.Stream | None" = None
+                 side: "torch.cuda.Stream | None" = None, deterministic: bool = False
                  ) -> tuple["PackedExperts | None", torch.Tensor | None, Callable[[], None]]:
     """(the shared expert for the expert kernels, the output they add, join) for x [T, D]: (shared,
     None) to run it in the kernels, (None, `shared_expert`'s fp32 [T, D]) to run it here. `dense`
     None: from `DENSE_MIN_TOKENS` tokens, `DENSE_MIN_TOKENS_BESIDE` given a `side` stream. With a
     `side` stream the dense products run there, beside whatever the caller launches next, and
-    `join()` makes the current stream wait for them: call it before launching what reads the output."""
+    `join()` makes the current stream wait for them: call it before launching what reads the output.
+    `deterministic`: `shared_expert`'s."""
     if not runs_dense(x, shared, dense, beside=side is not None):
         return shared, None, _no_join
     main = torch.cuda.current_stream(x.device) if side is not None else None
     if main is None or side == main:  # (a stream from torch's pool can be the current one)
-        return None, shared_expert(x, shared, limit), _no_join
+        return None, shared_expert(x, shared, limit, deterministic), _no_join
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        out = shared_expert(x, shared, limit)
+        out = shared_expert(x, shared, limit, deterministic)
     out.record_stream(main)  # its memory is reused only after the current stream's use of it
     return None, out, lambda: main.wait_stream(side)
 
@@ -69,15 +70,21 @@ def runs_dense(x: torch.Tensor, shared: "PackedExperts | None", dense: bool | No
     return shared is not None and dense
 
 
-def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float) -> torch.Tensor:
-    """x [T, D] → the shared expert's output [T, D] float32 (x and h rounded to bf16, as the kernels)."""
+def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float, deterministic: bool = False
+                  ) -> torch.Tensor:
+    """x [T, D] → the shared expert's output [T, D] float32 (x and h rounded to bf16, as the kernels).
+    `deterministic`: every product at one configuration for every T (`fp8_gemm.deterministic_product`,
+    `linear_fp32_out`'s), so a token's output does not depend on the others."""
     xb = x.to(torch.bfloat16)
-    if shared.fmt == "fp8" and x.shape[0] <= fp8_gemm.KERNEL_MAX_M:
+    if shared.fmt == "fp8" and (deterministic or x.shape[0] <= fp8_gemm.KERNEL_MAX_M):
         I, ib = shared.inter, -(-shared.inter // FP8_BLOCK)
         w13, s13 = shared.w13[0], shared.w13_scale[0]
 
         def product(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
             # split-K counters: `arrivals` serves one product at a time, in stream order
+            if deterministic:
+                return fp8_gemm.deterministic_product(a[:, None], w, s, shared.arrivals, act_fp8=False,
+                                                      out_dtype=torch.float32)[:, 0]
             return fp8_gemm.decode_product(a[:, None], w, s, shared.arrivals, out_dtype=torch.float32)[:, 0]
 
         if I % FP8_BLOCK == 0:  # w3's scale blocks follow w1's as its rows do: one product
@@ -86,7 +93,7 @@ def shared_expert(x: torch.Tensor, shared: "PackedExperts", limit: float) -> tor
             gate_up = torch.cat([product(xb, w13[:I], s13[:ib]), product(xb, w13[I:], s13[ib:])], dim=1)
         return product(swiglu_bf16(gate_up, limit), shared.w2[0], shared.w2_scale[0])
     w13, w2 = _bf16_weights(shared)
-    return linear_fp32_out(swiglu_bf16(linear_fp32_out(xb, w13), limit), w2)
+    return linear_fp32_out(swiglu_bf16(linear_fp32_out(xb, w13, deterministic), limit), w2, deterministic)
 
 
 def _bf16_weights(shared: "PackedExperts") -> tuple[torch.Tensor, torch.Tensor]:

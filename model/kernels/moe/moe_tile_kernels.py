@@ -75,13 +75,37 @@ def _tile(pid, counts_ptr, n_groups, BT: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
+def _gateup_products(x_ptr, xs_ptr, tok, rmask, e, is_shared, w_ptr, ws_ptr, sw_ptr, sws_ptr, n, stride_we,
+                     stride_se, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, SWAP: tl.constexpr,
+                     ASM: tl.constexpr, MMA: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SBK: tl.constexpr, NR: tl.constexpr, ks,
+                     SETTLE: tl.constexpr):
+    """A gate/up tile's (gate, up) sums [BN, BT] over the ks-th of NR K ranges (all of K: NR = 1)."""
+    up_blocks: tl.constexpr = (I + B8 - 1) // B8  # FP8 scale rows of w1 before w3's
+    if is_shared:
+        g, u = w_xt(xs_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
+                     D, False, True, SWAP, ASM, MMA, BN, BT, SBK, KS=NR, ks=ks, SETTLE=SETTLE)
+    else:
+        w = w_ptr + e.to(tl.int64) * stride_we
+        s = ws_ptr + e.to(tl.int64) * stride_se
+        if FP4:
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, ASM, MMA, BN, BT, BK,
+                        XPRE, 2 * I, WKB, NR, ks, SETTLE)
+        else:
+            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
+                         D, False, True, SWAP, ASM, MMA, BN, BT, BK, KS=NR, ks=ks, SETTLE=SETTLE)
+    return g, u
+
+
+@triton.jit
 def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, h_ptr, cnt_ptr, part_ptr, cnt13_ptr,
                    T, n_cnt, limit, stride_we, stride_se,
                    D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                    FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                    MMA: tl.constexpr, ZERO_CNT: tl.constexpr, CNT_PAD: tl.constexpr, CLAMP: tl.constexpr,
                    XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SBK: tl.constexpr, KS: tl.constexpr, SETTLE: tl.constexpr = False, PDL: tl.constexpr = False):
+                   SBK: tl.constexpr, KS: tl.constexpr, KR: tl.constexpr = 1, SETTLE: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -102,22 +126,22 @@ def _gateup_kernel(x_ptr, xs_ptr, perm_ptr, counts_ptr, w_ptr, ws_ptr, sw_ptr, s
     a = tl.load(perm_ptr + rows, mask=rmask, other=0)
     tok = tl.where(a < T * TOPK, a // TOPK, a - T * TOPK)
     n = pid_n * BN + tl.arange(0, BN)
-    up_blocks: tl.constexpr = (I + B8 - 1) // B8  # FP8 scale rows of w1 before w3's
     is_shared = False  # stays a compile-time False without a shared expert: one branch compiled
     if HAS_SHARED:
         is_shared = e == E
-    if is_shared:
-        g, u = w_xt(xs_ptr, tok, rmask, sw_ptr, sws_ptr, n, n // B8, n + I, up_blocks + n // B8,
-                     D, False, True, SWAP, ASM, MMA, BN, BT, SBK, KS=KS, ks=pid_k, SETTLE=SETTLE)
+    if KR > 1:  # K walked as KR ranges, each summed from zero, added in order: the split's sums
+        g = tl.zeros([BN, BT], dtype=tl.float32)
+        u = tl.zeros([BN, BT], dtype=tl.float32)
+        for j in tl.static_range(KR):
+            gj, uj = _gateup_products(x_ptr, xs_ptr, tok, rmask, e, is_shared, w_ptr, ws_ptr, sw_ptr, sws_ptr, n,
+                                      stride_we, stride_se, D, I, FP4, SWAP, ASM, MMA, XPRE, WKB, BT, BN, BK, SBK,
+                                      KR, j, SETTLE)
+            g += gj
+            u += uj
     else:
-        w = w_ptr + e.to(tl.int64) * stride_we
-        s = ws_ptr + e.to(tl.int64) * stride_se
-        if FP4:
-            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n, n + I, n + I, D, True, True, SWAP, ASM, MMA, BN, BT, BK,
-                        XPRE, 2 * I, WKB, KS, pid_k, SETTLE)
-        else:
-            g, u = w_xt(x_ptr, tok, rmask, w, s, n, n // B8, n + I, up_blocks + n // B8,
-                         D, False, True, SWAP, ASM, MMA, BN, BT, BK, KS=KS, ks=pid_k, SETTLE=SETTLE)
+        g, u = _gateup_products(x_ptr, xs_ptr, tok, rmask, e, is_shared, w_ptr, ws_ptr, sw_ptr, sws_ptr, n,
+                                stride_we, stride_se, D, I, FP4, SWAP, ASM, MMA, XPRE, WKB, BT, BN, BK, SBK,
+                                KS, pid_k, SETTLE)
     if KS > 1:
         # publish this K range's sums; the program that completes the tile adds all KS in split
         # order (barrier and acq_rel as in the down kernel's combine)
@@ -154,8 +178,8 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
                  D: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  FP4: tl.constexpr, HAS_SHARED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                  MMA: tl.constexpr, FUSE_COMBINE: tl.constexpr, ADD: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SETTLE: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, KR: tl.constexpr = 1,
+                 SETTLE: tl.constexpr = False, PDL: tl.constexpr = False):
     wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -177,38 +201,53 @@ def _down_kernel(h_ptr, perm_ptr, counts_ptr, wgt_ptr, w_ptr, ws_ptr, sw_ptr, sw
     is_shared = False
     if HAS_SHARED:
         is_shared = e == E
+    # a slot holds NR K ranges' rows: KS programs' or KR walked here (one of the two is 1)
+    NR: tl.constexpr = KS * KR
+    for j in tl.static_range(KR):
+        acc = _down_products(h_ptr, rows, rmask, e, is_shared, w_ptr, ws_ptr, sw_ptr, sws_ptr, d, stride_we,
+                             stride_se, D, I, FP4, SWAP, ASM, MMA, XPRE, WKB, BT, BN, BK, NR, pid_k + j, SETTLE)
+        y = acc * wgt[None, :]
+        y_ptrs = y_ptr + (slot * NR + pid_k + j)[None, :] * D + d[:, None]
+        if FUSE_COMBINE:
+            tl.store(y_ptrs, y, mask=rmask[None, :], cache_modifier=".cg")
+        else:
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[None, :])
+    if FUSE_COMBINE:
+        # Deterministic combine without a third launch: publish this tile's rows (L2, bypassing
+        # L1, above), then count arrivals per (token, column tile); the program completing a
+        # token's k(+1) contributions (times NR K ranges) sums them in slot order, then ADD's row
+        # (an output computed outside the kernels: the dense shared expert). The barrier orders
+        # every thread's stores before the release of the counter update; the acquire orders the
+        # loads after it.
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tok * n_cnt + pid_n, KR, mask=rmask, sem="acq_rel", scope="gpu")
+        last = rmask & (old == KP1 * NR - KR)
+        tl.debug_barrier()
+        total = tl.zeros([BN, BT], dtype=tl.float32)
+        for j in tl.static_range(KP1 * NR):
+            total += tl.load(y_ptr + (tok * KP1 * NR + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
+                             cache_modifier=".cg")
+        if ADD:
+            total += tl.load(add_ptr + tok[None, :] * D + d[:, None], mask=last[None, :], other=0.0)
+        tl.store(out_ptr + tok[None, :] * D + d[:, None], total.to(out_ptr.dtype.element_ty), mask=last[None, :])
+
+
+@triton.jit
+def _down_products(h_ptr, rows, rmask, e, is_shared, w_ptr, ws_ptr, sw_ptr, sws_ptr, d, stride_we, stride_se,
+                   D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+                   MMA: tl.constexpr, XPRE: tl.constexpr, WKB: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, NR: tl.constexpr, ks, SETTLE: tl.constexpr):
+    """A down tile's sums [BN, BT] over the ks-th of NR K ranges (all of K: NR = 1)."""
     if is_shared:
         acc, _ = w_xt(h_ptr, rows, rmask, sw_ptr, sws_ptr, d, d // B8, d, d, I, False, False, SWAP, ASM, MMA,
-                       BN, BT, BK, KS=KS, ks=pid_k, SETTLE=SETTLE)
+                      BN, BT, BK, KS=NR, ks=ks, SETTLE=SETTLE)
     else:
         w = w_ptr + e.to(tl.int64) * stride_we
         s = ws_ptr + e.to(tl.int64) * stride_se
         if FP4:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d, d, d, I, True, False, SWAP, ASM, MMA, BN, BT, BK,
-                          XPRE, D, WKB, KS, pid_k, SETTLE)
+                          XPRE, D, WKB, NR, ks, SETTLE)
         else:
             acc, _ = w_xt(h_ptr, rows, rmask, w, s, d, d // B8, d, d, I, False, False, SWAP, ASM, MMA, BN, BT, BK,
-                          KS=KS, ks=pid_k, SETTLE=SETTLE)
-    y = acc * wgt[None, :]
-    y_ptrs = y_ptr + (slot * KS + pid_k)[None, :] * D + d[:, None]
-    if FUSE_COMBINE:
-        # Deterministic combine without a third launch: publish this tile's rows (L2, bypassing
-        # L1), then count arrivals per (token, column tile); the program completing a token's
-        # k(+1) contributions (times KS K ranges) sums them in slot order, then ADD's row (an
-        # output computed outside the kernels: the dense shared expert). The barrier orders every
-        # thread's stores before the release of the counter update; the acquire orders the loads
-        # after it.
-        tl.store(y_ptrs, y, mask=rmask[None, :], cache_modifier=".cg")
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tok * n_cnt + pid_n, 1, mask=rmask, sem="acq_rel", scope="gpu")
-        last = rmask & (old == KP1 * KS - 1)
-        tl.debug_barrier()
-        total = tl.zeros([BN, BT], dtype=tl.float32)
-        for j in tl.static_range(KP1 * KS):
-            total += tl.load(y_ptr + (tok * KP1 * KS + j)[None, :] * D + d[:, None], mask=last[None, :], other=0.0,
-                             cache_modifier=".cg")
-        if ADD:
-            total += tl.load(add_ptr + tok[None, :] * D + d[:, None], mask=last[None, :], other=0.0)
-        tl.store(out_ptr + tok[None, :] * D + d[:, None], total.to(out_ptr.dtype.element_ty), mask=last[None, :])
-    else:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rmask[None, :])
+                          KS=NR, ks=ks, SETTLE=SETTLE)
+    return acc
