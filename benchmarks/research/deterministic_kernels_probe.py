@@ -9,8 +9,8 @@ deterministic_cost_bench.py's figure.
 
 `--tiles` first asks whether a row's bits depend on the M tile at all: the fixed-tile product
 (`fixed_matmul`) at other row and weight tiles, warps and stages, each compared bit for bit with
-its own configuration, K order unchanged (BLOCK_K 64 from 0). If every row is equal, the mode
-could let the tiles follow the step and keep only the K order fixed.
+its own configuration, K order unchanged. Every row equal is what lets the mode's kernels choose
+their tiles by the step and fix only the K order.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def tile_bits(M: int = 200, N: int = 4096, K: int = 4096) -> list[dict]:
         y = torch.empty(M, N, dtype=torch.float32, device="cuda")
         grid = ((N + bn - 1) // bn, (M + bm - 1) // bm)
         fm._matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                BLOCK_K=fm.BLOCK_K, IEEE=False, num_warps=warps, num_stages=stages)
+                                BLOCK_K=fm.BLOCK_K, IEEE=False, RANGE_K=fm.RANGE_K, SPLIT=False, num_warps=warps,
+                                num_stages=stages)
         equal_rows = int((y == ref).all(dim=1).sum())
         out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "rows": M,
                     "rows_equal": equal_rows, "max_abs_diff": float((y - ref).abs().max())})

@@ -71,9 +71,17 @@ def test_mhc_entries_take_one_path_for_every_step():
     assert kinds == {mhc.SmallTiles, mhc.BatchTiles, mhc.MixTiles}
 
 
-def test_moe_takes_one_tile_table_and_k_split_for_every_step():
+def test_moe_takes_one_k_order_for_every_step():
+    """Every step size cuts K alike: the one-token tiles' ranges split over programs up to
+    `SMALL_T` tokens, the same ranges walked in one program above (`Tiles.k_ranges`, the split's
+    bits: tests/model/test_moe_kernels.py)."""
     tiles = [moe_fused.decode_tiles(T, deterministic=True) for T in range(1, 4097)]
-    assert _one(tiles) and tiles[0] == moe_fused.decode_tiles(1)  # a one-token step's, split K included
+
+    def k_order(t):
+        return t.BK, t.split_k * t.k_ranges, t.swap_ab
+
+    assert _one([(k_order(g), k_order(d)) for g, d in tiles]) and tiles[0] == moe_fused.decode_tiles(1)
+    assert {g.split_k for g, _ in tiles} == {1, 4} and tiles[-1][0].k_ranges == 4  # split small steps, walk large
     assert not _one([moe_fused.decode_tiles(T) for T in TOKENS])
 
 

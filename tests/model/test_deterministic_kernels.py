@@ -48,6 +48,22 @@ def test_fixed_matmul_rows_do_not_depend_on_the_batch(dtype, N):
     assert rel_err(fixed_matmul.linear(x, w, torch.float32), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_fixed_matmul_ranges_split_or_walked_give_the_same_bits():
+    """K over `RANGE_K` (three ranges, the last short of a whole step): its ranges over programs of
+    their own and walked in one give the same bits, and a row's bits do not depend on which of
+    the two its step takes (`splits`: a few rows split, 70 rows walk, on the interpreter's 4 SMs)."""
+    g = torch.Generator().manual_seed(2)
+    K = 2 * fixed_matmul.RANGE_K + 76
+    w = torch.randn(40, K, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(70, K, generator=g).to(DEVICE, torch.bfloat16)
+    sms = 132 if DEVICE == "cuda" else 4
+    assert fixed_matmul.ranges(K) == 3 and fixed_matmul.splits(5, 40, K, sms) and not fixed_matmul.splits(70, 40, K, 4)
+    walked = fixed_matmul.linear(x, w, torch.float32, split=False)
+    assert torch.equal(fixed_matmul.linear(x, w, torch.float32, split=True), walked)
+    _rows_alone_match(lambda a: fixed_matmul.linear(a, w, torch.float32), x, sizes=(1, 7, 64))
+    assert rel_err(walked, x.double() @ w.double().T) < 1e-2
+
+
 @pytest.mark.parametrize("act_fp8, groups", [(False, 1), (True, 1), (False, 4), pytest.param(True, 4, marks=COSTLY)])
 def test_fp8_gemm_rows_do_not_depend_on_the_batch(act_fp8, groups):
     g = torch.Generator().manual_seed(1)
