@@ -128,16 +128,13 @@ def deterministic_product(x3: torch.Tensor, weight: torch.Tensor, scale: torch.T
     """`fp8_linear` under `--deterministic`: x3 [M, G, K] (unit stride along K) through one decode
     kernel and one configuration for every M (`decode_config(..., deterministic=True)`: its K split
     follows the weight's shape alone), in slices of `KERNEL_MAX_M` rows (the arrival counters' and
-    split partials' size; a row's products do not depend on its slice). No cuBLAS. W8A8 inputs are
-    quantised in the kernel up to `INLINE_QUANT_MAX_M` rows, as `fp8_linear` does, and by
-    `act_quant` above: the same codes and scales, promoted alike, so the same bits (a launch less
-    at decode sizes). The output in `out_dtype` (default x3's)."""
+    split partials' size; a row's products do not depend on its slice). No cuBLAS and no in-kernel
+    quantisation: W8A8 inputs are quantised by `act_quant` for every M (the same codes). The output
+    in `out_dtype` (default x3's)."""
     M, groups, K = x3.shape
     out_dtype = out_dtype or x3.dtype
     N = weight.shape[0] // groups
     cfg = decode_config(M, N, K, groups, a8=act_fp8, deterministic=True)
-    if act_fp8 and 0 < M <= INLINE_QUANT_MAX_M:
-        return decode_product(x3, weight, scale, arrivals, cfg, out_dtype=out_dtype, quantize_x=True)
     codes, x_scale = act_quant.quantize(x3, "triton") if act_fp8 and M else (x3, None)
     if M <= KERNEL_MAX_M:
         return decode_product(codes, weight, scale, arrivals, cfg, out_dtype=out_dtype, x_scale=x_scale)
