@@ -30,8 +30,8 @@
 #                          own options (the first starting with --), e.g. --goodput interactive batch
 #   serve-stop             stop it (and what Ray and Valkey left running)
 #   serve-c1 [LAYERS [VARIANT...]]  the served c 1 latency on one aggregated GPU (agg1, 30 layers by default), ISL
-#                          8192 / OSL 256, 8 requests each: overlap (overlapped steps), plain (--no-overlap), spec3
-#                          (--speculative-tokens 3); all three unless named
+#                          8192 / OSL 256, 8 requests each: overlap (overlapped steps), plain (--no-overlap), spec1 /
+#                          spec2 / spec3 (--speculative-tokens 1 / 2 / 3); overlap, plain and spec3 unless named
 #                          ($OUT/serve_c1_*.json, and up_c1_*.log with the worker's tracebacks if any; ~8 min)
 #   triton-cache           save the Triton cache as $OUT/triton-cache.tar.xz: carried back in .whl/,
 #                          the next host's serve-start skips compiling the kernels
@@ -148,7 +148,8 @@ serve-stop)
 serve-c1)
     layers=${1:-30}; shift
     wanted=" ${*:-overlap plain spec3} "
-    for variant in overlap:"" plain:--no-overlap spec3:"--speculative-tokens 3"; do
+    for variant in overlap:"" plain:--no-overlap spec1:"--speculative-tokens 1" spec2:"--speculative-tokens 2" \
+                   spec3:"--speculative-tokens 3"; do
         name=${variant%%:*}
         [[ $wanted == *" $name "* ]] || continue
         # shellcheck disable=SC2086  # the variant's options, one word each
