@@ -3,8 +3,8 @@ same bits as inside batches of other sizes and companions (`torch.equal`), for e
 choice the flag fixes: the fixed-tile matmul, the FP8 GEMM (W8A16 and W8A8, plain and grouped,
 in row slices past `KERNEL_MAX_M`), the sparse attention (fixed KV splits through the combine,
 a batch's wider -1-padded picks, row slices), the indexer's logits and picks, the mHC entry, and
-the MoE gate and experts (fused tiles at every size, the shared expert in the kernels); and the
-device-format tiny model composed of them."""
+the MoE gate and experts (fused tiles of one K order at every size, the shared expert's dense
+products); and the device-format tiny model composed of them."""
 
 from __future__ import annotations
 

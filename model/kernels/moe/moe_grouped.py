@@ -96,7 +96,8 @@ class Tiles:
     system busy: the fused path's two products, the grouped path's gate/up where the counting sort
     zeroes its arrival counters). `k_ranges`: K walked in one program as that many ranges, each
     summed from zero and added in order, which gives the bits of `split_k` = k_ranges (the
-    deterministic mode's tiles for steps that fill the GPU unsplit; fused path only)."""
+    deterministic mode's tiles for steps that fill the GPU unsplit; a down product's on the fused
+    path only, whose combine sums a row per range)."""
 
     BT: int
     BN: int
