@@ -71,11 +71,8 @@ def tile_bits(M: int = 200, N: int = 4096, K: int = 4096) -> list[dict]:
     out = []
     for bm, bn, warps, stages in [(16, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 256, 8, 3),
                                   (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 4), (64, 32, 4, 3)]:
-        y = torch.empty(M, N, dtype=torch.float32, device="cuda")
-        grid = ((N + bn - 1) // bn, (M + bm - 1) // bm)
-        fm._matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                BLOCK_K=fm.BLOCK_K, IEEE=False, RANGE_K=fm.RANGE_K, SPLIT=False, num_warps=warps,
-                                num_stages=stages)
+        y = fm.linear(x, w, torch.float32, split=False,
+                      tiles={"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages})
         equal_rows = int((y == ref).all(dim=1).sum())
         out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "rows": M,
                     "rows_equal": equal_rows, "max_abs_diff": float((y - ref).abs().max())})

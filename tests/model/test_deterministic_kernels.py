@@ -62,6 +62,11 @@ def test_fixed_matmul_ranges_split_or_walked_give_the_same_bits():
     assert torch.equal(fixed_matmul.linear(x, w, torch.float32, split=True), walked)
     _rows_alone_match(lambda a: fixed_matmul.linear(a, w, torch.float32), x, sizes=(1, 7, 64))
     assert rel_err(walked, x.double() @ w.double().T) < 1e-2
+    # another tile shape, the K order unchanged (on the GPU, deterministic_kernels_probe.py --tiles)
+    other = fixed_matmul.linear(x, w, torch.float32, split=False, tiles={"BLOCK_M": 16, "BLOCK_N": 64})
+    assert torch.equal(other, walked)
+    with pytest.raises(ValueError, match="tiles may set"):
+        fixed_matmul.linear(x, w, tiles={"BLOCK_K": 32})  # the K order is not a tile's to change
 
 
 @pytest.mark.parametrize("act_fp8, groups", [(False, 1), (True, 1), (False, 4), pytest.param(True, 4, marks=COSTLY)])

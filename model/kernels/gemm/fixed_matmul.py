@@ -51,11 +51,18 @@ def splits(M: int, N: int, K: int, sms: int) -> bool:
     return ranges(K) > 1 and triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) * 2 <= sms
 
 
+# what `linear`'s `tiles` may override: the tile's shape and launch options, never the K order
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-           split: bool | None = None) -> torch.Tensor:
+           split: bool | None = None, tiles: dict | None = None) -> torch.Tensor:
     """x [..., K] · weight [N, K]ᵀ → [..., N] in `out_dtype` (default x's), fp32 accumulation.
     Operands of one float dtype (bf16 on the GPU; fp32 is multiplied in full fp32, not TF32).
-    `split`: the ranges over programs (default: `splits`); the same bits either way."""
+    `split`: the ranges over programs (default: `splits`); the same bits either way. `tiles`:
+    `TILE_KEYS` in place of `config`'s (probes comparing tile shapes)."""
+    if tiles and not set(tiles) <= set(TILE_KEYS):
+        raise ValueError(f"fixed_matmul.linear's tiles may set {TILE_KEYS}, got {sorted(tiles)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"fixed_matmul.linear needs operands of one dtype, got {x.dtype} and {weight.dtype}")
     if x.shape[-1] != weight.shape[1]:
@@ -69,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
-        cfg, R = config(N), ranges(K)
+        cfg, R = {**config(N), **(tiles or {})}, ranges(K)
         split = splits(M, N, K, num_sms(x.device)) if split is None else split and R > 1
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), R if split else 1)
         part = torch.empty(R, M, N, dtype=torch.float32, device=x.device) if split else out
