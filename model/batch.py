@@ -111,7 +111,11 @@ def to_device(values: list, device: torch.device | str, dtype: torch.dtype | Non
     """A small host list as a tensor on `device`; to a GPU through page-locked memory, so the copy
     is queued on the stream rather than waiting for the work queued before it (a copy from
     pageable memory waits for it)."""
-    t = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor's copy on `device`, as `to_device` makes it."""
     device = torch.device(device)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model.batch import to_device
+from model.batch import host_to_device, to_device
 from model.kernels.common import gumbel
 from model.kernels.common.gumbel import gumbel_argmax, kept
 from model.penalties import MAX_LOGIT_BIAS, History, adjust
@@ -191,8 +191,7 @@ def _draw_unfiltered(logits: torch.Tensor, params: list[SamplingParams], positio
     parts = _input_parts(len(params), 1)
     host = torch.empty(_nbytes(parts), dtype=torch.uint8)
     _fill(_split(host, parts), params, [[pos] for pos in positions], 0)
-    inputs = host.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else host
-    keys, temperature, log_min_p, greedy = _split(inputs, parts)
+    keys, temperature, log_min_p, greedy = _split(host_to_device(host, logits.device), parts)
     return gumbel.draw(logits, temperature, log_min_p, greedy, keys[:, 0], impl)
 
 

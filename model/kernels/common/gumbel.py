@@ -80,7 +80,12 @@ def gumbel_argmax(scaled: torch.Tensor, keys: torch.Tensor, thr_value: torch.Ten
     _gumbel_argmax_kernel[(R, chunks)](scaled, keys.contiguous(), thr_value.contiguous(), thr_id.contiguous(),
                                         best, best_id, V, chunks, BLOCK=BLOCK, num_warps=8,
                                         **launch_options(scaled))
-    # first maximum over the chunks: the lowest id among equal scores, as argmax over [V] gives
+    return _first_best(best, best_id)
+
+
+def _first_best(best: torch.Tensor, best_id: torch.Tensor) -> torch.Tensor:
+    """Each row's id of its best chunk [R, chunks] → [R]: the first maximum over the chunks, so the
+    lowest id among equal scores, as argmax over [V] gives."""
     return best_id.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
 
 
@@ -111,7 +116,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, log_min_p: torch.Tenso
     _draw_kernel[(R, chunks)](logits, temperature, log_min_p, greedy, keys, best, best_id, V, chunks,
                               logits.stride(0), keys.stride(0), BLOCK=BLOCK, num_warps=8,
                               **launch_options(logits))
-    return best_id.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+    return _first_best(best, best_id)
 
 
 @triton.jit
@@ -124,6 +129,19 @@ def _hash32(x):
 
 
 @triton.jit
+def _gumbel_noise(keys_ptr, ids):
+    """g = -log(-log(u)) float64 for token ids `ids` of the row whose keys start at `keys_ptr`
+    (`uniform_noise`'s u, exact)."""
+    k0 = tl.load(keys_ptr).to(tl.uint32)
+    k1 = tl.load(keys_ptr + 1).to(tl.uint32)
+    k2 = tl.load(keys_ptr + 2).to(tl.uint32)
+    a = _hash32(_hash32(ids.to(tl.uint32) ^ k0) ^ k1)
+    b = _hash32(a ^ k2)
+    u = ((a >> 6).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64) + 0.5) * (2.0 ** -52)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_argmax_kernel(scaled_ptr, keys_ptr, thr_value_ptr, thr_id_ptr, best_ptr, best_id_ptr, V, chunks,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait(PDL)
@@ -132,15 +150,9 @@ def _gumbel_argmax_kernel(scaled_ptr, keys_ptr, thr_value_ptr, thr_id_ptr, best_
     ids = chunk * BLOCK + tl.arange(0, BLOCK)
     inside = ids < V
     s = tl.load(scaled_ptr + row * V + ids, mask=inside, other=float("-inf"))
-    k0 = tl.load(keys_ptr + row * 3).to(tl.uint32)
-    k1 = tl.load(keys_ptr + row * 3 + 1).to(tl.uint32)
-    k2 = tl.load(keys_ptr + row * 3 + 2).to(tl.uint32)
     thr_value = tl.load(thr_value_ptr + row)
     thr_id = tl.load(thr_id_ptr + row)
-    a = _hash32(_hash32(ids.to(tl.uint32) ^ k0) ^ k1)
-    b = _hash32(a ^ k2)
-    u = ((a >> 6).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64) + 0.5) * (2.0 ** -52)
-    score = s.to(tl.float64) + -tl.log(-tl.log(u))
+    score = s.to(tl.float64) + _gumbel_noise(keys_ptr + row * 3, ids)
     keep = inside & ((s > thr_value) | ((s == thr_value) & (ids <= thr_id)))
     score = tl.where(keep, score, float("-inf"))
     pick = tl.argmax(score, axis=0, tie_break_left=True)
@@ -171,15 +183,9 @@ def _draw_kernel(logits_ptr, temperature_ptr, log_min_p_ptr, greedy_ptr, keys_pt
             top = tl.maximum(top, tl.math.div_rn(x, t))
         thr = tl.max(top, axis=0) + log_min_p
     greedy = tl.load(greedy_ptr + row) != 0
-    k0 = tl.load(keys_ptr + row * stride_keys).to(tl.uint32)
-    k1 = tl.load(keys_ptr + row * stride_keys + 1).to(tl.uint32)
-    k2 = tl.load(keys_ptr + row * stride_keys + 2).to(tl.uint32)
-    a = _hash32(_hash32(ids.to(tl.uint32) ^ k0) ^ k1)
-    b = _hash32(a ^ k2)
-    u = ((a >> 6).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64) + 0.5) * (2.0 ** -52)
     s64 = s.to(tl.float64)
     # a greedy row's temperature is 1, so its s is its logit: the argmax of s is the logits' argmax
-    score = tl.where(greedy, s64, s64 + -tl.log(-tl.log(u)))
+    score = tl.where(greedy, s64, s64 + _gumbel_noise(keys_ptr + row * stride_keys, ids))
     keep = inside & (greedy | (s >= thr))
     score = tl.where(keep, score, float("-inf"))
     pick = tl.argmax(score, axis=0, tie_break_left=True)
