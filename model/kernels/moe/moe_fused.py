@@ -132,10 +132,11 @@ def deterministic_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     in slices of that many tokens (the counting sort's one program holds a step's assignments)."""
     gateup, down = decode_tiles(x.shape[0], deterministic=True)
     if x.shape[0] <= DECODE_MAX_TOKENS:
-        return fused_moe(x, weights, ids, experts, shared, limit, gateup, down, True, side, deterministic=True)
+        return fused_moe(x, weights, ids, experts, shared, limit, gateup, down, shared_dense=True, side=side,
+                         deterministic=True)
     out = torch.empty_like(x)
     for lo in range(0, x.shape[0], DECODE_MAX_TOKENS):
         rows = slice(lo, lo + DECODE_MAX_TOKENS)
-        out[rows] = fused_moe(x[rows], weights[rows], ids[rows], experts, shared, limit, gateup, down, True, side,
-                              deterministic=True)
+        out[rows] = fused_moe(x[rows], weights[rows], ids[rows], experts, shared, limit, gateup, down,
+                              shared_dense=True, side=side, deterministic=True)
     return out
