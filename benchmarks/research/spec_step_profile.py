@@ -116,6 +116,8 @@ def main() -> None:
                     help="take steps one at a time (DecodeConfig.overlap off): the host's time between steps shows")
     ap.add_argument("--busy", action="store_true",
                     help="profile the timed pass: the GPU's busy / idle time a step and its longest kernels")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each timed step's tokens per request (where a run's tokens a step go)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = flash_config(args.layers)
@@ -171,6 +173,10 @@ def main() -> None:
                     if t is not None:
                         steps += 1
                         emitted += sum(len(ch.token_ids) for ch in chunks)
+                        if args.trace and rep == 1:
+                            print(json.dumps({"c": c, "n": n, "step": steps, "running": len(engine.running),
+                                              "ahead": engine.ahead is not None,
+                                              "tokens": sorted(len(ch.token_ids) for ch in chunks)}), flush=True)
                 torch.cuda.synchronize()
                 total = time.perf_counter() - t
                 prof.__exit__(None, None, None)
