@@ -52,6 +52,7 @@ from worker_runtime.wire import (
     ErrorCode,
     ErrorInfo,
     GenerateRequest,
+    MigrationHeader,
     RequestState,
     StepShape,
     TokenChunk,
@@ -126,21 +127,22 @@ class DecodeEngine:
         self.running[req.request_id] = r
         return [self._emit(r, first_token, first_logprobs)]
 
-    def admit_migrated(self, req: GenerateRequest, seq: SeqKV, tokens: list[int], emitted_chars: int,
-                       cached_tokens: int, extra: SeqKV) -> None:
-        """Continue a request another decode worker paused: `seq` holds the KV of its prompt and
-        every generated token but the last, `tokens[-1]` is fed next; `extra` holds the decode
-        pages reserved for the rest (taken over here). Emits nothing: the client has every token
-        in `tokens` already."""
+    def admit_migrated(self, req: GenerateRequest, seq: SeqKV, header: MigrationHeader, extra: SeqKV) -> None:
+        """Continue a request another decode worker paused (`Running.migration_header`): `seq`
+        holds the KV of its prompt and every generated token but the last, `header.tokens[-1]` is
+        fed next; `extra` holds the decode pages reserved for the rest (taken over here). Emits
+        nothing: the client has every token in `header.tokens` already."""
+        tokens = list(header.tokens)
         if seq.num_tokens != len(req.prompt_ids) + len(tokens) - 1:
             raise ValueError(f"{req.request_id}: {seq.num_tokens} cached tokens for "
                              f"{len(req.prompt_ids)} prompt + {len(tokens)} generated")
         for kind, pages in extra.pages.items():
             seq.pages[kind].extend(pages)
         r = Running(req, RequestState.DECODING, Detokenizer.resume(self.tokenizer, req.stop_strings, tokens,
-                                                                   emitted_chars),
-                    seq=seq, prefilled=len(req.prompt_ids), tokens=list(tokens), cached_tokens=cached_tokens,
-                    grammar=self._grammar(req, tokens))
+                                                                   header.emitted_chars),
+                    seq=seq, prefilled=len(req.prompt_ids), tokens=tokens, cached_tokens=header.cached_tokens,
+                    grammar=self._grammar(req, tokens), spec_proposed=header.spec_proposed,
+                    spec_accepted=header.spec_accepted)
         self.running[req.request_id] = r
 
     def _grammar(self, req: GenerateRequest, output: list[int] = ()) -> GrammarState | None:

@@ -170,7 +170,7 @@ class Inbound:
             try:
                 if h.sampling != a.req.sampling:
                     raise ValueError(f"{rid}: sampling state {h.sampling} != request's {a.req.sampling}")
-                self.engine.admit_migrated(a.req, seq, list(h.tokens), h.emitted_chars, h.cached_tokens, a.extra)
+                self.engine.admit_migrated(a.req, seq, h, a.extra)
             except ValueError as e:  # verified bytes, inconsistent header: a bug, never decoded
                 self.pools.release(seq)
                 self.pools.release(a.extra)

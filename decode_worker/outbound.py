@@ -27,7 +27,7 @@ from kvtransfer.layout import LayoutDescriptor
 from kvtransfer.protocol import decode_target
 from kvtransfer.sender import Sender
 from model.kv_pool import KVPools
-from worker_runtime.wire import ErrorCode, ErrorInfo, MigrationHeader, Moved, TokenChunk
+from worker_runtime.wire import ErrorCode, ErrorInfo, Moved, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,7 @@ class Outbound:
         m.shipping = True
         if pages:
             self.sender.send(target, pages)
-        header = MigrationHeader(r.seq.num_tokens, tuple(r.tokens), r.detok.emitted, r.cached_tokens, r.req.sampling)
-        self.sender.finish(target, header.to_bytes(), src_pages=pages)
+        self.sender.finish(target, r.migration_header().to_bytes(), src_pages=pages)
 
     def fail(self, m: Migration, reason: str) -> None:
         """The migration ended without the target's Ack: the request decodes here again (or, if

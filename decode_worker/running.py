@@ -13,7 +13,7 @@ from model.grammar import GrammarState
 from model.kv_pool import SeqKV
 from model.logprobs import TokenLogprobs, prompt_logprobs
 from model.penalties import History
-from worker_runtime.wire import GenerateRequest, RequestState, TokenChunk, Usage
+from worker_runtime.wire import GenerateRequest, MigrationHeader, RequestState, TokenChunk, Usage
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Running:
     cached_tokens: int = 0
     grammar: GrammarState | None = None  # its grammar's state after `tokens` (req.grammar set)
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (prompt logprobs asked)
+    spec_proposed: int = 0  # drafts its verify steps checked (here and on the workers it migrated from)
+    spec_accepted: int = 0  # of which equal to the target's own token
 
     @property
     def wants_prompt_rows(self) -> bool:
@@ -66,8 +68,14 @@ class Running:
         if finish is None:
             return TokenChunk(req.request_id, (token,), text, logprobs=lps, prompt_logprobs=prompt_lps)
         return TokenChunk(req.request_id, (token,), text + self.detok.flush(), finish_reason=finish,
-                          usage=Usage(len(req.prompt_ids), len(self.tokens), self.cached_tokens), logprobs=lps,
-                          prompt_logprobs=prompt_lps)
+                          usage=Usage(len(req.prompt_ids), len(self.tokens), self.cached_tokens,
+                                      self.spec_proposed, self.spec_accepted),
+                          logprobs=lps, prompt_logprobs=prompt_lps)
+
+    def migration_header(self) -> MigrationHeader:
+        """What another decode worker needs besides its pages to continue it (`MigrationHeader`)."""
+        return MigrationHeader(self.seq.num_tokens, tuple(self.tokens), self.detok.emitted, self.cached_tokens,
+                               self.req.sampling, self.spec_proposed, self.spec_accepted)
 
     def scored(self) -> TokenChunk:
         """The one chunk of a request of max_tokens 0: its prompt scored (echo), nothing generated."""

@@ -71,6 +71,16 @@ def on_device(owners: list) -> bool:
                and not r.req.sampling.adjusts for r, yields in owners)
 
 
+def speculated(engine, r, proposed: int, accepted: int) -> None:
+    """Count a verified step's drafts: the engine's totals, its worker's metrics and the request's
+    usage."""
+    engine.spec_proposed += proposed
+    engine.spec_accepted += accepted
+    engine.stats.speculated(proposed, accepted)
+    r.spec_proposed += proposed
+    r.spec_accepted += accepted
+
+
 def draft(engine, owners: list, items: list) -> tuple:
     """Draft for the decoding requests among `owners`, rewrite their `items` into verify segments;
     → pending[i] per segment (None for a prefill chunk)."""
@@ -152,9 +162,7 @@ def verify(engine, planned) -> list[TokenChunk]:
         split[j] = (targets, split[j][1])
         engine.pools.trim_window(picked[j][1].seq)
         if p.binding:
-            engine.spec_proposed += len(p.drafts)
-            engine.spec_accepted += len(targets) - 1
-            engine.stats.speculated(len(p.drafts), len(targets) - 1)  # the worker's engine metrics
+            speculated(engine, picked[j][1], len(p.drafts), len(targets) - 1)
     for (_, r, _, _), (targets, row_lps) in zip(picked, split):
         r.state = RequestState.DECODING
         for token, lp in zip(targets, row_lps):
@@ -230,9 +238,7 @@ def emit_chain(engine, planned, verified: Verified, host: list[list[int]] | None
             continue
         r.seq.num_tokens = p.start + a + 1
         engine.pools.trim_window(r.seq)
-        engine.spec_proposed += L - 1
-        engine.spec_accepted += a
-        engine.stats.speculated(L - 1, a)
+        speculated(engine, r, L - 1, a)
         if r.req.deadline is not None and time.time() > r.req.deadline:
             out.append(engine._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline exceeded"))
             continue

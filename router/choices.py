@@ -62,8 +62,10 @@ def plan_children(bases: list[GenerateRequest], n: int, request_id: str) -> tupl
 
 def merge_usage(usages: list[Usage], n: int) -> Usage:
     """The usage of a whole request from its choices' (in choice order): completion tokens summed,
-    each prompt counted once (its first choice's prompt and cached tokens)."""
+    each prompt counted once (its first choice's prompt and cached tokens), speculative drafts summed."""
     firsts = usages[::n]
     return Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
                  completion_tokens=sum(u.completion_tokens for u in usages),
-                 cached_tokens=sum(u.cached_tokens for u in firsts))
+                 cached_tokens=sum(u.cached_tokens for u in firsts),
+                 spec_proposed=sum(u.spec_proposed for u in usages),
+                 spec_accepted=sum(u.spec_accepted for u in usages))

@@ -18,6 +18,7 @@ from router.errors import invalid
 from router.openai_format import ResponseBuilder
 from router.openai_protocol import ParsedRequest
 from router.proto import v4serve_pb2 as pb
+from worker_runtime.wire import Usage
 
 # ChatRequest fields with the GenerateRequest shape and the same name in the HTTP body
 SHARED_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty",
@@ -111,6 +112,12 @@ def chat_body(req: pb.ChatRequest) -> dict:
     return body
 
 
+def usage_message(usage: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    cached_tokens=usage.cached_tokens, spec_proposed=usage.spec_proposed,
+                    spec_accepted=usage.spec_accepted)
+
+
 def token_logprobs(lps) -> list:
     """A chunk's TokenLogprobs as the proto's messages (token ids, not their text)."""
     return [pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
@@ -128,9 +135,7 @@ def _response(builder: ResponseBuilder, chunk, finish_reason: str | None, usage=
         reasoning_content=delta.get("reasoning_content", ""), tool_calls=calls,
         finish_reason=choice["finish_reason"] or "", token_ids=chunk.token_ids,
         logprobs=token_logprobs(chunk.logprobs),
-        usage=None if usage is None else pb.Usage(prompt_tokens=usage.prompt_tokens,
-                                                  completion_tokens=usage.completion_tokens,
-                                                  cached_tokens=usage.cached_tokens))
+        usage=None if usage is None else usage_message(usage))
 
 
 async def stream_chat(dispatcher, tokenizer, model: str, parsed: ParsedRequest, slot, arrival: float,

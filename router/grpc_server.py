@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from router.auth import KeyChecker
 from router.dispatch import Dispatcher
 from router.errors import APIError, invalid
-from router.grpc_chat import chat_body, shared_fields, stream_chat, token_logprobs
+from router.grpc_chat import chat_body, shared_fields, stream_chat, token_logprobs, usage_message
 from router.openai_format import stop_string_matched
 from router.openai_protocol import Limits, ParsedRequest, finalize, parse_chat, parse_completion, prompt_ids
 from router.proto import v4serve_pb2 as pb, v4serve_pb2_grpc as pb_grpc
@@ -150,8 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.write(pb.GenerateResponse(
                 request_id=rid, token_ids=last[c.index].token_ids, text=text, finish_reason=outcome.finish_reason,
                 index=c.index, logprobs=_logprobs(last[c.index]),
-                prompt_logprobs=_logprobs(last[c.index], prompt=True), usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                              cached_tokens=u.cached_tokens)))
+                prompt_logprobs=_logprobs(last[c.index], prompt=True), usage=usage_message(u)))
 
     async def Chat(self, request, context):
         arrival = time.perf_counter()

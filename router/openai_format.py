@@ -20,9 +20,14 @@ from worker_runtime.wire import Usage
 
 
 def usage_dict(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    """OpenAI's usage object; with `spec` (as `v4serve generate`'s last line) when the request's
+    decode steps speculated: the drafts verified and the ones accepted."""
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.spec_proposed:
+        out["spec"] = {"proposed": usage.spec_proposed, "accepted": usage.spec_accepted}
+    return out
 
 
 def sse(obj) -> bytes:

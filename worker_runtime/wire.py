@@ -85,6 +85,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    # speculative decoding (`--speculative-tokens`): drafts its verify steps checked, and of them the
+    # ones equal to the target's own token; carried across migrations
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,8 @@ class MigrationHeader:
     emitted_chars: int  # characters of their text already released to the client
     cached_tokens: int  # prompt tokens served from a prefix cache (for usage)
     sampling: SamplingParams
+    spec_proposed: int = 0  # its speculative drafts so far (for usage)
+    spec_accepted: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -236,7 +242,7 @@ class MigrationHeader:
     def from_bytes(cls, data: bytes) -> "MigrationHeader":
         d = json.loads(data)
         return cls(d["num_tokens"], tuple(d["tokens"]), d["emitted_chars"], d["cached_tokens"],
-                   SamplingParams(**d["sampling"]))
+                   SamplingParams(**d["sampling"]), d.get("spec_proposed", 0), d.get("spec_accepted", 0))
 
 
 def page_hashes(token_ids: list[int] | tuple[int, ...], page_size: int) -> list[int]:

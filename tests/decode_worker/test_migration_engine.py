@@ -41,7 +41,7 @@ def move(src: DecodeEngine, dst: DecodeEngine, rid: str) -> list:
     extra = SeqKV()
     for kind, n in dst.pools.pages_needed(seq, dst.tokens_held(r.req)).items():
         extra.pages[kind] = dst.pools.alloc(kind, n)
-    dst.admit_migrated(r.req, seq, list(r.tokens), r.detok.emitted, r.cached_tokens, extra)
+    dst.admit_migrated(r.req, seq, r.migration_header(), extra)
     src.hand_off(rid)
     assert rid not in src.running
     return settled

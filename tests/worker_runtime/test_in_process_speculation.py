@@ -57,12 +57,14 @@ def test_speculative_decoding_through_prefill_decode_and_migration(tiny_official
         await backend.start()
         await backend.wait_for_workers(prefill=1, decode=2, timeout_s=30)
         moved: list[dict] = []
+        usages = {}
         try:
             async def stream(req):
                 tokens = []
                 async for chunk in backend.generate(req):
                     assert chunk.error is None, chunk.error
                     tokens.extend(chunk.token_ids)
+                    usages[req.request_id] = chunk.usage or usages.get(req.request_id)
                     if len(tokens) >= 4 and not moved and req.request_id == "r2":
                         # move every request decoding on r2's worker to the other one, mid-decode
                         for name in ("decode-0", "decode-1"):
@@ -74,7 +76,7 @@ def test_speculative_decoding_through_prefill_decode_and_migration(tiny_official
             served = await asyncio.gather(*(stream(r) for r in reqs))
             await asyncio.sleep(0.5)  # acks and releases settle
             decodes = [workers[n] for n in ("decode-0", "decode-1")]
-            return (served, moved, workers["prefill-0"].page_accounting(drop_cache=True),
+            return (served, moved, usages, workers["prefill-0"].page_accounting(drop_cache=True),
                     [d.page_accounting() for d in decodes], [(d.engine.spec_proposed, d.engine.spec_accepted)
                                                              for d in decodes])
         finally:
@@ -82,12 +84,17 @@ def test_speculative_decoding_through_prefill_decode_and_migration(tiny_official
             for w in workers.values():
                 await w.stop()
 
-    served, moved, p_acct, d_accts, spec = asyncio.run(run())
+    served, moved, usages, p_acct, d_accts, spec = asyncio.run(run())
     for r, tokens in zip(reqs, served):
         pools = KVPools(cfg, "fp32", max_tokens=MAX_TOKENS, max_seqs=1)
         assert tokens == generate(model, pools, list(r.prompt_ids), r.max_tokens, r.sampling).token_ids, r.request_id
     assert moved and all(m["moved"] for m in moved), moved
     assert sum(p for p, _ in spec) > 0
+    # each request's usage counts its drafts on every worker it decoded on: the migrated ones carry
+    # theirs, so the requests' counts add up to the workers'
+    assert all(usages[r.request_id].spec_proposed > 0 for r in reqs), usages
+    assert (sum(u.spec_proposed for u in usages.values()), sum(u.spec_accepted for u in usages.values())) == \
+        tuple(map(sum, zip(*spec)))
     assert p_acct["free"] == p_acct["idle"], p_acct
     transfers = 0
     for acct in d_accts:
